@@ -1,0 +1,107 @@
+"""AdaMuon: Muon with an element-wise second moment and RMS-aligned step size."""
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from .newton_schulz import newton_schulz5
+
+
+class AdaMuon(Optimizer):
+    r"""AdaMuon (Si, Zhang & Shen, 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005).
+
+    For a weight matrix W of shape (m, n) with gradient G_t, momentum mu, second-moment decay
+    beta2, learning rate lr and weight decay wd:
+
+        M_t = mu M_{t-1} + G_t                       (M_0 = 0)
+        N_t = G_t + mu M_t   if nesterov,   else   N_t = M_t
+        O_t = NewtonSchulz5(sign(N_t))               (sign-stabilised orthogonal direction)
+        V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t  (element-wise, V_0 = 0)
+        U_t = O_t / (sqrt(V_t) + eps)
+        U_t <- 0.2 sqrt(m n) U_t / ||U_t||_F         (RMS alignment: RMS(U_t) = 0.2)
+        W_t = W_{t-1} - lr (U_t + wd W_{t-1})        (decoupled weight decay)
+
+    This is the sign-stabilised variant described in the paper (arXiv v2 onward), which
+    orthogonalises sign(N_t); the authors' released ``adamuon.py`` orthogonalises N_t itself
+    and bias-corrects V_t. As in the paper, V_t is not bias-corrected here: the scalar
+    correction (1 - beta2^t) would cancel in the RMS alignment, apart from rescaling eps.
+    Because sign(.) and the alignment are scale-invariant, an EMA momentum
+    M_t = mu M_{t-1} + (1 - mu) G_t would give the same update. The target RMS of 0.2 matches
+    AdamW's typical update RMS, so AdamW learning rates and weight decays carry over.
+
+    Only 2-D parameters are accepted; route the rest to another optimizer
+    (see :func:`dopr.gp.route_matrix_params`).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                 ns_steps: int = 5):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"Invalid beta2 value: {beta2}")
+        if not 0.0 < eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (isinstance(ns_steps, int) and ns_steps >= 1):
+            raise ValueError(f"Invalid number of Newton-Schulz steps: {ns_steps}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, ns_steps=ns_steps)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"AdaMuon only supports 2-D parameters, got shape {tuple(p.shape)}")
+        super().add_param_group({**param_group, "params": params})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform a single optimization step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            beta2, eps = group["beta2"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("AdaMuon does not support sparse gradients")
+
+                state = self.state[p]
+                if len(state) == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                M, V = state["momentum_buffer"], state["exp_avg_sq"]
+
+                # M_t = mu M_{t-1} + G_t, and the Nesterov look-ahead N_t = G_t + mu M_t
+                M.mul_(mu).add_(grad)
+                N = grad.add(M, alpha=mu) if group["nesterov"] else M
+
+                # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA)
+                O = newton_schulz5(torch.sign(N), steps=group["ns_steps"])
+
+                # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
+                V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
+                U = O / (V.sqrt() + eps)
+
+                # RMS alignment: ||U_t||_F = 0.2 sqrt(m n), i.e. RMS(U_t) = 0.2
+                U.mul_(0.2 * math.sqrt(p.numel()) / U.norm().clamp_min(eps))
+
+                # W_t = (1 - lr wd) W_{t-1} - lr U_t
+                p.mul_(1.0 - lr * wd)
+                p.add_(U.to(p.dtype), alpha=-lr)
+
+        return loss

@@ -1,0 +1,129 @@
+"""Parameter routing for Muon-style optimizers, and an optimizer that drives several as one."""
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+
+def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None):
+    """Split ``model``'s trainable parameters into ``(matrix_params, other_params)``.
+
+    ``matrix_params`` (for Muon / AdaMuon) holds the ``weight`` of every ``nn.Linear`` whose
+    weight requires grad, except the output head. ``other_params`` (for AdamW) holds every
+    other trainable parameter: embeddings, convolutions, biases, norm parameters, the head.
+    The head is the modules named in ``head_names`` if given, else the last ``nn.Linear`` in
+    ``model.named_modules()`` order. Both lists follow ``model.parameters()`` order.
+    """
+    modules = dict(model.named_modules())
+    linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+    if head_names is None:
+        heads = set(linears[-1:])
+    else:
+        heads = set([head_names] if isinstance(head_names, str) else head_names)
+        missing = sorted(heads - modules.keys())
+        if missing:
+            raise ValueError(f"head_names not found among the model's modules: {missing}")
+
+    head_ids = {id(p) for name in heads for p in modules[name].parameters()}
+    matrix_ids = {id(modules[name].weight) for name in linears
+                  if modules[name].weight.requires_grad} - head_ids
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    matrix_params = [p for p in trainable if id(p) in matrix_ids]
+    other_params = [p for p in trainable if id(p) not in matrix_ids]
+    return matrix_params, other_params
+
+
+class HybridOptimizer(Optimizer):
+    """Several optimizers over disjoint parameters, used as one ``torch.optim.Optimizer``.
+
+    ``HybridOptimizer({"muon": torch.optim.Muon(...), "adamw": torch.optim.AdamW(...)})``.
+    ``param_groups`` is the concatenation of the members' groups (the same dicts, so an LR
+    scheduler writing ``group["lr"]`` changes the member) and ``state`` a merged read-only
+    view of the members' states; both are recomputed on access, so they stay right after
+    ``load_state_dict``. Step hooks and LR schedulers attach as to any optimizer.
+    """
+
+    def __init__(self, optimizers: dict[str, Optimizer]):
+        if not optimizers:
+            raise ValueError("HybridOptimizer needs at least one member optimizer")
+        seen = set()
+        for name, opt in optimizers.items():
+            if not isinstance(opt, Optimizer):
+                raise TypeError(
+                    f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) in seen:
+                        raise ValueError(
+                            f"Member {name!r} holds a parameter that another member also holds")
+                    seen.add(id(p))
+        self.optimizers = dict(optimizers)
+        self.defaults = {}
+        # Optimizer.__init__ is not called (it would copy the members' groups into new dicts),
+        # so set up the hook registries it would create and wrap step() for the step hooks.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers.values() for group in opt.param_groups]
+
+    @property
+    def state(self):
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    def __getstate__(self):
+        return {"optimizers": self.optimizers, "defaults": self.defaults}
+
+    def __repr__(self):
+        members = [f"  {name}: " + repr(opt).replace("\n", "\n  ")
+                   for name, opt in self.optimizers.items()]
+        return f"{type(self).__name__}(\n" + "\n".join(members) + "\n)"
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Evaluate ``closure`` once (if given), then step every member."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = {"optimizers": {n: opt.state_dict() for n, opt in self.optimizers.items()}}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        saved = state_dict["optimizers"]
+        if saved.keys() != self.optimizers.keys():
+            raise ValueError(f"state_dict has members {sorted(saved)}, "
+                             f"this optimizer has {sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved[name])
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def add_param_group(self, param_group) -> None:
+        raise RuntimeError(
+            "HybridOptimizer cannot take new parameter groups; add them to a member instead, "
+            f"e.g. .optimizers[{next(iter(self.optimizers))!r}].add_param_group(...)")

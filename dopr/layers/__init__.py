@@ -1,0 +1,140 @@
+"""The layer registry: which module types the AP preconditions, and why others are skipped.
+
+``register_layer(ModuleType, factory)`` adds a layer type: ``factory(module, name, options)``
+returns a :class:`LayerHelper`, or a string saying why this instance is skipped. The walk over a
+model reports every module that owns trainable parameters (:class:`CoverageEntry`); parameters of
+skipped modules go to the gradient preconditioner unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from torch import nn
+
+from .base import LayerHelper
+from .conv import Conv2dSUAHelper, ConvHelper, ConvTranspose1dHelper
+from .embedding import EmbeddingHelper
+from .linear import LinearHelper
+
+Factory = Callable[[nn.Module, str, dict], Union[LayerHelper, str]]
+_REGISTRY: dict = {}
+
+#: modules that use their weights functionally instead of through child modules' forward
+FUNCTIONAL_WEIGHTS = {
+    nn.MultiheadAttention: "nn.MultiheadAttention calls F.multi_head_attention_forward with its "
+    "packed in_proj_weight and out_proj weights directly, so no forward hook sees the projection "
+    "inputs; build attention from nn.Linear q/k/v/out projections to precondition it",
+}
+
+
+def register_layer(module_type: type, factory: Factory) -> None:
+    _REGISTRY[module_type] = factory
+
+
+def _factory_for(module: nn.Module) -> Optional[Factory]:
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+def _weight_trainable(module) -> Optional[str]:
+    w = getattr(module, "weight", None)
+    if w is None or not w.requires_grad:
+        return "weight frozen (only other parameters are trainable)"
+    return None
+
+
+def _linear(module, name, opts):
+    return _weight_trainable(module) or LinearHelper(module, name, opts["homogeneous"])
+
+
+def _conv(module, name, opts):
+    if module.groups != 1:
+        return f"grouped convolution (groups={module.groups}) is not supported"
+    if isinstance(module, nn.Conv2d) and opts["conv2d"] == "sua":
+        return _weight_trainable(module) or Conv2dSUAHelper(module, name)
+    return _weight_trainable(module) or ConvHelper(module, name, opts["homogeneous"])
+
+
+def _conv_transpose(module, name, opts):
+    if module.groups != 1:
+        return f"grouped convolution (groups={module.groups}) is not supported"
+    return _weight_trainable(module) or ConvTranspose1dHelper(module, name, opts["homogeneous"])
+
+
+def _embedding(module, name, opts):
+    if module.sparse:
+        return "sparse embedding gradients are not supported"
+    return _weight_trainable(module) or EmbeddingHelper(module, name)
+
+
+register_layer(nn.Linear, _linear)
+register_layer(nn.Conv1d, _conv)
+register_layer(nn.Conv2d, _conv)
+register_layer(nn.ConvTranspose1d, _conv_transpose)
+register_layer(nn.Embedding, _embedding)
+
+
+@dataclass
+class CoverageEntry:
+    name: str
+    type: str
+    status: str  # "preconditioned" or "skipped"
+    mode: Optional[str] = None
+    dim: Optional[int] = None
+    reason: Optional[str] = None
+
+    def __str__(self) -> str:
+        what = f"{self.mode} d={self.dim}" if self.status == "preconditioned" else self.reason
+        return f"{self.name or '<root>'} ({self.type}): {self.status}: {what}"
+
+
+def find_layers(model: nn.Module, optimized: set, options: dict):
+    """Walk ``model``: (helpers, coverage) for every module owning trainable parameters."""
+    owners: dict = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(mname)
+    functional = {}
+    for mname, module in model.named_modules():
+        for cls, why in FUNCTIONAL_WEIGHTS.items():
+            if isinstance(module, cls):
+                functional[mname] = why
+
+    helpers, coverage = [], []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        entry = CoverageEntry(name, type(module).__name__, "skipped")
+        coverage.append(entry)
+        if not any(p.requires_grad for p in own):
+            entry.reason = "frozen (no parameter requires grad)"
+            continue
+        parent = next((f for f in functional if name == f or name.startswith(f + ".")), None)
+        if parent is not None:
+            entry.reason = functional[parent]
+            continue
+        factory = _factory_for(module)
+        if factory is None:
+            entry.reason = f"no activation preconditioner for {type(module).__name__}; its parameters go to the GP unchanged"
+            continue
+        helper = factory(module, name, options)
+        if isinstance(helper, str):
+            entry.reason = helper
+            continue
+        tied = [o for p in helper.parameters() for o in owners[id(p)] if o != name]
+        if tied:
+            entry.reason = f"weight shared with {tied[0]} (tied); the AP is defined per use"
+            continue
+        if any(id(p) not in optimized for p in helper.parameters()):
+            entry.reason = "its weight is not in the base optimizer"
+            continue
+        entry.status, entry.mode, entry.dim = "preconditioned", helper.mode, helper.dim
+        helpers.append(helper)
+    return helpers, coverage
+
+
+__all__ = ["LayerHelper", "CoverageEntry", "register_layer", "find_layers", "FUNCTIONAL_WEIGHTS"]

@@ -1,0 +1,93 @@
+"""The contract between a layer type and the activation preconditioner (AP).
+
+Every preconditioned layer is, for the AP, a linear map ``h = W z`` applied to activation vectors
+``z`` (a token, a sample, or an unfolded convolution patch). A :class:`LayerHelper` knows, for one
+layer type, how to turn the layer's input into those vectors and how to read the weight gradient
+as the matrix ``G`` (rows x dim) that the AP right-multiplies by ``(Sigma + damping)^-1``.
+
+With ``homogeneous=True`` a layer with a bias appends a constant 1 to ``z`` (homogeneous
+coordinates): the bias becomes the last column of ``W`` and the update is invariant to affine
+input transforms ``z -> Q z + d``, shifts included.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..statistics import ActivationStatistics, dense_statistics, moment_statistics
+
+
+class LayerHelper:
+    """Base class: one instance per preconditioned module.
+
+    Subclasses set ``mode`` and implement :meth:`activations`, :meth:`grad_matrix` and
+    :meth:`set_grad`. ``share_key`` (not None) lets layers that read the very same input tensor
+    (q, k and v projections) share one covariance and one factorisation.
+    """
+
+    mode: str = "?"
+
+    def __init__(self, module: nn.Module, name: str, homogeneous: bool = True) -> None:
+        self.module = module
+        self.name = name
+        bias = getattr(module, "bias", None)
+        self.homogeneous = bool(homogeneous and bias is not None and bias.requires_grad)
+
+    # --- what the AP sees -------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        """Dimension d of the activation covariance (including the homogeneous 1)."""
+        return self.input_dim() + int(self.homogeneous)
+
+    def input_dim(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def share_key(self) -> Optional[tuple]:
+        return None
+
+    def activations(self, x: Tensor) -> Tensor:
+        """The activation vectors z as rows of an (n, input_dim) matrix."""
+        raise NotImplementedError
+
+    def statistics(self, x: Tensor, kind: str) -> ActivationStatistics:
+        """Sums over the n vectors z of this input: z z^T ("dense") or z and z*z ("moments")."""
+        z = self.activations(x.detach())
+        if kind == "moments":
+            return moment_statistics(z, self.homogeneous)
+        return dense_statistics(z, self.homogeneous)
+
+    # --- gradient in matrix form ------------------------------------------------------------
+    def grad_matrix(self) -> Optional[Tensor]:
+        """G as a (rows, dim) matrix, or None when the weight has no gradient."""
+        raise NotImplementedError
+
+    def set_grad(self, m: Tensor) -> None:
+        """Write the preconditioned matrix M (same layout as :meth:`grad_matrix`) back."""
+        raise NotImplementedError
+
+    # shared by the weight-plus-bias layers -------------------------------------------------
+    def _with_bias_column(self, g_weight: Tensor) -> Tensor:
+        if not self.homogeneous:
+            return g_weight
+        gb = self.module.bias.grad
+        if gb is None:
+            gb = torch.zeros(g_weight.shape[0], dtype=g_weight.dtype, device=g_weight.device)
+        return torch.cat([g_weight, gb.reshape(-1, 1).to(g_weight.dtype)], dim=1)
+
+    def _split_bias_column(self, m: Tensor) -> Tensor:
+        """Write the bias column (if any) into bias.grad; return the weight part."""
+        if not self.homogeneous:
+            return m
+        bias = self.module.bias
+        if bias.grad is not None:
+            bias.grad.copy_(m[:, -1].reshape(bias.shape))
+        return m[:, :-1]
+
+    def parameters(self) -> list:
+        ps = [self.module.weight]
+        if self.homogeneous:
+            ps.append(self.module.bias)
+        return ps

@@ -1,0 +1,147 @@
+"""Convolutions, reduced to linear maps on unfolded patches (im2col).
+
+A convolution computes, at every output position, ``h = W z`` where ``W`` is the kernel flattened
+to (C_out, C_in * prod(kernel)) and ``z`` is the input patch under the kernel, flattened in the same
+(channel, kernel offset) order. Sigma is the mean of z z^T over all samples and output positions
+(the paper's "Convolutional Affine Invariance"); its dimension is C_in * prod(kernel) (+1 for the
+bias in homogeneous coordinates). Only ``groups == 1`` is preconditioned; the registry skips grouped
+convolutions with that reason.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import LayerHelper
+
+_PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+def explicit_padding(module) -> list:
+    """Left/right padding per spatial dim, in F.pad order (last dim first)."""
+    k, dil = module.kernel_size, module.dilation
+    pads = []
+    for i in reversed(range(len(k))):
+        if isinstance(module.padding, str):
+            total = dil[i] * (k[i] - 1) if module.padding == "same" else 0
+            pads += [total // 2, total - total // 2]
+        else:
+            pads += [module.padding[i], module.padding[i]]
+    return pads
+
+
+class ConvHelper(LayerHelper):
+    """nn.Conv1d and nn.Conv2d ("full" mode): the exact im2col patch covariance."""
+
+    def __init__(self, module, name, homogeneous=True):
+        super().__init__(module, name, homogeneous)
+        self.spatial = len(module.kernel_size)
+        self.mode = f"conv{self.spatial}d-full"
+
+    def input_dim(self) -> int:
+        m = self.module
+        return m.in_channels * int(torch.tensor(m.kernel_size).prod())
+
+    def activations(self, x: Tensor) -> Tensor:
+        m = self.module
+        if x.dim() == self.spatial + 1:  # unbatched input
+            x = x.unsqueeze(0)
+        x = F.pad(x, explicit_padding(m), mode=_PAD_MODES[m.padding_mode])
+        if self.spatial == 1:  # unfold works on 4-D tensors: treat length as a 1 x L image
+            x = x.unsqueeze(2)
+            kernel, dil, stride = (1, *m.kernel_size), (1, *m.dilation), (1, *m.stride)
+        else:
+            kernel, dil, stride = m.kernel_size, m.dilation, m.stride
+        patches = F.unfold(x, kernel, dilation=dil, stride=stride)  # (N, C_in*k, positions)
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+
+    def grad_matrix(self):
+        g = self.module.weight.grad
+        return None if g is None else self._with_bias_column(g.reshape(g.shape[0], -1))
+
+    def set_grad(self, m: Tensor) -> None:
+        w = self.module.weight
+        w.grad.copy_(self._split_bias_column(m).reshape(w.shape))
+
+
+class ConvTranspose1dHelper(LayerHelper):
+    """nn.ConvTranspose1d as the equivalent ordinary convolution.
+
+    A transposed convolution with stride s, padding p, dilation dl equals a stride-1 convolution,
+    with the kernel flipped and its in/out channels swapped, of the input with s - 1 zeros inserted
+    between samples and padded by dl*(k-1) - p on the left (plus output_padding on the right). Its
+    patches are the z of the AP; dim = C_in * k.
+    """
+
+    mode = "convtranspose1d-full"
+
+    def input_dim(self) -> int:
+        return self.module.in_channels * self.module.kernel_size[0]
+
+    def activations(self, x: Tensor) -> Tensor:
+        m = self.module
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        (k,), (s,), (p,), (dl,), (op,) = m.kernel_size, m.stride, m.padding, m.dilation, m.output_padding
+        n, c, length = x.shape
+        if s > 1:
+            up = x.new_zeros(n, c, (length - 1) * s + 1)
+            up[..., ::s] = x
+            x = up
+        edge = dl * (k - 1) - p
+        x = F.pad(x, [edge, edge + op])
+        patches = F.unfold(x.unsqueeze(2), (1, k), dilation=(1, dl))
+        return patches.transpose(1, 2).reshape(-1, patches.shape[1])
+
+    def grad_matrix(self):
+        g = self.module.weight.grad  # (C_in, C_out, k)
+        if g is None:
+            return None
+        g = g.flip(2).transpose(0, 1).reshape(g.shape[1], -1)
+        return self._with_bias_column(g)
+
+    def set_grad(self, m: Tensor) -> None:
+        w = self.module.weight
+        c_in, c_out, k = w.shape
+        wm = self._split_bias_column(m).reshape(c_out, c_in, k).transpose(0, 1).flip(2)
+        w.grad.copy_(wm)
+
+
+class Conv2dSUAHelper(LayerHelper):
+    """nn.Conv2d with the spatially-uncorrelated approximation (SUA).
+
+    Assuming activations at different pixels are uncorrelated and have the same second moment,
+    the patch covariance becomes block diagonal with identical blocks, I_(kh*kw) (x) Sigma_c, where
+    Sigma_c = mean over all N*H*W input pixels (padding excluded) of the channel vector z z^T,
+    of size C_in x C_in. Its inverse acts on the channel axis of the kernel gradient at each of the
+    kh*kw kernel offsets: M[:, :, i, j] = G[:, :, i, j] (Sigma_c + damping)^-1.
+
+    Cost per step: N*H*W*C_in^2 to form Sigma_c and C_in^3/3 to factor it, against
+    N*H_out*W_out*(C_in*kh*kw)^2 and (C_in*kh*kw)^3/3 for "full" (kh*kw = 9 gives 81x and 729x),
+    and no unfolded copy of the input. The bias is not part of this covariance (the cross terms
+    between patch and constant are dropped with the spatial ones): its gradient goes to the GP
+    unchanged.
+    """
+
+    mode = "conv2d-sua"
+
+    def __init__(self, module, name, homogeneous=True):
+        super().__init__(module, name, homogeneous=False)
+
+    def input_dim(self) -> int:
+        return self.module.in_channels
+
+    def activations(self, x: Tensor) -> Tensor:
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+    def grad_matrix(self):
+        g = self.module.weight.grad  # (C_out, C_in, kh, kw) -> rows (C_out, kh, kw), columns C_in
+        return None if g is None else g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    def set_grad(self, m: Tensor) -> None:
+        w = self.module.weight
+        c_out, c_in, kh, kw = w.shape
+        w.grad.copy_(m.reshape(c_out, kh, kw, c_in).permute(0, 3, 1, 2))

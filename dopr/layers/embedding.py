@@ -1,0 +1,36 @@
+"""nn.Embedding: the input is one-hot, so Sigma is diagonal.
+
+Written as a linear map, an embedding is h = W^T e_t with W (vocab x dim) and e_t the one-hot
+vector of token t, so Sigma = diag(c / n) with c the token counts in the batch. The AP
+G Sigma^-1 of the linear form becomes a per-row scaling of the (vocab x dim) gradient:
+row t is divided by c_t / n + damping. No vocab x vocab matrix is ever formed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..statistics import ActivationStatistics, diagonal_statistics
+from .base import LayerHelper
+
+
+class EmbeddingHelper(LayerHelper):
+    mode = "embedding-diagonal"
+
+    def __init__(self, module, name, homogeneous=True):
+        super().__init__(module, name, homogeneous=False)  # an embedding has no bias
+
+    def input_dim(self) -> int:
+        return self.module.num_embeddings
+
+    def statistics(self, x: Tensor, kind: str) -> ActivationStatistics:
+        idx = x.reshape(-1)
+        counts = torch.bincount(idx, minlength=self.module.num_embeddings)
+        return diagonal_statistics(counts, idx.numel(), self.module.weight.dtype)
+
+    def grad_matrix(self):
+        g = self.module.weight.grad
+        return None if g is None else g.T  # the linear form (dim x vocab), a view
+
+    def set_grad(self, m: Tensor) -> None:
+        self.module.weight.grad.copy_(m.T)

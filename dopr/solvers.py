@@ -1,0 +1,202 @@
+"""Solvers: from a damped activation covariance to an operator that maps G to G (Sigma + lam I)^-1.
+
+``lam`` is the absolute damping (the optimizer turns the trace-relative gamma * tr(Sigma) / d into
+it). Every solver takes a batch of same-size covariances and factors them in one call.
+
+* ``cholesky``: cholesky_ex, then cholesky_solve. A failed factor is retried with 10x, 100x,
+  1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
+  eigendecomposition pseudo-inverse. Every retry and fallback is counted.
+* ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
+  rcond * max eigenvalue are treated as exact zeros and their directions stay zero (damping boosts
+  only the directions the activations do span), the open problem the paper names.
+* ``rank1_diag``: Sigma ~ diag(E[z*z] - mu*mu) + mu mu^T, inverted by Sherman-Morrison in O(d)
+  (the paper's "Rank-1 + Diagonal"; needs only the first and second moments of z).
+* ``rankk_diag``: Sigma ~ U diag(s) U^T + diag(residual), U the top-k eigenvectors, inverted with
+  the Woodbury identity; applying it costs O(rows * d * k) instead of O(rows * d^2).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SOLVERS = ("cholesky", "eigh", "rank1_diag", "rankk_diag")
+#: the statistic each solver consumes (embeddings always use the exact diagonal one)
+STATISTIC_KIND = {"cholesky": "dense", "eigh": "dense", "rank1_diag": "moments", "rankk_diag": "dense"}
+CHOLESKY_RETRIES = 3
+
+
+class ExplicitInverse:
+    """M = G P with P the (pseudo-)inverse, formed once: the cheapest to reuse between refreshes."""
+
+    def __init__(self, p: Tensor) -> None:
+        self.p = p
+
+    def apply(self, g: Tensor) -> Tensor:
+        return g @ self.p
+
+    def cached(self):
+        return self
+
+    def tensors(self) -> dict:
+        return {"p": self.p}
+
+
+class CholeskyFactor:
+    """M = G A^-1 by two triangular solves with A = L L^T."""
+
+    def __init__(self, l: Tensor) -> None:
+        self.l = l
+
+    def apply(self, g: Tensor) -> Tensor:
+        return torch.cholesky_solve(g.T, self.l).T
+
+    def cached(self):  # reused many times: one matmul per step beats two triangular solves
+        return ExplicitInverse(torch.cholesky_inverse(self.l))
+
+
+class DiagonalInverse:
+    """M = G D^-1 for diagonal D (embeddings): a column scaling."""
+
+    def __init__(self, inv: Tensor) -> None:
+        self.inv = inv
+
+    def apply(self, g: Tensor) -> Tensor:
+        return g * self.inv
+
+    def cached(self):
+        return self
+
+    def tensors(self) -> dict:
+        return {"inv": self.inv}
+
+
+class Rank1Diagonal:
+    """(D + mu mu^T)^-1 = D^-1 - D^-1 mu mu^T D^-1 / (1 + mu^T D^-1 mu)  (Sherman-Morrison)."""
+
+    def __init__(self, dinv: Tensor, u: Tensor, c: Tensor) -> None:
+        self.dinv, self.u, self.c = dinv, u, c  # u = D^-1 mu, c = 1 + mu^T D^-1 mu
+
+    def apply(self, g: Tensor) -> Tensor:
+        return g * self.dinv - torch.outer(g @ self.u, self.u) / self.c
+
+    def cached(self):
+        return self
+
+    def tensors(self) -> dict:
+        return {"dinv": self.dinv, "u": self.u, "c": self.c}
+
+
+class LowRankDiagonal:
+    """(D + U S U^T)^-1 = D^-1 - V K V^T with V = D^-1 U, K = (S^-1 + U^T D^-1 U)^-1 (Woodbury)."""
+
+    def __init__(self, dinv: Tensor, v: Tensor, k: Tensor) -> None:
+        self.dinv, self.v, self.k = dinv, v, k
+
+    def apply(self, g: Tensor) -> Tensor:
+        return g * self.dinv - (g @ self.v) @ self.k @ self.v.T
+
+    def cached(self):
+        return self
+
+    def tensors(self) -> dict:
+        return {"dinv": self.dinv, "v": self.v, "k": self.k}
+
+
+OPERATORS = {cls.__name__: cls for cls in (ExplicitInverse, DiagonalInverse, Rank1Diagonal, LowRankDiagonal)}
+
+
+def operator_from_state(state: dict):
+    cls = OPERATORS[state["type"]]
+    return cls(**state["tensors"])
+
+
+def operator_state(op) -> dict:
+    return {"type": type(op).__name__, "tensors": op.tensors()}
+
+
+def _eye_like(sigma: Tensor) -> Tensor:
+    return torch.eye(sigma.shape[-1], dtype=sigma.dtype, device=sigma.device)
+
+
+def pseudo_inverse(sigma: Tensor, lam: Tensor, rcond: float) -> Tensor:
+    """Batched V diag(1 / (e + lam) on e > rcond * max e, else 0) V^T."""
+    e, v = torch.linalg.eigh(sigma)
+    keep = e > rcond * e.amax(-1, keepdim=True).clamp(min=0)
+    inv = torch.where(keep, 1.0 / (e.clamp(min=0) + lam[:, None]), torch.zeros_like(e))
+    return (v * inv[:, None, :]) @ v.transpose(-1, -2)
+
+
+def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
+    d = sigma.shape[-1]
+    eye = _eye_like(sigma)
+    l, info = torch.linalg.cholesky_ex(sigma + lam[:, None, None] * eye)
+    bad = info > 0
+    if not bool(bad.any()):
+        return [CholeskyFactor(l[i]) for i in range(len(l))]
+    floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
+    for retry in range(1, CHOLESKY_RETRIES + 1):
+        idx = bad.nonzero().flatten()
+        if idx.numel() == 0:
+            break
+        counts["cholesky_retries"] += idx.numel()
+        lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
+        l_r, info_r = torch.linalg.cholesky_ex(sigma[idx] + lam_r[:, None, None] * eye)
+        l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
+        bad = bad.index_copy(0, idx, info_r > 0)
+    ops = [CholeskyFactor(l[i]) for i in range(len(l))]
+    idx = bad.nonzero().flatten()
+    if idx.numel():
+        counts["eigh_fallbacks"] += idx.numel()
+        p = pseudo_inverse(sigma[idx], lam[idx], rcond)
+        for j, i in enumerate(idx.tolist()):
+            ops[i] = ExplicitInverse(p[j])
+    return ops
+
+
+def factor_eigh(sigma: Tensor, lam: Tensor, rcond: float) -> list:
+    return [ExplicitInverse(p) for p in pseudo_inverse(sigma, lam, rcond)]
+
+
+def top_eigenpairs(sigma: Tensor, k: int, iters: int = 8):
+    """Top-k eigenpairs of a batch of PSD matrices: exact eigh for small d, else subspace iteration
+    from a fixed start (deterministic, and it leaves the global RNG alone)."""
+    d = sigma.shape[-1]
+    if d <= 4 * k:
+        e, v = torch.linalg.eigh(sigma)
+        return e[:, -k:], v[:, :, -k:]
+    gen = torch.Generator(device=sigma.device).manual_seed(0)
+    q = torch.randn(d, k + 8, generator=gen, device=sigma.device, dtype=sigma.dtype)
+    q = q.expand(sigma.shape[0], d, k + 8)
+    for _ in range(iters):
+        q, _ = torch.linalg.qr(sigma @ q)
+    e, w = torch.linalg.eigh(q.transpose(-1, -2) @ sigma @ q)  # Rayleigh-Ritz
+    v = q @ w
+    return e[:, -k:], v[:, :, -k:]
+
+
+def factor_rankk(sigma: Tensor, lam: Tensor, rank: int) -> list:
+    k = min(rank, sigma.shape[-1])
+    s, u = top_eigenpairs(sigma, k)
+    s = s.clamp(min=0)
+    resid = sigma.diagonal(dim1=-2, dim2=-1) - ((u * u) * s[:, None, :]).sum(-1)
+    dinv = 1.0 / (resid.clamp(min=0) + lam[:, None])
+    ops = []
+    for i in range(len(sigma)):
+        v = dinv[i][:, None] * u[i]
+        keep = s[i] > 0
+        v = v[:, keep]
+        core = torch.diag(1.0 / s[i][keep]) + u[i][:, keep].T @ v
+        ops.append(LowRankDiagonal(dinv[i], v, torch.linalg.inv(core)))
+    return ops
+
+
+def factor_rank1(mean: Tensor, second: Tensor, lam: Tensor) -> Rank1Diagonal:
+    """mean = E[z], second = E[z*z] (diagonal of Sigma)."""
+    var = (second - mean * mean).clamp(min=0)
+    dinv = 1.0 / (var + lam)
+    u = dinv * mean
+    return Rank1Diagonal(dinv, u, 1.0 + mean @ u)
+
+
+def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
+    return DiagonalInverse(1.0 / (diag + lam))

@@ -1,0 +1,303 @@
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, route_matrix_params
+from dopr.gp.newton_schulz import newton_schulz5
+
+GP_NAMES = ["sgd", "adamw", "muon", "signum", "adamuon"]
+
+
+def _step_with_grad(opt, p, grad):
+    p.grad = grad.clone()
+    opt.step()
+
+
+class Net(nn.Module):
+    """Embedding -> Linear 8->16 -> LayerNorm -> Linear 16->16 -> Linear 16->4 (head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, idx):
+        x = torch.tanh(self.norm(self.fc1(self.embed(idx))))
+        return self.head(torch.tanh(self.fc2(x)))
+
+
+def _regression_problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(64, 4, generator=g)
+    y = torch.sin(X @ torch.randn(4, 1, generator=g))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 1))
+    return model, X, y
+
+
+def _train(model, opt, X, y, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(X), y)
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+# --- SGD -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_two_steps_match_hand_computation(nesterov):
+    lr, mu, wd = 0.1, 0.9, 0.05
+    p0 = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    g1 = torch.tensor([0.5, 0.5, -1.0], dtype=torch.float64)
+    g2 = torch.tensor([-1.0, 2.0, 0.25], dtype=torch.float64)
+    p = nn.Parameter(p0.clone())
+    opt = SGD([p], lr=lr, momentum=mu, nesterov=nesterov, weight_decay=wd)
+
+    b1 = g1
+    d1 = g1 + mu * b1 if nesterov else b1
+    p1 = (1 - lr * wd) * p0 - lr * d1
+    _step_with_grad(opt, p, g1)
+    torch.testing.assert_close(p.detach(), p1)
+
+    b2 = mu * b1 + g2
+    d2 = g2 + mu * b2 if nesterov else b2
+    p2 = (1 - lr * wd) * p1 - lr * d2
+    _step_with_grad(opt, p, g2)
+    torch.testing.assert_close(p.detach(), p2)
+
+
+def test_sgd_without_momentum_is_gradient_descent():
+    p = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    opt = SGD([p], lr=0.5, momentum=0.0, weight_decay=0.1)
+    for g in (torch.tensor([1.0, -1.0]), torch.tensor([3.0, 0.5])):
+        expected = (1 - 0.5 * 0.1) * p.detach() - 0.5 * g.double()
+        _step_with_grad(opt, p, g.double())
+        torch.testing.assert_close(p.detach(), expected)
+    assert len(opt.state[p]) == 0
+
+
+# --- Signum ----------------------------------------------------------------------------------
+
+def test_signum_update_is_lr_times_sign_of_momentum():
+    lr, mu = 0.01, 0.9
+    p = nn.Parameter(torch.randn(5, 3))
+    opt = Signum([p], lr=lr, momentum=mu)
+    g1, g2 = torch.randn(5, 3), torch.randn(5, 3)
+
+    m = (1 - mu) * g1
+    before = p.detach().clone()
+    _step_with_grad(opt, p, g1)
+    assert torch.equal(p.detach(), before - lr * torch.sign(m))
+
+    m = mu * m + (1 - mu) * g2
+    before = p.detach().clone()
+    _step_with_grad(opt, p, g2)
+    assert torch.equal(p.detach(), before - lr * torch.sign(m))
+
+
+def test_signum_decoupled_weight_decay():
+    lr, wd = 0.01, 0.5
+    p = nn.Parameter(torch.randn(4))
+    opt = Signum([p], lr=lr, momentum=0.0, weight_decay=wd)
+    g = torch.randn(4)
+    expected = (1 - lr * wd) * p.detach() - lr * torch.sign(g)
+    _step_with_grad(opt, p, g)
+    torch.testing.assert_close(p.detach(), expected)
+
+
+# --- Newton-Schulz ---------------------------------------------------------------------------
+
+def test_newton_schulz_singular_values_near_one():
+    G = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    O = newton_schulz5(G)
+    assert O.shape == (32, 64) and O.dtype == torch.float32
+    s = torch.linalg.svdvals(O)
+    assert s.min() > 0.5 and s.max() < 1.5
+    # The tall case is computed on the transpose and transposed back.
+    O_tall = newton_schulz5(G.T)
+    assert O_tall.shape == (64, 32)
+    torch.testing.assert_close(O_tall, O.T)
+
+
+def test_newton_schulz_rejects_non_matrix():
+    with pytest.raises(ValueError, match=r"\(2, 3, 4\)"):
+        newton_schulz5(torch.randn(2, 3, 4))
+
+
+# --- AdaMuon ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_adamuon_update_has_rms_point_two(nesterov):
+    m, n, lr, wd = 12, 20, 0.05, 0.1
+    p = nn.Parameter(torch.randn(m, n))
+    opt = AdaMuon([p], lr=lr, nesterov=nesterov, weight_decay=wd)
+    for _ in range(3):
+        before = p.detach().clone()
+        _step_with_grad(opt, p, torch.randn(m, n))
+        # W_t = (1 - lr wd) W_{t-1} - lr U_t with ||U_t||_F = 0.2 sqrt(m n)
+        update = (1 - lr * wd) * before - p.detach()
+        expected = torch.tensor(lr * 0.2 * math.sqrt(m * n))
+        torch.testing.assert_close(update.norm(), expected, rtol=1e-5, atol=0)
+
+
+def test_adamuon_first_step_depends_only_on_gradient_sign():
+    G = torch.randn(6, 9)
+    updates = []
+    for scale in (1e-3, 1e3):
+        p = nn.Parameter(torch.zeros(6, 9))
+        _step_with_grad(AdaMuon([p], lr=1.0), p, scale * G)
+        updates.append(p.detach().clone())
+    torch.testing.assert_close(updates[0], updates[1])
+
+
+def test_adamuon_rejects_non_matrix_parameters():
+    with pytest.raises(ValueError, match=r"\(7,\)"):
+        AdaMuon([nn.Parameter(torch.zeros(7))], lr=1e-3)
+
+
+# --- routing ---------------------------------------------------------------------------------
+
+def test_routing_gives_muon_exactly_the_hidden_linear_weights():
+    net = Net()
+    matrix, other = route_matrix_params(net)
+    assert [id(p) for p in matrix] == [id(net.fc1.weight), id(net.fc2.weight)]
+    expected_other = {id(p) for p in net.parameters()} - {id(net.fc1.weight), id(net.fc2.weight)}
+    assert {id(p) for p in other} == expected_other and len(other) == len(expected_other)
+
+
+def test_routing_head_names_and_frozen_parameters():
+    net = Net()
+    matrix, _ = route_matrix_params(net, head_names=["fc2", "head"])
+    assert [id(p) for p in matrix] == [id(net.fc1.weight)]
+    net.fc1.weight.requires_grad_(False)
+    matrix, other = route_matrix_params(net)
+    assert [id(p) for p in matrix] == [id(net.fc2.weight)]
+    assert all(p is not net.fc1.weight for p in other)
+    with pytest.raises(ValueError, match="nope"):
+        route_matrix_params(net, head_names=["nope"])
+
+
+def test_muon_on_model_without_hidden_linear_is_adamw_only():
+    opt = build_gp(nn.Sequential(nn.Linear(4, 2)), "muon", lr=1e-3)
+    assert list(opt.optimizers) == ["adamw"]
+
+
+# --- HybridOptimizer -------------------------------------------------------------------------
+
+def _hybrid(net, lr=0.02):
+    matrix, other = route_matrix_params(net)
+    return HybridOptimizer({
+        "muon": torch.optim.Muon(matrix, lr=lr, adjust_lr_fn="match_rms_adamw"),
+        "adamw": torch.optim.AdamW(other, lr=lr),
+    })
+
+
+def test_hybrid_param_groups_are_the_members_groups():
+    opt = _hybrid(Net())
+    member_groups = opt.optimizers["muon"].param_groups + opt.optimizers["adamw"].param_groups
+    assert len(opt.param_groups) == 2
+    assert all(a is b for a, b in zip(opt.param_groups, member_groups))
+    assert opt.optimizers["muon"].param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_hybrid_works_with_lr_schedulers_and_step_hooks():
+    net = Net()
+    opt = _hybrid(net, lr=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(o))
+    idx = torch.randint(0, 10, (8,))
+    for _ in range(3):
+        opt.zero_grad()
+        net(idx).square().mean().backward()
+        opt.step()
+        sched.step()
+    expected = 0.1 * (1 + math.cos(math.pi * 3 / 10)) / 2
+    for member in opt.optimizers.values():
+        assert member.param_groups[0]["lr"] == pytest.approx(expected)
+    assert calls == [opt] * 3
+    lambda_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert opt.optimizers["adamw"].param_groups[0]["lr"] == pytest.approx(0.5 * 0.1)
+    assert lambda_sched.get_last_lr() == pytest.approx([0.05, 0.05])
+
+
+@pytest.mark.parametrize("name", ["muon", "adamuon"])
+def test_hybrid_state_dict_round_trip_is_bit_identical(name):
+    torch.manual_seed(0)
+    idx = torch.randint(0, 10, (32,))
+    target = torch.randn(32, 4)
+
+    def train(net, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(idx), target).backward()
+            opt.step()
+
+    net = Net()
+    opt = build_gp(net, name, lr=0.02, weight_decay=0.01)
+    train(net, opt, 5)
+    model_sd, opt_sd = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    assert set(opt_sd["optimizers"]) == {name, "adamw"}
+    train(net, opt, 5)
+
+    torch.manual_seed(123)
+    fresh = Net()
+    fresh.load_state_dict(model_sd)
+    fresh_opt = build_gp(fresh, name, lr=0.02, weight_decay=0.01)
+    fresh_opt.load_state_dict(opt_sd)
+    assert len(fresh_opt.state) == len(opt.state)
+    train(fresh, fresh_opt, 5)
+    for a, b in zip(net.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+# --- build_gp --------------------------------------------------------------------------------
+
+GP_SETTINGS = {"sgd": dict(lr=0.1), "adamw": dict(lr=1e-2), "muon": dict(lr=0.02),
+               "signum": dict(lr=1e-2), "adamuon": dict(lr=1e-2)}
+
+
+@pytest.mark.parametrize("name", GP_NAMES)
+def test_every_gp_lowers_regression_loss(name):
+    model, X, y = _regression_problem()
+    opt = build_gp(model, name, weight_decay=1e-4, **GP_SETTINGS[name])
+    with torch.no_grad():
+        initial = nn.functional.mse_loss(model(X), y).item()
+    final = _train(model, opt, X, y, steps=20)
+    assert final < 0.7 * initial, (name, initial, final)
+
+
+@pytest.mark.parametrize("name", GP_NAMES)
+def test_bad_learning_rate_raises_with_value(name):
+    with pytest.raises(ValueError, match="-1.0"):
+        build_gp(Net(), name, lr=-1.0)
+
+
+@pytest.mark.parametrize("cls", [SGD, Signum, AdaMuon])
+def test_optimizer_rejects_bad_learning_rate(cls):
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
+        cls([nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
+
+
+def test_unknown_gp_name_lists_valid_names():
+    with pytest.raises(ValueError) as err:
+        build_gp(Net(), "lion", lr=1e-3)
+    assert all(name in str(err.value) for name in GP_NAMES)
+
+
+def test_unknown_kwargs_are_named():
+    with pytest.raises(TypeError, match="adjust_lr_fn"):
+        build_gp(Net(), "adamw", lr=1e-3, adjust_lr_fn="original")
+    with pytest.raises(TypeError, match="nesterov"):
+        build_gp(Net(), "signum", lr=1e-3, nesterov=True)
