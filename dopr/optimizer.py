@@ -42,7 +42,8 @@ NONFINITE = ("skip", "raise")
 
 
 def _in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (checkpoint recomputation)."""
+    """True while the autograd engine runs a backward pass (checkpoint recomputation). Only an
+    optimisation: correctness comes from committing statistics when the output is backpropagated."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -264,8 +265,8 @@ class DoPr(torch.optim.Optimizer):
             return
         layer, x = self._layers[index], inputs[0]
         if _in_backward():
-            # a checkpoint recomputation: its output is backpropagated only under the reentrant
-            # variant (whose first forward ran without grad), so compute lazily when that happens
+            # a checkpoint recomputation: its output is backpropagated (and the statistics needed)
+            # only under the reentrant variant, so compute them lazily, when that happens
             cap, saved = _Capture(None, None, next(self._cid)), x
         else:
             cap, saved = self._capture(layer.helper, x), None
@@ -437,6 +438,10 @@ class DoPr(torch.optim.Optimizer):
 
     def coverage_table(self) -> str:
         return "\n".join(str(e) for e in self._coverage)
+
+    def pending_samples(self) -> dict:
+        """{layer name: activation vectors gathered since the last step} (samples x positions)."""
+        return {l.helper.name: (l.stat.count if l.stat is not None else 0) for l in self._layers}
 
     def stats(self) -> dict:
         out = dict(self._counts)
