@@ -301,3 +301,21 @@ def test_unknown_kwargs_are_named():
         build_gp(Net(), "adamw", lr=1e-3, adjust_lr_fn="original")
     with pytest.raises(TypeError, match="nesterov"):
         build_gp(Net(), "signum", lr=1e-3, nesterov=True)
+
+
+def test_muon_matches_torch_muon_up_to_newton_schulz_precision():
+    from dopr.gp import Muon
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 32)
+    p1, p2 = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    ours = Muon([p1], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    ref = torch.optim.Muon([p2], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        g = torch.randn(16, 32)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    # torch orthogonalises in bfloat16, we in float32: equal to bf16 precision
+    torch.testing.assert_close(p1.detach(), p2.detach(), rtol=0, atol=0.02 * 0.2 * 32**0.5 * 0.05)
+    assert torch.equal(ours.state[p1]["momentum_buffer"], ref.state[p2]["momentum_buffer"])

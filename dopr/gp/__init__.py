@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 from .adamuon import AdaMuon
-from .muon import HybridOptimizer, route_matrix_params
+from .muon import HybridOptimizer, Muon, route_matrix_params
 from .newton_schulz import newton_schulz5
 from .sgd import SGD
 from .signum import Signum
 
-__all__ = ["SGD", "Signum", "AdaMuon", "HybridOptimizer", "route_matrix_params", "newton_schulz5",
+__all__ = ["SGD", "Signum", "AdaMuon", "Muon", "HybridOptimizer", "route_matrix_params", "newton_schulz5",
            "build_gp"]
 
 # Keyword arguments each GP accepts in build_gp, besides lr and weight_decay.
@@ -68,7 +68,7 @@ def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, n
     matrix_params, other_params = route_matrix_params(model, head_names)
     members = {}
     if matrix_params and name == "muon":
-        members["muon"] = torch.optim.Muon(
+        members["muon"] = Muon(
             matrix_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps)
     if matrix_params and name == "adamuon":

@@ -3,9 +3,57 @@
 from collections import OrderedDict
 from collections.abc import Iterable
 
+import math
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from .newton_schulz import newton_schulz5
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with the orthogonalisation in float32 off CUDA.
+
+    Same hyperparameters, state (``momentum_buffer``) and update as torch's Muon:
+    B <- mu B + (1 - mu) G (torch's lerp form), U = NS5(G + mu (B - G) if nesterov else B),
+    W <- (1 - lr wd) W - lr' U with lr' from ``adjust_lr_fn``. torch runs Newton-Schulz in
+    bfloat16 everywhere, which on a CPU without bf16 matrix units is ~50x slower than float32;
+    on CUDA this class also uses bfloat16.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)
+                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+                update = newton_schulz5(update, steps=group["ns_steps"]).to(p.dtype)
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def _lr_ratio(adjust_lr_fn, shape) -> float:
+    """torch's Muon learning-rate adjustment: "original" sqrt(max(1, A/B)), or
+    "match_rms_adamw" 0.2 sqrt(max(A, B)) (update RMS matched to AdamW's)."""
+    a, b = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, a / b))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    return 1.0
 
 
 def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None):

@@ -1,0 +1,170 @@
+"""One job of the suite: its output directory, metrics.jsonl, W&B run, checkpoint and summary.json.
+
+Every job writes into its own Hydra output directory:
+  .hydra/config.yaml   the resolved config (Hydra)
+  metrics.jsonl        one JSON object per logged step, always
+  checkpoint.pt        the latest training state (written atomically), for requeue and resume
+  summary.json         final metrics, wall time, git revision, package versions; written last,
+                       atomically, and only when the job finished (never for a failed run)
+  wandb/               the W&B run directory when logger=wandb (offline without an API key)
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import dopr
+
+PACKAGES = ("torch", "dopr", "hydra-core", "omegaconf", "submitit", "wandb", "numpy", "gymnasium",
+            "mujoco", "transformers", "peft")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_optimizer(model: torch.nn.Module, optim: DictConfig) -> torch.optim.Optimizer:
+    """The `optim` config group: `name` plus the keyword arguments of dopr.build."""
+    kwargs = OmegaConf.to_container(optim, resolve=True)
+    name = kwargs.pop("name")
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return dopr.build(model, name, **kwargs)
+
+
+def git_revision() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class Run:
+    """The job's handle for logging, checkpointing and finishing."""
+
+    def __init__(self, cfg: DictConfig, out_dir: Path) -> None:
+        self.cfg = cfg
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.device = pick_device(cfg.device)
+        self.start = time.time()
+        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" else None
+        self.summary_path = self.dir / "summary.json"
+        if self.summary_path.exists():  # a re-run in the same directory starts unfinished
+            self.summary_path.unlink()
+
+    # ------------------------------------------------------------------------------ W&B
+    def _start_wandb(self, cfg):
+        import wandb
+
+        lg = cfg.logger
+        mode = lg.mode
+        if mode is None:
+            has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
+            mode = "online" if has_key else "offline"
+        run = wandb.init(
+            project=lg.project, entity=lg.entity, group=cfg.sweep_name, name=self.dir.name,
+            tags=[cfg.task.name, cfg.optim.name], mode=mode, dir=str(self.dir),
+            config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
+        )
+        if mode == "offline":
+            print(f"W&B offline: sync later with `wandb sync {run.dir.rsplit('/files', 1)[0]}`", flush=True)
+        return run
+
+    # ---------------------------------------------------------------------------- logging
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        if self._wandb is not None:
+            self._wandb.log(row, step=int(step))
+
+    # ------------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.dir / "checkpoint.pt"
+
+    def save_checkpoint(self, state: dict) -> None:
+        _atomic_write(self.checkpoint_path, lambda p: torch.save(state, p))
+
+    def load_checkpoint(self) -> Optional[dict]:
+        if not self.checkpoint_path.exists():
+            return None
+        return torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+
+    # ----------------------------------------------------------------------------- finish
+    def finish(self, summary: dict) -> dict:
+        out = {
+            "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
+            **{k: _plain(v) for k, v in summary.items()},
+            "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
+            "packages": package_versions(), "overrides": _overrides(),
+        }
+        _atomic_write(self.summary_path, lambda p: p.write_text(json.dumps(out, indent=2)))
+        if self._wandb is not None:
+            self._wandb.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float, str))})
+        return out
+
+    def close(self, failed: bool) -> None:
+        self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if failed else 0)
+            self._wandb = None
+
+
+def _overrides() -> list:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # not running under Hydra (tests calling a task directly)
+        return []
+
+
+def _plain(v: Any):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
