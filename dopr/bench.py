@@ -1,13 +1,13 @@
 """Per-step cost of DoPr against its base optimizer (GP), and against the paper's cost model.
 
     python -m dopr.bench [--models mlp,transformer,unet] [--gps adamw,muon] [--repeats 20]
-        [--threads 2] [--device cpu|cuda] [--precond-every 1,10] [--budget 10] [--out FILE.md]
+        [--threads 2] [--device cpu|cuda] [--precond-every 1,10] [--budget 15] [--out FILE.md]
 
 Per model and optimizer (a fresh model, seed 0, one fixed random batch):
   t        median wall time of one full training step (forward, backward, optimizer.step,
            zero_grad) over n timed steps after 2 warmup steps, CUDA synchronised around each.
-           n = --repeats, or fewer once the row has run --budget seconds (see Row.done). The GP
-           and its DoPr rows are stepped in turn (round-robin), so drift hits them alike.
+           n >= --repeats, or fewer once a row has run --budget seconds (see Row.done). The GP and
+           its DoPr rows step in turn (round-robin) until all are done, so drift hits them alike.
            precond_every=k>1 refreshes on one step in k: t = ((k-1) med(other) + med(refresh)) / k.
   R        t_dopr / t_gp.
   R_model  1 + overhead / step_flops, the paper's cost model (appendix "Limitations"): per
@@ -241,7 +241,7 @@ class Row:
 
 
 def bench_model(name, args, every):
-    """The GP and its DoPr variants are stepped round-robin, so machine drift hits them alike."""
+    """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike."""
     model, x, y, loss_fn = make_task(name, args.device)
     flops, vectors = step_flops_and_vectors(model, x, y, loss_fn)
     n_params, results = sum(p.numel() for p in model.parameters()), []
@@ -250,9 +250,8 @@ def bench_model(name, args, every):
         print(f"[bench] {name}: {gp} and its DoPr variants ...", file=sys.stderr, flush=True)
         rows = [Row(name, gp, k, args.device) for k in [0] + every]
         while not all(r.done(args.repeats, args.budget) for r in rows):
-            for r in rows:
-                if not r.done(args.repeats, args.budget):
-                    r.step()
+            for r in rows:  # every row steps every round, so all rows sample the same time window
+                r.step()
         t_gp = rows[0].result()["t"]
         for r in rows:
             results.append(r.result())
@@ -332,7 +331,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precond-every", default="1,10", help="k of the DoPr rows")
-    p.add_argument("--budget", type=float, default=10.0, help="seconds per row before timing stops early")
+    p.add_argument("--budget", type=float, default=15.0, help="seconds per row before timing stops early")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     args = p.parse_args(argv)
     args.gps, every = args.gps.split(","), [int(k) for k in args.precond_every.split(",")]

@@ -42,12 +42,15 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_optimizer(model: torch.nn.Module, optim: DictConfig) -> torch.optim.Optimizer:
-    """The `optim` config group: `name` plus the keyword arguments of dopr.build."""
-    kwargs = OmegaConf.to_container(optim, resolve=True)
+def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
+    """dopr.build from the `optim` group (name and GP arguments) and, for the dopr_* optimizers,
+    the `ap` group (the AP's options)."""
+    kwargs = OmegaConf.to_container(cfg.optim, resolve=True)
     name = kwargs.pop("name")
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if name.startswith("dopr_"):
+        kwargs.update(OmegaConf.to_container(cfg.ap, resolve=True))
     return dopr.build(model, name, **kwargs)
 
 

@@ -1,0 +1,612 @@
+"""Linear dynamical systems: test-time-feedback (TTF) shift, validation vs idealized loss.
+
+Reproduces Proposition "LDS" (prop:LDS TTF) and the appendix "Dynamical Systems Theory"
+(appdx:dynamical systems theory) of the paper.
+
+System: s_{t+1} = A s_t + B a_t + w_t, w_t ~ N(0, Sigma_w), s_0 = 0, policies a_t = K s_t.
+
+Proposition "LDS":
+    Gamma_t(K)     = sum_{s=0}^{t-1} (A+BK)^s Sigma_w (A+BK)^{sT}        (covariance of s_t)
+    Gamma_bar_T(K) = (1/T) sum_{t=1}^T Gamma_t(K)
+    L_val(K)   = ||(K_demo - K) Gamma_bar_T(K_demo)^{1/2}||_F^2   (states from the demonstrator)
+    L_ideal(K) = ||(K_demo - K) Gamma_bar_T(K)^{1/2}||_F^2        (states from the learner) = -R_test
+    D_t(K)     = ||Gamma_t(K_demo)^{1/2} - Gamma_t(K)^{1/2}||_F^2   (TTF shift, "Wasserstein-2")
+
+Appendix construction (2 x 2): A = diag(0, 1), B = I, Sigma_w = I, K_demo = -alpha e2 e2^T,
+K_theta = F_theta G_theta = mu e2 (-alpha/mu)[cos theta, sin theta], K_psi = K_demo - eps e1 e2^T,
+analysed in the T -> infinity limit where Gamma_bar_T -> Gamma_inf (Lemma "ricatti").
+
+Discrepancies with the paper found while checking it numerically (the code implements the correct
+mathematics; tests pin each point):
+
+1. Proposition "Ktheta Kpsi bound" states its regime as "eps << alpha and sin theta << eps^2/alpha^2".
+   In that regime the first inequality is reversed: L_val(K_theta) ~ alpha/2 while
+   L_val(K_psi) = eps^2/(alpha(2-alpha)) ~ eps^2/(2 alpha), so L_val(K_psi) << L_val(K_theta) and
+   K_psi beats K_theta on BOTH losses. The ratios are
+       L_val(K_psi)/L_val(K_theta) ~ eps^2/alpha^2,  L_ideal(K_theta)/L_ideal(K_psi) ~ alpha^2/(eps^2 sin theta),
+   so the chain L_val(K_theta) << L_val(K_psi) ~ L_ideal(K_psi) << L_ideal(K_theta) holds for
+   alpha << eps and sin theta << alpha^2/eps^2 (the paper's conditions with alpha and eps swapped).
+   Likewise the final proposition ("sin theta << eps^2/alpha^3 and eps << alpha") needs
+   alpha << eps and sin theta << alpha^3/eps^2 (from inf_F L_ideal >= alpha^2/(4 sin theta)).
+2. F_psi = [alpha, 1]^T (as printed) gives F_psi G_psi = K_demo - alpha^2 e1 e2^T, i.e. eps = alpha^2,
+   which cannot satisfy alpha << eps. The stated K_psi = K_demo - eps e1 e2^T needs
+   F_psi = [eps/alpha, 1]^T; we use that (G_psi = G_* = -alpha e2^T as in the paper).
+3. Sign: F_theta G_theta = K_demo + alpha [[0,0],[-cos theta, 1 - sin theta]] (the paper prints "-");
+   harmless, the losses are quadratic in K - K_demo (Lemma "err_comp" is correct).
+4. Lemma for Gamma_inf(K_demo): A + B K_demo = diag(0, 1 - alpha) has eigenvalues 0 and 1 - alpha
+   (not "0.5, 1 - alpha"); the result diag(1, 1/(1-(1-alpha)^2)) is correct. A + B K_theta is LOWER
+   triangular (the proof says upper); stability holds for 0 < alpha sin theta < 2.
+5. Lemma "scaling_limit": the "~" hides a constant 1/2: as alpha, theta -> 0,
+   L_val(K_theta)/alpha -> 1/2, L_ideal(K_theta) sin(theta)/alpha -> 1/2, L_{val,ideal}(K_psi) alpha/eps^2 -> 1/2.
+   L_val(K_psi) = L_ideal(K_psi) = eps^2/(alpha(2-alpha)) exactly.
+6. TTF shift: ||S1^{1/2} - S2^{1/2}||_F^2 is the squared W2 distance between N(0,S1) and N(0,S2) only
+   when S1 and S2 commute; in general it is an UPPER bound on
+   W2^2 = tr S1 + tr S2 - 2 tr((S1^{1/2} S2 S1^{1/2})^{1/2}) (since tr(S1^{1/2}S2^{1/2}) <= the nuclear norm
+   of S1^{1/2}S2^{1/2}). It is also W2 squared, not W2. (The proof also plugs Gamma_bar_t where the
+   statement has Gamma_t; the marginal of s_t has covariance Gamma_t, which we use.) In the construction
+   Gamma_inf(K_demo) and Gamma_inf(K_theta) are diagonal (the two agree), Gamma_inf(K_psi) is not.
+7. Lemma "infF_lb": the closed form J(r, h) = N/(h tau^2 (1-r)(2+2r-h)) of the proof is correct
+   (checked against the Lyapunov solution), and the bound inf_F L_ideal(F G_theta) >= alpha^2/(4 sin theta)
+   (even >= alpha^2/(2 tan theta)) holds numerically on our grid. Typo: "h := -alpha v_2 sin theta theta".
+"""
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from scipy.linalg import LinAlgWarning, solve_discrete_lyapunov
+from scipy.optimize import minimize
+
+matplotlib.use("Agg")
+
+
+# ============================================================================ Proposition "LDS"
+def closed_loop(A, B, K) -> np.ndarray:
+    return np.asarray(A, float) + np.asarray(B, float) @ np.asarray(K, float)
+
+
+def spectral_radius(M) -> float:
+    return float(np.max(np.abs(np.linalg.eigvals(np.asarray(M, float)))))
+
+
+def state_covariances(A, B, K, Sigma_w, T: int) -> np.ndarray:
+    """Stack [Gamma_0, ..., Gamma_T] (shape (T+1, n, n)); Gamma_0 = 0 because s_0 = 0.
+
+    Uses the recursion Gamma_{t+1} = (A+BK) Gamma_t (A+BK)^T + Sigma_w, which unrolls to
+    Gamma_t = sum_{s<t} (A+BK)^s Sigma_w (A+BK)^{sT} (Proposition "LDS")."""
+    X = closed_loop(A, B, K)
+    Sw = np.asarray(Sigma_w, float)
+    out = np.zeros((int(T) + 1,) + Sw.shape)
+    for t in range(int(T)):
+        out[t + 1] = X @ out[t] @ X.T + Sw
+    return out
+
+
+def state_covariance(A, B, K, Sigma_w, t: int) -> np.ndarray:
+    """Gamma_t(K) = sum_{s=0}^{t-1} (A+BK)^s Sigma_w (A+BK)^{sT}: the covariance of s_t (s_0 = 0)."""
+    return state_covariances(A, B, K, Sigma_w, t)[-1]
+
+
+def average_state_covariance(A, B, K, Sigma_w, T) -> np.ndarray:
+    """Gamma_bar_T(K) = (1/T) sum_{t=1}^T Gamma_t(K); T = inf gives the limit Gamma_inf(K) (Lemma "ricatti")."""
+    if math.isinf(T):
+        return stationary_state_covariance(A, B, K, Sigma_w)
+    if int(T) < 1:
+        raise ValueError(f"horizon T must be >= 1, got {T}")
+    return state_covariances(A, B, K, Sigma_w, int(T))[1:].mean(axis=0)
+
+
+def stationary_state_covariance(A, B, K, Sigma_w) -> np.ndarray:
+    """Gamma_inf(K): the unique solution of Gamma = (A+BK) Gamma (A+BK)^T + Sigma_w (Lemma "ricatti";
+    a discrete Lyapunov equation, which the paper calls a Riccati equation). Requires rho(A+BK) < 1."""
+    X = closed_loop(A, B, K)
+    rho = spectral_radius(X)
+    if not rho < 1.0:
+        raise ValueError(f"closed loop A + B K is not stable: spectral radius rho(A + B K) = {rho:.6g} >= 1, "
+                         "so the stationary state covariance Gamma_inf(K) does not exist (Lemma 'ricatti')")
+    G = solve_discrete_lyapunov(X, np.asarray(Sigma_w, float))
+    return 0.5 * (G + G.T)
+
+
+def psd_sqrt(S) -> np.ndarray:
+    """Symmetric PSD square root (eigenvalues clipped at 0 against round-off)."""
+    S = 0.5 * (np.asarray(S, float) + np.asarray(S, float).T)
+    w, V = np.linalg.eigh(S)
+    return (V * np.sqrt(np.clip(w, 0.0, None))) @ V.T
+
+
+def _weighted_error(K_demo, K, Gamma) -> float:
+    # ||Delta Gamma^{1/2}||_F^2 = tr(Delta Gamma Delta^T) for PSD Gamma (no square root needed)
+    D = np.asarray(K_demo, float) - np.asarray(K, float)
+    return float(np.trace(D @ np.asarray(Gamma, float) @ D.T))
+
+
+def validation_loss(K_demo, K, Gamma_bar_demo) -> float:
+    """L_val(K) = ||(K_demo - K) Gamma_bar_T(K_demo)^{1/2}||_F^2 (states drawn from the demonstrator)."""
+    return _weighted_error(K_demo, K, Gamma_bar_demo)
+
+
+def ideal_loss(K_demo, K, Gamma_bar_K) -> float:
+    """L_ideal(K) = -R_test(K) = ||(K_demo - K) Gamma_bar_T(K)^{1/2}||_F^2 (states from the learner itself)."""
+    return _weighted_error(K_demo, K, Gamma_bar_K)
+
+
+def ttf_shift_w2(Gamma_demo_t, Gamma_theta_t) -> float:
+    """The paper's TTF shift ||Gamma_demo^{1/2} - Gamma_theta^{1/2}||_F^2 (Proposition "LDS").
+
+    Equal to the squared Wasserstein-2 distance between N(0, Gamma_demo) and N(0, Gamma_theta) only when
+    the two covariances commute; in general it is an upper bound on it (see gaussian_w2_squared)."""
+    return float(np.sum((psd_sqrt(Gamma_demo_t) - psd_sqrt(Gamma_theta_t)) ** 2))
+
+
+def gaussian_w2_squared(S1, S2) -> float:
+    """Exact W2^2(N(0,S1), N(0,S2)) = tr S1 + tr S2 - 2 tr((S1^{1/2} S2 S1^{1/2})^{1/2})."""
+    r1 = psd_sqrt(S1)
+    cross = psd_sqrt(r1 @ np.asarray(S2, float) @ r1)
+    return float(max(np.trace(S1) + np.trace(S2) - 2.0 * np.trace(cross), 0.0))
+
+
+def monte_carlo_rollouts(A, B, K, Sigma_w, T: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """States of n independent rollouts of a_t = K s_t from s_0 = 0 (the paper's initial condition).
+
+    Returns an array of shape (n, T+1, dim) holding s_0 (= 0), s_1, ..., s_T."""
+    X = closed_loop(A, B, K)
+    Lw = np.linalg.cholesky(np.asarray(Sigma_w, float))
+    d = X.shape[0]
+    s = np.zeros((int(T) + 1, int(n), d))  # time-major while simulating (contiguous slices)
+    for t in range(int(T)):
+        # einsum rather than `@`: OpenBLAS threading makes tall-skinny matmuls ~10x slower here
+        s[t + 1] = np.einsum("nj,ij->ni", s[t], X) + np.einsum("nj,ij->ni", rng.standard_normal((int(n), d)), Lw)
+    return s.transpose(1, 0, 2)
+
+
+# ------------------------------------------------------------------ Monte Carlo check (part a)
+def random_stable_lds(n_state: int, n_action: int, closed_loop_radius: float, noise_floor: float,
+                      rng: np.random.Generator):
+    """(A, B, Sigma_w, K_demo) with rho(A + B K_demo) = closed_loop_radius (A itself may be unstable)."""
+    B = rng.standard_normal((n_state, n_action)) / math.sqrt(n_action)
+    K_demo = rng.standard_normal((n_action, n_state)) / math.sqrt(n_state)
+    M = rng.standard_normal((n_state, n_state))
+    M *= closed_loop_radius / spectral_radius(M)
+    A = M - B @ K_demo
+    W = rng.standard_normal((n_state, n_state))
+    Sigma_w = W @ W.T / n_state + noise_floor * np.eye(n_state)
+    return A, B, Sigma_w, K_demo
+
+
+def perturbed_policy(A, B, K_demo, scale: float, rng: np.random.Generator, max_halvings: int = 30):
+    """K = K_demo + delta E (E Gaussian, ||E||_F ~ 1); delta halves from `scale` until rho(A+BK) < 1."""
+    E = rng.standard_normal(K_demo.shape)
+    E /= np.linalg.norm(E)
+    delta = float(scale)
+    for _ in range(max_halvings):
+        K = K_demo + delta * E
+        if spectral_radius(closed_loop(A, B, K)) < 1.0:
+            return K, delta
+        delta /= 2
+    raise ValueError("could not find a stabilising perturbation of K_demo")
+
+
+def _mc_cov(states: np.ndarray) -> np.ndarray:
+    """Per-time second moments E[s_t s_t^T] (the mean is known to be 0), shape (T+1, d, d)."""
+    n = states.shape[0]
+    return np.stack([np.einsum("ni,nj->ij", states[:, t], states[:, t]) / n for t in range(states.shape[1])])
+
+
+def monte_carlo_check(A, B, Sigma_w, K_demo, K, T: int, n: int, rng: np.random.Generator):
+    """Closed forms of Proposition "LDS" against n Monte Carlo rollouts; returns (summary, per-t rows)."""
+    s_demo = monte_carlo_rollouts(A, B, K_demo, Sigma_w, T, n, rng)
+    s_k = monte_carlo_rollouts(A, B, K, Sigma_w, T, n, rng)
+    G_demo = state_covariances(A, B, K_demo, Sigma_w, T)
+    G_k = state_covariances(A, B, K, Sigma_w, T)
+    C_demo, C_k = _mc_cov(s_demo), _mc_cov(s_k)
+    rows, rel_errs, zmax = [], [], 0.0
+    for t in range(1, T + 1):
+        for G, C in ((G_demo[t], C_demo[t]), (G_k[t], C_k[t])):
+            rel_errs.append(np.linalg.norm(C - G) / np.linalg.norm(G))
+            sd = np.sqrt((np.outer(np.diag(G), np.diag(G)) + G ** 2) / n)  # sd of a Gaussian second moment
+            zmax = max(zmax, float(np.max(np.abs(C - G) / sd)))
+        rows.append({"gamma_rel_err_demo": float(rel_errs[-2]), "gamma_rel_err_K": float(rel_errs[-1]),
+                     "ttf_paper": ttf_shift_w2(G_demo[t], G_k[t]), "ttf_w2": gaussian_w2_squared(G_demo[t], G_k[t]),
+                     "ttf_paper_mc": ttf_shift_w2(C_demo[t], C_k[t]), "ttf_w2_mc": gaussian_w2_squared(C_demo[t], C_k[t])})
+    D = K_demo - K
+    # per-rollout time-averaged losses over t = 1..T, then mean and standard error over rollouts
+    lval_roll = (np.einsum("ntj,ij->nti", s_demo[:, 1:], D) ** 2).sum(-1).mean(1)
+    lid_roll = (np.einsum("ntj,ij->nti", s_k[:, 1:], D) ** 2).sum(-1).mean(1)
+    lval = validation_loss(K_demo, K, G_demo[1:].mean(0))
+    lid = ideal_loss(K_demo, K, G_k[1:].mean(0))
+    last = rows[-1]
+    rel = lambda est, ref: abs(est - ref) / abs(ref)
+    summary = {
+        "mc_gamma_rel_err_max": float(max(rel_errs)),
+        "mc_gamma_max_abs_z": zmax,
+        "lval_closed": lval, "lval_mc": float(lval_roll.mean()), "mc_lval_rel_err": rel(lval_roll.mean(), lval),
+        "mc_lval_z": float((lval_roll.mean() - lval) / (lval_roll.std() / math.sqrt(n))),
+        "lideal_closed": lid, "lideal_mc": float(lid_roll.mean()), "mc_lideal_rel_err": rel(lid_roll.mean(), lid),
+        "mc_lideal_z": float((lid_roll.mean() - lid) / (lid_roll.std() / math.sqrt(n))),
+        "ttf_paper_T": last["ttf_paper"], "ttf_w2_T": last["ttf_w2"],
+        "mc_ttf_paper_rel_err": rel(last["ttf_paper_mc"], last["ttf_paper"]),
+        "mc_ttf_w2_rel_err": rel(last["ttf_w2_mc"], last["ttf_w2"]),
+        "rho_demo": spectral_radius(closed_loop(A, B, K_demo)), "rho_K": spectral_radius(closed_loop(A, B, K)),
+    }
+    return summary, rows
+
+
+# ============================================================ appendix construction (2 x 2)
+def _e(i: int) -> np.ndarray:
+    return np.eye(2)[:, i - 1]
+
+
+def lds_construction(alpha: float, epsilon: float, theta: float, mu: float = 1.0) -> dict:
+    """(A, B, Sigma_w, K_demo, K_theta, K_psi) and their factors, as in appdx:construct LDS Lideal Lval example.
+
+    F_psi = [eps/alpha, 1]^T so that K_psi = K_demo - eps e1 e2^T as the paper states (its printed
+    F_psi = [alpha, 1]^T would force eps = alpha^2; see the module docstring)."""
+    e1, e2 = _e(1), _e(2)
+    A = np.diag([0.0, 1.0])
+    F_star, G_star = e2[:, None], -alpha * e2[None, :]
+    F_theta = mu * e2[:, None]
+    G_theta = -alpha / mu * np.array([[math.cos(theta), math.sin(theta)]])
+    F_psi = np.array([[epsilon / alpha], [1.0]])
+    G_psi = G_star.copy()
+    return {"A": A, "B": np.eye(2), "Sigma_w": np.eye(2),
+            "K_demo": F_star @ G_star, "F_star": F_star, "G_star": G_star,
+            "K_theta": F_theta @ G_theta, "F_theta": F_theta, "G_theta": G_theta,
+            "K_psi": F_psi @ G_psi, "F_psi": F_psi, "G_psi": G_psi}
+
+
+def stationary_covariance_demo_closed_form(alpha: float) -> np.ndarray:
+    """Gamma_inf(K_demo) = diag(1, 1/(1-(1-alpha)^2)); needs 0 < alpha < 2."""
+    if not 0 < alpha < 2:
+        raise ValueError(f"K_demo is unstable unless 0 < alpha < 2 (alpha = {alpha})")
+    return np.diag([1.0, 1.0 / (1.0 - (1.0 - alpha) ** 2)])
+
+
+def stationary_covariance_theta_closed_form(alpha: float, theta: float) -> np.ndarray:
+    """Lemma "ricatti_theta": Gamma_inf(K_theta) = diag(1, (1+alpha^2 cos^2)/(alpha sin (2 - alpha sin)))."""
+    a_s = alpha * math.sin(theta)
+    if not 0 < a_s < 2:
+        raise ValueError(f"K_theta is unstable unless 0 < alpha sin(theta) < 2 (got {a_s})")
+    return np.diag([1.0, (1.0 + alpha ** 2 * math.cos(theta) ** 2) / (a_s * (2.0 - a_s))])
+
+
+def stationary_covariance_psi_closed_form(alpha: float, epsilon: float) -> np.ndarray:
+    """Lemma "Gamma_psi": [[1 + eps^2/(a(2-a)), -eps(1-a)/(a(2-a))], [., 1/(a(2-a))]]."""
+    if not 0 < alpha < 2:
+        raise ValueError(f"K_psi is unstable unless 0 < alpha < 2 (alpha = {alpha})")
+    g = 1.0 / (alpha * (2.0 - alpha))
+    off = -epsilon * (1.0 - alpha) * g
+    return np.array([[1.0 + epsilon ** 2 * g, off], [off, g]])
+
+
+def construction_losses_closed_form(alpha: float, epsilon: float, theta: float) -> dict:
+    """T = inf losses from the proof of Lemma "scaling_limit" (and its K_psi analogue)."""
+    s, c = math.sin(theta), math.cos(theta)
+    g_psi = epsilon ** 2 / (alpha * (2.0 - alpha))
+    return {"lval_theta": alpha ** 2 * c ** 2 + alpha ** 2 * (1 - s) ** 2 / (1 - (1 - alpha) ** 2),
+            "lideal_theta": alpha ** 2 * c ** 2 + alpha ** 2 * (1 - s) ** 2 * (1 + alpha ** 2 * c ** 2)
+            / (alpha * s * (2 - alpha * s)),
+            "lval_psi": g_psi, "lideal_psi": g_psi}
+
+
+def scaling_limits(alpha: float, epsilon: float, theta: float) -> dict:
+    """Leading orders of Lemma "scaling_limit": L_val(K_theta) ~ alpha, L_ideal(K_theta) ~ alpha/sin theta,
+    L_val(K_psi), L_ideal(K_psi) ~ eps^2/alpha. The exact/leading ratios tend to 1/2 as alpha, theta -> 0."""
+    return {"lval_theta": alpha, "lideal_theta": alpha / math.sin(theta),
+            "lval_psi": epsilon ** 2 / alpha, "lideal_psi": epsilon ** 2 / alpha}
+
+
+def subspace_distance(G, G_star) -> float:
+    """dist(G, G_*) = ||P_G P_perp||_op, P_G onto rowsp(G), P_perp onto rowsp(G_*)^perp (eq. subspace dist)."""
+    proj = lambda M: M.T @ np.linalg.pinv(M.T)
+    P = proj(np.asarray(G, float))
+    P_perp = np.eye(P.shape[0]) - proj(np.asarray(G_star, float))
+    return float(np.linalg.norm(P @ P_perp, 2))
+
+
+# ---------------------------------------------------- Lemma "infF_lb": inf over the last layer F
+def last_layer_policy(alpha: float, theta: float, r, h):
+    """K = F G_theta in the proof's coordinates: K = -v w^T, w = -alpha [cos, sin]^T,
+    r = alpha v_1 cos(theta), h = -alpha v_2 sin(theta) (a bijection v <-> (r, h); broadcasts)."""
+    c, s = math.cos(theta), math.sin(theta)
+    r, h = np.asarray(r, float), np.asarray(h, float)
+    v1, v2 = r / (alpha * c), -h / (alpha * s)
+    K = np.zeros(r.shape + (2, 2))
+    K[..., 0, 0], K[..., 0, 1] = alpha * v1 * c, alpha * v1 * s
+    K[..., 1, 0], K[..., 1, 1] = alpha * v2 * c, alpha * v2 * s
+    return K
+
+
+def last_layer_objective_closed_form(alpha: float, theta: float, r, h):
+    """The proof's J(r, h) = N(r,h,tau,alpha) / (h tau^2 (1-r)(2+2r-h)) = L_ideal(F G_theta), T = inf."""
+    t2 = math.tan(theta) ** 2
+    a = alpha
+    N = (a ** 2 * (1 + r) * h ** 2 + a ** 2 * t2 * (1 - r) ** 2 * (1 + r) + 2 * (1 - a) * h ** 3
+         + t2 * (2 * a ** 2 * h * r - 2 * a * h ** 2 * r + 2 * a * h * r ** 2 - 2 * a * h + h ** 2 * (1 + r)
+                 + 2 * h * r ** 2) + t2 ** 2 * r ** 2 * (1 + r))
+    return N / (h * t2 * (1 - r) * (2 + 2 * r - h))
+
+
+def infF_lower_bound(alpha: float, theta: float) -> float:
+    """Lemma "infF_lb": inf_F L_ideal(F G_theta) >= alpha^2/(4 sin theta) for theta in (0, pi/8)."""
+    return alpha ** 2 / (4.0 * math.sin(theta))
+
+
+def _batched_ideal_loss(alpha, K):
+    """L_ideal (T = inf) for a batch of policies K (..., 2, 2) of the construction, via the vectorised
+    Lyapunov equation (I - X kron X) vec(Gamma) = vec(I); independent of scipy's solver."""
+    X = np.diag([0.0, 1.0]) + K
+    N = X.reshape(-1, 2, 2)
+    kron = np.einsum("nij,nkl->nikjl", N, N).reshape(-1, 4, 4)
+    G = np.linalg.solve(np.eye(4) - kron, np.broadcast_to(np.eye(2).reshape(4), (len(N), 4))[..., None])
+    G = G.reshape(-1, 2, 2)
+    D = K.reshape(-1, 2, 2) - np.diag([0.0, -alpha])
+    return np.einsum("nij,njk,nik->n", D, G, D).reshape(K.shape[:-2])
+
+
+def _rh_from_z(z0, z1):
+    """Unconstrained (z0, z1) -> the stability region -1 < r < 1, 0 < h < 2(1+r) of the proof."""
+    r = np.tanh(z0)
+    return r, 2.0 * (1.0 + r) / (1.0 + np.exp(-np.asarray(z1, float)))
+
+
+def inf_last_layer_ideal_loss(alpha: float, theta: float, grid: int = 160) -> dict:
+    """inf over last layers F (with A + B F G_theta stable) of L_ideal(F G_theta), T = inf.
+
+    Every F in R^{2x1} is some v in R^2, i.e. some (r, h) in the Schur-stable region. Dense grid in
+    (atanh r, logit(h/(2(1+r)))) with a batched Lyapunov solve, then Nelder-Mead from the 2 best grid
+    points (2x2 Lyapunov solved as a 4x4 linear system); the value at the minimiser is recomputed with
+    scipy's solve_discrete_lyapunov. Returns value, minimiser (r, h), K and F (mu = 1)."""
+    z0 = np.linspace(-4.0, 4.0, grid)
+    z1 = np.linspace(-40.0, 6.0, grid)
+    Z0, Z1 = np.meshgrid(z0, z1, indexing="ij")
+    R, H = _rh_from_z(Z0, Z1)
+    with np.errstate(all="ignore"):
+        J = _batched_ideal_loss(alpha, last_layer_policy(alpha, theta, R, H))
+    J = np.where(np.isfinite(J) & (J > 0), J, np.inf)
+    cons = lds_construction(alpha, 0.0, theta)
+
+    def objective(z):
+        r, h = _rh_from_z(z[0], z[1])
+        with np.errstate(all="ignore"):
+            val = float(_batched_ideal_loss(alpha, last_layer_policy(alpha, theta, r, h)))
+        return val if np.isfinite(val) and val > 0 else np.inf
+
+    best = (np.inf, None)
+    for idx in np.argsort(J, axis=None)[:2]:
+        i, j = np.unravel_index(idx, J.shape)
+        res = minimize(objective, [Z0[i, j], Z1[i, j]], method="Nelder-Mead",
+                       options={"xatol": 1e-9, "fatol": 1e-13, "maxiter": 2000, "maxfev": 4000})
+        if res.fun < best[0]:
+            best = (float(res.fun), res.x)
+    r, h = _rh_from_z(*best[1])
+    K = last_layer_policy(alpha, theta, float(r), float(h))
+    # the reported value is recomputed with scipy's Lyapunov solver (stationary_state_covariance)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LinAlgWarning)
+        value = ideal_loss(cons["K_demo"], K, stationary_state_covariance(cons["A"], cons["B"], K, cons["Sigma_w"]))
+    F = K @ np.linalg.pinv(cons["G_theta"])  # K = F G_theta exactly (K's rows lie in rowsp(G_theta))
+    return {"value": value, "r": float(r), "h": float(h), "K": K, "F": F, "grid_min": float(J.min())}
+
+
+# ----------------------------------------------------------------------- the construction table
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def construction_row(alpha: float, epsilon: float, theta: float, margin: float, inf_f: dict) -> dict:
+    c = lds_construction(alpha, epsilon, theta)
+    A, B, Sw, Kd, Kt, Kp = (c[k] for k in ("A", "B", "Sigma_w", "K_demo", "K_theta", "K_psi"))
+    G_demo = stationary_state_covariance(A, B, Kd, Sw)
+    G_theta = stationary_state_covariance(A, B, Kt, Sw)
+    G_psi = stationary_state_covariance(A, B, Kp, Sw)
+    lv_t, lv_p = validation_loss(Kd, Kt, G_demo), validation_loss(Kd, Kp, G_demo)
+    li_t, li_p = ideal_loss(Kd, Kt, G_theta), ideal_loss(Kd, Kp, G_psi)
+    cf = construction_losses_closed_form(alpha, epsilon, theta)
+    lead = scaling_limits(alpha, epsilon, theta)
+    s = math.sin(theta)
+    ll = lambda a, b: margin * a <= b  # "a << b" read as a factor `margin`
+    row = {
+        "alpha": alpha, "epsilon": epsilon, "theta": theta, "sin_theta": s,
+        "lval_theta": lv_t, "lval_psi": lv_p, "lideal_theta": li_t, "lideal_psi": li_p,
+        "lval_ratio_psi_over_theta": lv_p / lv_t, "lideal_ratio_theta_over_psi": li_t / li_p,
+        "ordering_margin": min(lv_p / lv_t, li_t / li_p),
+        "inf_f_lideal": inf_f["value"], "inf_f_r": inf_f["r"], "inf_f_h": inf_f["h"],
+        "inf_f_paper_bound": infF_lower_bound(alpha, theta), "inf_f_bound_2tan": alpha ** 2 / (2 * math.tan(theta)),
+        "inf_f_over_bound": inf_f["value"] / infF_lower_bound(alpha, theta),
+        "inf_f_over_lideal_theta": inf_f["value"] / li_t, "inf_f_over_lideal_psi": inf_f["value"] / li_p,
+        "feature_ordering_margin": min(lv_p / lv_t, inf_f["value"] / li_p),
+        "inf_f_closed_form_rel_err": abs(last_layer_objective_closed_form(alpha, theta, inf_f["r"], inf_f["h"])
+                                         - inf_f["value"]) / inf_f["value"],
+        "dist_G_theta": subspace_distance(c["G_theta"], c["G_star"]),
+        "dist_G_psi": subspace_distance(c["G_psi"], c["G_star"]),
+        "gamma_demo_closed_form_rel_err": _rel(stationary_covariance_demo_closed_form(alpha), G_demo),
+        "gamma_theta_closed_form_rel_err": _rel(stationary_covariance_theta_closed_form(alpha, theta), G_theta),
+        "gamma_psi_closed_form_rel_err": _rel(stationary_covariance_psi_closed_form(alpha, epsilon), G_psi),
+        "loss_closed_form_rel_err": max(abs(cf[k] - v) / v for k, v in
+                                        (("lval_theta", lv_t), ("lval_psi", lv_p), ("lideal_theta", li_t),
+                                         ("lideal_psi", li_p))),
+        "scaling_lval_theta": lv_t / lead["lval_theta"], "scaling_lideal_theta": li_t / lead["lideal_theta"],
+        "scaling_lval_psi": lv_p / lead["lval_psi"], "scaling_lideal_psi": li_p / lead["lideal_psi"],
+        "ttf_theta_paper": ttf_shift_w2(G_demo, G_theta), "ttf_theta_w2": gaussian_w2_squared(G_demo, G_theta),
+        "ttf_psi_paper": ttf_shift_w2(G_demo, G_psi), "ttf_psi_w2": gaussian_w2_squared(G_demo, G_psi),
+        # regimes: as printed in the paper, and corrected (module docstring, point 1)
+        "paper_regime": int(ll(epsilon, alpha) and ll(s, epsilon ** 2 / alpha ** 2)),
+        "corrected_regime": int(ll(alpha, epsilon) and ll(s, alpha ** 2 / epsilon ** 2)),
+        "paper_feature_regime": int(ll(epsilon, alpha) and ll(s, epsilon ** 2 / alpha ** 3)),
+        "corrected_feature_regime": int(ll(alpha, epsilon) and ll(s, alpha ** 3 / epsilon ** 2)),
+        "ordering_holds": int(lv_t < lv_p and li_p < li_t),
+        "feature_ordering_holds": int(lv_t < lv_p and li_p < inf_f["value"]),
+        "scaling_lemma_applies": int(theta < math.pi / 4), "infF_lemma_applies": int(theta < math.pi / 8),
+    }
+    row["closed_form_rel_err"] = max(row["gamma_demo_closed_form_rel_err"], row["gamma_theta_closed_form_rel_err"],
+                                     row["gamma_psi_closed_form_rel_err"], row["loss_closed_form_rel_err"])
+    return row
+
+
+CONSTRUCTION_COLUMNS = list(construction_row(0.1, 1.0, 1e-3, 10.0, {"value": 1.0, "r": 0.0, "h": 1e-4}))
+
+
+def construction_table(alphas, epsilons, thetas, margin: float = 10.0, grid: int = 160) -> list:
+    rows = []
+    for a in alphas:
+        for th in thetas:
+            inf_f = inf_last_layer_ideal_loss(a, th, grid)  # independent of epsilon
+            for e in epsilons:
+                rows.append(construction_row(a, e, th, margin, inf_f))
+    return sorted(rows, key=lambda r: (r["alpha"], r["epsilon"], r["theta"]))
+
+
+def construction_summary(rows: list) -> dict:
+    def pick(key, cond=lambda r: True):
+        return [r[key] for r in rows if cond(r)]
+
+    paper = lambda r: r["paper_regime"] == 1
+    corr = lambda r: r["corrected_regime"] == 1
+    corr_f = lambda r: r["corrected_feature_regime"] == 1
+    in_lemma = lambda r: r["infF_lemma_applies"] == 1
+    frac = lambda xs: float(np.mean(xs)) if xs else float("nan")
+    mn = lambda xs: float(min(xs)) if xs else float("nan")
+    mx = lambda xs: float(max(xs)) if xs else float("nan")
+    small = min(rows, key=lambda r: (r["alpha"], r["theta"], r["epsilon"]))
+    return {
+        "construction_points": len(rows),
+        "construction_max_closed_form_rel_err": mx(pick("closed_form_rel_err")),
+        "construction_min_lideal_ratio": mn(pick("lideal_ratio_theta_over_psi")),
+        "construction_max_lideal_ratio": mx(pick("lideal_ratio_theta_over_psi")),
+        "paper_regime_points": len(pick("alpha", paper)),
+        "paper_regime_frac_ordering_holds": frac(pick("ordering_holds", paper)),
+        "paper_regime_max_ordering_margin": mx(pick("ordering_margin", paper)),
+        "corrected_regime_points": len(pick("alpha", corr)),
+        "corrected_regime_frac_ordering_holds": frac(pick("ordering_holds", corr)),
+        "corrected_regime_min_ordering_margin": mn(pick("ordering_margin", corr)),
+        "corrected_feature_regime_points": len(pick("alpha", corr_f)),
+        "corrected_feature_regime_min_margin": mn(pick("feature_ordering_margin", corr_f)),
+        "inf_f_min_over_paper_bound": mn(pick("inf_f_over_bound", in_lemma)),
+        "inf_f_max_over_lideal_theta": mx(pick("inf_f_over_lideal_theta")),
+        "inf_f_max_closed_form_rel_err": mx(pick("inf_f_closed_form_rel_err")),
+        "scaling_alpha": small["alpha"], "scaling_theta": small["theta"],
+        "scaling_lval_theta": small["scaling_lval_theta"], "scaling_lideal_theta": small["scaling_lideal_theta"],
+        "scaling_lval_psi": small["scaling_lval_psi"],
+    }
+
+
+def _write_csv(rows: list, columns: list, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (repr(float(v)) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def _read_csv(path: Path) -> list:
+    def conv(v):
+        try:
+            return int(v)
+        except ValueError:
+            return float(v)
+
+    with open(path, newline="") as f:
+        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+# ================================================================================ Hydra task
+def run(cfg, run) -> dict:
+    t = cfg.task
+    rng = np.random.default_rng(int(cfg.seed))
+    # (a) Proposition "LDS": closed forms vs Monte Carlo on a random stable LDS
+    A, B, Sw, K_demo = random_stable_lds(int(t.n_state), int(t.n_action), float(t.closed_loop_radius),
+                                         float(t.noise_floor), rng)
+    K, delta = perturbed_policy(A, B, K_demo, float(t.perturbation), rng)
+    mc, per_t = monte_carlo_check(A, B, Sw, K_demo, K, int(t.horizon), int(t.n_rollouts), rng)
+    for step, row in enumerate(per_t, start=1):
+        run.log(row, step)
+    # (b) the appendix construction over the (alpha, epsilon, theta) grid, T = inf
+    rows = construction_table([float(x) for x in t.alphas], [float(x) for x in t.epsilons],
+                              [float(x) for x in t.thetas], float(t.regime_margin), int(t.inf_grid))
+    _write_csv(rows, CONSTRUCTION_COLUMNS, Path(run.dir) / "construction.csv")
+    return {"n_state": int(t.n_state), "n_action": int(t.n_action), "horizon": int(t.horizon),
+            "n_rollouts": int(t.n_rollouts), "perturbation": delta, **mc, **construction_summary(rows)}
+
+
+# ==================================================================================== report
+MC_COLUMNS = ["seed", "n_state", "n_action", "horizon", "n_rollouts", "perturbation", "rho_demo", "rho_K",
+              "mc_gamma_rel_err_max", "mc_gamma_max_abs_z", "lval_closed", "mc_lval_rel_err", "mc_lval_z",
+              "lideal_closed", "mc_lideal_rel_err", "mc_lideal_z", "ttf_paper_T", "ttf_w2_T",
+              "mc_ttf_paper_rel_err", "mc_ttf_w2_rel_err"]
+TABLE_COLUMNS = ["alpha", "epsilon", "theta", "lval_theta", "lval_psi", "lideal_theta", "lideal_psi",
+                 "lval_ratio_psi_over_theta", "lideal_ratio_theta_over_psi", "inf_f_lideal", "inf_f_paper_bound",
+                 "inf_f_over_lideal_psi", "paper_regime", "corrected_regime", "ordering_holds",
+                 "feature_ordering_holds", "ttf_psi_paper", "ttf_psi_w2", "closed_form_rel_err"]
+
+
+def report(records, out_dir, stamp) -> None:
+    """construction.{csv,md} (the T = inf construction grid; deterministic, taken from the lowest seed),
+    monte_carlo.{csv,md} (closed forms vs Monte Carlo, one row per seed) and lds_construction.png."""
+    rows = report_tables(records, out_dir, stamp)
+    report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
+
+
+def report_tables(records, out_dir, stamp) -> list:
+    from experiments.report import write_table
+
+    out_dir = Path(out_dir)
+    records = sorted(records, key=lambda r: (r["summary"].get("seed", 0), str(r["dir"])))
+    mc_rows = [{k: r["summary"].get(k, "") for k in MC_COLUMNS} for r in records]
+    write_table(mc_rows, MC_COLUMNS, out_dir / "monte_carlo", stamp,
+                "Proposition LDS: closed forms vs Monte Carlo rollouts (relative errors, z-scores)")
+    rows = _read_csv(Path(records[0]["dir"]) / "construction.csv")
+    write_table(rows, TABLE_COLUMNS, out_dir / "construction", stamp,
+                "Appendix construction (T = inf): L_val and L_ideal of K_theta vs K_psi; "
+                "paper_regime = the Proposition's printed conditions, corrected_regime = alpha << eps, "
+                "sin theta << alpha^2/eps^2 (factor 10)")
+    return rows
+
+
+def report_figure(rows, path, stamp) -> None:
+    import matplotlib.pyplot as plt
+
+    from experiments.report import stamp_figure
+
+    alphas = sorted({r["alpha"] for r in rows})
+    epsilons = sorted({r["epsilon"] for r in rows})
+    fig, axes = plt.subplots(2, len(alphas), figsize=(4.2 * len(alphas), 7.5), squeeze=False)
+    cmap = plt.get_cmap("plasma")
+    for j, a in enumerate(alphas):
+        ax, bx = axes[0, j], axes[1, j]
+        sub = sorted((r for r in rows if r["alpha"] == a and r["epsilon"] == epsilons[0]), key=lambda r: r["theta"])
+        th = [r["theta"] for r in sub]
+        ax.plot(th, [r["lideal_theta"] for r in sub], "r-o", ms=3, label=r"$L_{ideal}(K_\theta)$")
+        ax.plot(th, [r["lval_theta"] for r in sub], "r--s", ms=3, label=r"$L_{val}(K_\theta)$")
+        ax.plot(th, [r["inf_f_lideal"] for r in sub], "m:^", ms=3, label=r"$\inf_F L_{ideal}(F G_\theta)$")
+        ax.plot(th, [r["inf_f_paper_bound"] for r in sub], color="0.5", lw=0.8, label=r"$\alpha^2/(4\sin\theta)$")
+        for k, e in enumerate(epsilons):
+            col = cmap(0.85 * k / max(1, len(epsilons) - 1))
+            sub_e = sorted((r for r in rows if r["alpha"] == a and r["epsilon"] == e), key=lambda r: r["theta"])
+            ax.axhline(sub_e[0]["lval_psi"], color=col, lw=1.2,
+                       label=rf"$L_{{val}}=L_{{ideal}}(K_\psi)$, $\epsilon$={e:g}")
+            bx.plot([r["theta"] for r in sub_e], [r["ordering_margin"] for r in sub_e], "-o", ms=3, color=col,
+                    label=rf"$\epsilon$={e:g}")
+            corr = [r for r in sub_e if r["corrected_regime"]]
+            bx.plot([r["theta"] for r in corr], [r["ordering_margin"] for r in corr], "o", ms=8, mfc="none",
+                    color=col)
+            printed = [r for r in sub_e if r["paper_regime"]]
+            bx.plot([r["theta"] for r in printed], [r["ordering_margin"] for r in printed], "x", ms=8, color=col)
+        ax.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  losses at T = $\infty$")
+        bx.axhline(1.0, color="k", lw=0.8)
+        bx.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  mismatch margin")
+    axes[0, 0].set_ylabel("loss")
+    axes[1, 0].set_ylabel("margin (> 1: mismatch holds)")
+    axes[0, 0].legend(fontsize=6)
+    axes[1, 0].legend(fontsize=6, title="o: corrected regime, x: printed regime", title_fontsize=6)
+    fig.suptitle(r"margin = min($L_{val}(K_\psi)/L_{val}(K_\theta)$, $L_{ideal}(K_\theta)/L_{ideal}(K_\psi)$)"
+                 r"; > 1 means $L_{val}(K_\theta) < L_{val}(K_\psi)$ and $L_{ideal}(K_\psi) < L_{ideal}(K_\theta)$",
+                 fontsize=9, y=0.995)
+    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
+    stamp_figure(fig, stamp)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
