@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import shlex
 import statistics
@@ -337,6 +338,7 @@ def main(argv=None):
     args.gps, every = args.gps.split(","), [int(k) for k in args.precond_every.split(",")]
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
+    load0 = os.getloadavg()[0]
     lines = [f"`python -m dopr.bench {shlex.join(sys.argv[1:] if argv is None else argv)}`", "",
              f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
              f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, "
@@ -346,6 +348,8 @@ def main(argv=None):
         header, rows = bench_model(name, args, every)
         transformer = {r["label"]: r for r in rows} if name == "transformer" else transformer
         lines += [header, "", table(rows, args.device == "cuda"), ""]
+    # other processes on the machine distort every timing: record the load around the run
+    lines[2] += f", load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     lines += [NOTES, ""] + [UNET_NOTE, ""] * ("unet" in args.models.split(",") and "muon" in args.gps)
     lines += target_checks(transformer)
     text = "\n".join(lines) + "\n"

@@ -129,12 +129,24 @@ class Run:
         return self.dir / "checkpoint.pt"
 
     def save_checkpoint(self, state: dict) -> None:
-        _atomic_write(self.checkpoint_path, lambda p: torch.save(state, p))
+        """Atomically save the training state together with how many metric rows it has logged."""
+        self._metrics.flush()
+        rows = sum(1 for _ in open(self.dir / "metrics.jsonl"))
+        _atomic_write(self.checkpoint_path, lambda p: torch.save({"state": state, "metric_rows": rows}, p))
 
     def load_checkpoint(self) -> Optional[dict]:
+        """The last saved state (None on a fresh start); metrics.jsonl is cut back to that point, so a
+        requeued job that resumes logs every step exactly once."""
         if not self.checkpoint_path.exists():
             return None
-        return torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        ckpt = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        self._metrics.close()
+        path = self.dir / "metrics.jsonl"
+        rows = path.read_text().splitlines(keepends=True)[: ckpt["metric_rows"]]
+        path.write_text("".join(rows))
+        self._metrics = open(path, "a")
+        print(f"resumed from {self.checkpoint_path} ({ckpt['metric_rows']} metric rows)", flush=True)
+        return ckpt["state"]
 
     # ----------------------------------------------------------------------------- finish
     def finish(self, summary: dict) -> dict:

@@ -8,6 +8,7 @@ learned. The AP learns as if the inputs were isotropic (Proposition "SGD and AP 
 from __future__ import annotations
 
 import math
+import time
 
 import matplotlib
 import numpy as np
@@ -67,7 +68,17 @@ def run(cfg, run) -> dict:
     opt = build_optimizer(model, cfg)
     x_val, y_val = problem.sample(t.n_val)
     loss_fn = lambda x, y: ((model(x) - y) ** 2).sum(1).mean()
-    for step in range(t.steps + 1):
+    start = 0
+    resumed = run.load_checkpoint()
+    if resumed is not None:  # a requeued (preempted) job continues where it stopped
+        model.load_state_dict(resumed["model"])
+        opt.load_state_dict(resumed["optimizer"])
+        gen.set_state(resumed["generator"])
+        start = resumed["step"]
+    for step in range(start, t.steps + 1):
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step > start:
+            run.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "generator": gen.get_state(), "step": step})
         if step % t.log_every == 0 or step == t.steps:
             with torch.no_grad():
                 val = loss_fn(x_val, y_val).item()
@@ -78,6 +89,8 @@ def run(cfg, run) -> dict:
                 break
         if step == t.steps:
             break
+        if t.step_delay_s:
+            time.sleep(t.step_delay_s)
         x, y = problem.sample(t.batch_size)
         loss = loss_fn(x, y)
         opt.zero_grad(set_to_none=True)
