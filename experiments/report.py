@@ -68,17 +68,18 @@ def main(argv=None) -> None:
     records = load_records(args.sweeps)
     if not records:
         raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
-    by_task = defaultdict(list)
+    by_sweep = defaultdict(list)  # results/<task>/ for a task's main sweep, results/<task>/<sweep>/ else
     for r in records:
-        by_task[r["summary"]["task"]].append(r)
+        sweep = r["config"].sweep_name if r["config"] is not None else r["summary"]["task"]
+        by_sweep[(r["summary"]["task"], sweep)].append(r)
     command = "python -m experiments.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     stamp = f"Made by `{command}` at commit `{git_revision()}` from {len(records)} runs."
-    for task, recs in sorted(by_task.items()):
+    for (task, sweep), recs in sorted(by_sweep.items()):
         module = importlib.import_module(recs[0]["config"].task.entry.rsplit(".", 1)[0])
-        out = Path(args.out) / task
+        out = Path(args.out) / task / ("" if sweep == task else sweep)
         out.mkdir(parents=True, exist_ok=True)
         module.report(recs, out, stamp)
-        print(f"{task}: {len(recs)} runs -> {out}")
+        print(f"{task} ({sweep}): {len(recs)} runs -> {out}")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ MailProg=/bin/true
 SwitchType=switch/none
 ReturnToService=2
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 JobRequeue=1
@@ -87,7 +88,10 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES PriorityTier=1 MaxTime=INFINITE State=UP
+# GraceTime: a preempted job first gets USR2 (submitit checkpoints and requeues it itself) and is
+# killed only after the grace time; without it Slurm requeues the job at once and submitit's own
+# \`scontrol requeue\` fails ("Job is pending execution"), which fails the sweep's result.
+PartitionName=debug Nodes=$host Default=YES PriorityTier=1 GraceTime=20 MaxTime=INFINITE State=UP
 PartitionName=urgent Nodes=$host PriorityTier=10 MaxTime=INFINITE State=UP
 EOF
 }

@@ -1,9 +1,11 @@
 """The suite's entry point: one Hydra job = one task x optimizer x seed."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .run import Run, seed_everything
@@ -16,9 +18,36 @@ def apply_debug(cfg: DictConfig) -> None:
             cfg.task = OmegaConf.merge(cfg.task, cfg.task.debug)
 
 
+class RequireSlurmPartition(Callback):
+    """launcher=slurm: stop before anything is submitted when slurm.partition is unset. Without this
+    the launcher fails with "Missing mandatory value: hydra.launcher.partition", naming the wrong key.
+    SystemExit, not an exception: Hydra turns a callback's exceptions into warnings and goes on."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if "slurm" in config and OmegaConf.is_missing(config.slurm, "partition"):
+            sys.exit("Missing mandatory value: slurm.partition. launcher=slurm needs the cluster's partition: "
+                     "pass slurm.partition=<name> or set it in conf/local/default.yaml "
+                     "(see conf/local.example.yaml)")
+
+
+def init_distributed(cfg: DictConfig) -> None:
+    """launcher=slurm_multigpu: one process per GPU; rank and world from submitit's environment."""
+    if not cfg.get("distributed"):
+        return
+    import submitit
+    import torch
+    import torch.distributed as dist
+
+    env = submitit.helpers.TorchDistributedEnvironment().export()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
 def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     """Run the task named by `cfg.task.entry`; summary.json is written only if it returns."""
     apply_debug(cfg)
+    init_distributed(cfg)
     seed_everything(int(cfg.seed))
     task = hydra.utils.get_method(cfg.task.entry)
     run = Run(cfg, out_dir)

@@ -91,10 +91,12 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)
         self.start = time.time()
-        self._metrics = open(self.dir / "metrics.jsonl", "a")
-        self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" else None
+        # under torch.distributed only rank 0 writes files and talks to W&B
+        self.is_main = not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0)
+        self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "a")
+        self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
         self.summary_path = self.dir / "summary.json"
-        if self.summary_path.exists():  # a re-run in the same directory starts unfinished
+        if self.is_main and self.summary_path.exists():  # a re-run in the same directory starts unfinished
             self.summary_path.unlink()
 
     # ------------------------------------------------------------------------------ W&B
@@ -130,6 +132,8 @@ class Run:
 
     def save_checkpoint(self, state: dict) -> None:
         """Atomically save the training state together with how many metric rows it has logged."""
+        if not self.is_main:
+            return
         self._metrics.flush()
         rows = sum(1 for _ in open(self.dir / "metrics.jsonl"))
         _atomic_write(self.checkpoint_path, lambda p: torch.save({"state": state, "metric_rows": rows}, p))
@@ -140,6 +144,8 @@ class Run:
         if not self.checkpoint_path.exists():
             return None
         ckpt = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        if not self.is_main:
+            return ckpt["state"]
         self._metrics.close()
         path = self.dir / "metrics.jsonl"
         rows = path.read_text().splitlines(keepends=True)[: ckpt["metric_rows"]]
@@ -156,6 +162,8 @@ class Run:
             "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
             "packages": package_versions(), "overrides": _overrides(),
         }
+        if not self.is_main:
+            return out
         _atomic_write(self.summary_path, lambda p: p.write_text(json.dumps(out, indent=2)))
         if self._wandb is not None:
             self._wandb.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float, str))})

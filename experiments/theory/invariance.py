@@ -63,6 +63,8 @@ def run(cfg, run) -> dict:
                 loss.backward()
                 opt.step()
             step += 1
+            if step % t.val_every and step != t.epochs * t.steps_per_epoch:
+                continue
             with torch.no_grad():
                 a, b = val(original, x), val(transformed, xt)
             gap = max(gap, abs(a - b) / abs(a))
