@@ -317,3 +317,26 @@ def test_every_gp_plain_and_dopr_lowers_the_loss_and_the_ap_really_runs(name):
         # the GP received M = G (Sigma + damping)^-1, not the raw gradient
         torch.testing.assert_close(seen["grad"].double(), m0[:, :-1], rtol=1e-3, atol=1e-3 * m0.abs().max().item())
         assert opt.stats()["preconditioned"] == 20 * 3
+
+
+def test_absolute_damping_adds_gamma_times_identity():
+    model = nn.Linear(4, 2, bias=False)
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=0.5, damping_mode="absolute")
+    x = torch.randn(30, 4) * 3
+    model(x).pow(2).sum().backward()
+    g = model.weight.grad.double().clone()
+    opt.precondition()
+    sigma = x.double().T @ x.double() / 30
+    expect = torch.linalg.solve(sigma + 0.5 * torch.eye(4, dtype=torch.float64), g.T).T
+    torch.testing.assert_close(model.weight.grad.double(), expect, rtol=1e-4, atol=1e-6)
+
+
+def test_same_size_covariances_are_factored_in_one_batched_call(monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    calls = []
+    real = torch.linalg.cholesky_ex
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a, **k: calls.append(tuple(a.shape)) or real(a, **k))
+    model(torch.randn(32, 8)).pow(2).sum().backward()
+    opt.precondition()
+    assert calls == [(3, 9, 9)]  # three layers with d = 8 + 1, one call
