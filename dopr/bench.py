@@ -224,17 +224,18 @@ class Row:
 
     def done(self, repeats, budget):
         """`repeats` timed steps, or `budget` seconds of them, but at least 3 steps and, for k>1,
-        one refresh step and one other step (a k=10 row runs >= 11 steps)."""
+        one other step and two refresh steps (one if repeats < 2k): a k=10 row times >= 20 steps."""
         n = len(self.refresh) + len(self.other)
         return ((n >= repeats or self.spent > budget) and n >= min(3, repeats)
-                and (self.k == 1 or bool(self.refresh and self.other)))
+                and (self.k == 1 or (len(self.other) >= 1 and len(self.refresh) >= min(2, -(-repeats // self.k)))))
 
     def result(self):
         if self.k == 1:
             t = statistics.median(self.refresh)
         else:  # amortised over a cycle of k steps
             t = ((self.k - 1) * statistics.median(self.other) + statistics.median(self.refresh)) / self.k
-        row = {"label": self.label, "t": t, "n": len(self.refresh) + len(self.other),
+        n = len(self.refresh) + len(self.other)
+        row = {"label": self.label, "t": t, "n": f"{n} ({len(self.refresh)} refresh)" if self.k > 1 else str(n),
                "state": tensor_bytes(self.opt.state_dict()) / 2**20}
         if self.cuda:  # what max_memory_allocated would report for this row alone
             row["peak"] = (self.resident + self.transient) / 2**20
@@ -272,7 +273,7 @@ def table(rows, cuda):
     cols = ["optimizer", "n", "t_step (ms)", "R", "R_model", "opt state (MB)"] + ["peak CUDA (MB)"] * cuda
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["label"], str(r["n"]), f"{1e3 * r['t']:.1f}", f"{r['R']:.2f}" if "R" in r else "",
+        cells = [r["label"], r["n"], f"{1e3 * r['t']:.1f}", f"{r['R']:.2f}" if "R" in r else "",
                  f"{r['R_model']:.2f}" if "R" in r else "", f"{r['state']:.2f}"]
         cells += [f"{r['peak']:.0f}"] if cuda else []
         out.append("| " + " | ".join(cells) + " |")

@@ -388,10 +388,13 @@ class DoPr(torch.optim.Optimizer):
         """Keys whose tensor has a non-finite entry (one device sync for all of them)."""
         if not tensors:
             return set()
-        flags = torch.stack([torch.isfinite(t).all() for t in tensors.values()])
-        if bool(flags.all()):
+        # one pass per tensor: a sum is finite unless an entry is non-finite (or it overflows,
+        # which the exact per-tensor check below then clears)
+        if bool(torch.stack([t.sum() for t in tensors.values()]).isfinite().all()):
             return set()
-        bad = {k for k, ok in zip(tensors, flags.tolist()) if not ok}
+        bad = {k for k, t in tensors.items() if not bool(torch.isfinite(t).all())}
+        if not bad:
+            return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
         if self.options["on_nonfinite"] == "raise":
             raise FloatingPointError(f"non-finite {what} in DoPr layer(s) {names}")

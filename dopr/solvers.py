@@ -114,8 +114,11 @@ def operator_state(op) -> dict:
     return {"type": type(op).__name__, "tensors": op.tensors()}
 
 
-def _eye_like(sigma: Tensor) -> Tensor:
-    return torch.eye(sigma.shape[-1], dtype=sigma.dtype, device=sigma.device)
+def _damped(sigma: Tensor, lam: Tensor) -> Tensor:
+    """sigma + lam I for a batch, in one copy."""
+    a = sigma.clone()
+    a.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
+    return a
 
 
 def pseudo_inverse(sigma: Tensor, lam: Tensor, rcond: float) -> Tensor:
@@ -128,8 +131,7 @@ def pseudo_inverse(sigma: Tensor, lam: Tensor, rcond: float) -> Tensor:
 
 def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
     d = sigma.shape[-1]
-    eye = _eye_like(sigma)
-    l, info = torch.linalg.cholesky_ex(sigma + lam[:, None, None] * eye)
+    l, info = torch.linalg.cholesky_ex(_damped(sigma, lam))
     bad = info > 0
     if not bool(bad.any()):
         return [CholeskyFactor(l[i]) for i in range(len(l))]
@@ -140,7 +142,7 @@ def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> l
             break
         counts["cholesky_retries"] += idx.numel()
         lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
-        l_r, info_r = torch.linalg.cholesky_ex(sigma[idx] + lam_r[:, None, None] * eye)
+        l_r, info_r = torch.linalg.cholesky_ex(_damped(sigma[idx], lam_r))
         l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
         bad = bad.index_copy(0, idx, info_r > 0)
     ops = [CholeskyFactor(l[i]) for i in range(len(l))]

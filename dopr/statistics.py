@@ -42,14 +42,32 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+#: from this width on, z^T z is formed from its upper half-rows and lower-right block (3/4 of the
+#: GEMM FLOPs, mirrored): 30% faster than one GEMM at d = 1024 on a 2-core CPU (results/bench)
+SYMMETRIC_GRAM_MIN_DIM = 512
+
+
+def gram(z: Tensor) -> Tensor:
+    """z^T z for z of shape (n, d), using its symmetry for wide z."""
+    d = z.shape[1]
+    if d < SYMMETRIC_GRAM_MIN_DIM:
+        return z.T @ z
+    h = d // 2
+    out = torch.empty(d, d, dtype=z.dtype, device=z.device)
+    torch.mm(z[:, :h].T, z, out=out[:h])  # rows 0..h-1, all columns
+    out[h:, h:] = z[:, h:].T @ z[:, h:]
+    out[h:, :h] = out[:h, h:].T
+    return out
+
+
 def dense_statistics(z: Tensor, homogeneous: bool) -> ActivationStatistics:
     """Sum of [z; 1][z; 1]^T without materialising the column of ones."""
     z = z.to(statistics_dtype(z.dtype))
     n, d = z.shape
     if not homogeneous:
-        return ActivationStatistics("dense", (z.T @ z,), float(n))
+        return ActivationStatistics("dense", (gram(z),), float(n))
     s = torch.empty(d + 1, d + 1, dtype=z.dtype, device=z.device)
-    s[:d, :d] = z.T @ z
+    s[:d, :d] = gram(z)
     colsum = z.sum(0)
     s[:d, d] = colsum
     s[d, :d] = colsum

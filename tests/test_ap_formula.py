@@ -158,3 +158,16 @@ def test_lora_adapters_are_preconditioned_and_the_base_is_skipped():
         if "lora_B" in n:  # lora_B reads x A^T
             a = dict(model.named_parameters())[n.replace("lora_B", "lora_A")]
             _close(after[n], ap_reference(g, (x @ a.T).detach(), GAMMA))
+
+
+def test_symmetric_gram_of_wide_activations_equals_the_full_product():
+    from dopr.statistics import SYMMETRIC_GRAM_MIN_DIM, gram
+
+    z = torch.randn(50, SYMMETRIC_GRAM_MIN_DIM + 3, dtype=torch.float64)
+    assert torch.allclose(gram(z), z.T @ z, rtol=1e-12, atol=1e-10)
+    layer = nn.Linear(SYMMETRIC_GRAM_MIN_DIM + 3, 4)
+    x = torch.randn(700, SYMMETRIC_GRAM_MIN_DIM + 3)
+    before, after, _ = _grads_before_and_after(layer, x)
+    g = torch.cat([before["weight"], before["bias"][:, None]], 1)
+    m = ap_reference(g, with_ones(x), GAMMA)
+    torch.testing.assert_close(after["weight"].double(), m[:, :-1], rtol=1e-3, atol=1e-3 * m.abs().max().item())
