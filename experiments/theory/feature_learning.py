@@ -75,6 +75,7 @@ def run(cfg, run) -> dict:
         opt.load_state_dict(resumed["optimizer"])
         gen.set_state(resumed["generator"])
         start = resumed["step"]
+    bar = run.progress(t.steps, initial=start)
     for step in range(start, t.steps + 1):
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step > start:
             run.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -96,6 +97,8 @@ def run(cfg, run) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        bar.update()
+    bar.close()
     return {"val_loss": val, "subspace_distance": dist, "lr": float(cfg.optim.lr),
             "noise_floor": t.noise_std**2 * t.d_y}
 

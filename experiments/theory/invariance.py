@@ -54,6 +54,7 @@ def run(cfg, run) -> dict:
     perm = torch.randperm(n_train, generator=gen)
     val = lambda m, inp: ((m(inp[n_train:]) - y[n_train:]) ** 2).mean().item()
     step, gap = 0, 0.0
+    bar = run.progress(t.epochs * t.steps_per_epoch)
     for epoch in range(t.epochs):
         for i in range(t.steps_per_epoch):
             idx = perm[(i * t.batch_size) % n_train:][: t.batch_size]
@@ -63,12 +64,14 @@ def run(cfg, run) -> dict:
                 loss.backward()
                 opt.step()
             step += 1
+            bar.update()
             if step % t.val_every and step != t.epochs * t.steps_per_epoch:
                 continue
             with torch.no_grad():
                 a, b = val(original, x), val(transformed, xt)
             gap = max(gap, abs(a - b) / abs(a))
             run.log({"val_loss_original": a, "val_loss_transformed": b, "relative_gap": abs(a - b) / abs(a)}, step)
+    bar.close()
     return {"val_loss_original": a, "val_loss_transformed": b, "max_relative_gap": gap, "lr": float(cfg.optim.lr)}
 
 
