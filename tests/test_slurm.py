@@ -184,3 +184,15 @@ def test_missing_partition_names_slurm_partition(cluster, tmp_path):
     assert res.returncode != 0
     assert "slurm.partition" in res.stderr, res.stderr[-2000:]
     assert not (sweep / ".submitit").exists()  # stopped before anything was submitted
+
+
+def test_multigpu_launcher_runs_one_task_per_device_under_torch_distributed(cluster, tmp_path):
+    """launcher=slurm_multigpu on CPUs: two tasks of one job form a gloo process group from submitit's
+    environment; rank 0 alone writes the summary."""
+    sweep = tmp_path / "ddp"
+    res = _run_py("-m", "launcher=slurm_multigpu", "slurm.partition=debug", "slurm.gpus_per_node=0",
+                  "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.mem_gb=2", "slurm.time_min=10",
+                  "task=feature_learning", "optim=dopr_sgd", "debug=default", f"hydra.sweep.dir={sweep}", timeout=110)
+    assert res.returncode == 0, _tail(res.stderr) + _cluster_logs(cluster)
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["optim"] == "dopr_sgd"

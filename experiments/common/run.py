@@ -167,6 +167,7 @@ class Run:
             "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
             **{k: _plain(v) for k, v in summary.items()},
             "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
+            "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "packages": package_versions(), "overrides": _overrides(),
         }
         if not self.is_main:
