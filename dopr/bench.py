@@ -224,10 +224,11 @@ class Row:
 
     def done(self, repeats, budget):
         """`repeats` timed steps, or `budget` seconds of them, but at least 3 steps and, for k>1,
-        one other step and two refresh steps (one if repeats < 2k): a k=10 row times >= 20 steps."""
+        one other step and two refresh steps (one if repeats < 2k): a k=10 row runs to step 20."""
         n = len(self.refresh) + len(self.other)
+        refreshes = 1 if self.k == 1 else min(2, -(-repeats // self.k))
         return ((n >= repeats or self.spent > budget) and n >= min(3, repeats)
-                and (self.k == 1 or (len(self.other) >= 1 and len(self.refresh) >= min(2, -(-repeats // self.k)))))
+                and len(self.refresh) >= refreshes and (self.k == 1 or len(self.other) >= 1))
 
     def result(self):
         if self.k == 1:
@@ -235,7 +236,8 @@ class Row:
         else:  # amortised over a cycle of k steps
             t = ((self.k - 1) * statistics.median(self.other) + statistics.median(self.refresh)) / self.k
         n = len(self.refresh) + len(self.other)
-        row = {"label": self.label, "t": t, "n": f"{n} ({len(self.refresh)} refresh)" if self.k > 1 else str(n),
+        n_text = f"{n} ({len(self.refresh)} refresh)" if self.k > 1 else str(n)
+        row = {"label": self.label, "t": t, "n": n_text,
                "state": tensor_bytes(self.opt.state_dict()) / 2**20}
         if self.cuda:  # what max_memory_allocated would report for this row alone
             row["peak"] = (self.resident + self.transient) / 2**20
@@ -307,7 +309,8 @@ def environment(device):
     if device == "cuda":
         return commit, torch.cuda.get_device_name()
     try:
-        return commit, next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            return commit, next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         return commit, platform.processor() or platform.machine()
 
@@ -321,7 +324,8 @@ def target_checks(rows):
                    f"{'PASS' if r - 1 <= 1.5 * (m - 1) else 'FAIL'}  ")
     if "dopr_adamw k=10" in rows:
         r = rows["dopr_adamw k=10"]["R"]
-        out.append(f"transformer/adamw precond_every=10: R = {r:.3f} vs 1.15 -> {'PASS' if r <= 1.15 else 'FAIL'}")
+        out.append(f"transformer/adamw precond_every=10: R = {r:.3f} vs 1.15 -> "
+                   f"{'PASS' if r <= 1.15 else 'FAIL'}")
     return out
 
 
@@ -341,7 +345,8 @@ def main(argv=None):
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
     lines = [f"`python -m dopr.bench {shlex.join(sys.argv[1:] if argv is None else argv)}`", "",
-             f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
+             f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, "
+             f"torch {torch.__version__}, "
              f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, "
              f"repeats {args.repeats}, budget {args.budget:g} s per row", ""]
     transformer = {}

@@ -91,7 +91,7 @@ class _ForwardHook:
 class _Layer:
     """Runtime record of one preconditioned layer."""
 
-    __slots__ = ("helper", "stat", "owned", "sig", "lazy")
+    __slots__ = ("helper", "stat", "owned", "sig")
 
     def __init__(self, helper) -> None:
         self.helper = helper
