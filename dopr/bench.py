@@ -14,7 +14,7 @@ Per model and optimizer (a fresh model, seed 0, one fixed random batch):
            preconditioned layer N d_in^2 + d_in^3/3 + 2 d_in^2 d_out FLOPs (N activation vectors
            per step, d_in = coverage dim, d_out = weight rows); step_flops from FlopCounterMode over
            one forward + backward. For k>1 the first two terms are divided by k.
-  state    MB of all tensors in optimizer.state_dict() (persistent optimizer state).
+  state    MB (2^20 bytes) of all tensors in optimizer.state_dict() (persistent optimizer state).
   peak     CUDA only: the row's resident memory (model, batch, optimizer state) plus the largest
            rise of torch.cuda.max_memory_allocated within one of its steps, MB.
 """
@@ -294,7 +294,7 @@ counted with torch's SDPA formula (causal masking not discounted). "opt state" i
 only: with precond_ema=0 (default) DoPr keeps no covariance between steps, and k>1 keeps the cached
 inverses; transient memory (covariances, factors, unfolded patches) is not in it."""
 UNET_NOTE = """\
-The unet has no nn.Linear, so its "muon" is AdamW on every parameter (gp.route_matrix_params)."""
+The unet has no nn.Linear, so its "muon" / "adamuon" is AdamW on every parameter (gp.route_matrix_params)."""
 
 
 def environment(device):
@@ -356,7 +356,8 @@ def main(argv=None):
         lines += [header, "", table(rows, args.device == "cuda"), ""]
     # other processes on the machine distort every timing: record the load around the run
     lines[2] += f", load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
-    lines += [NOTES, ""] + [UNET_NOTE, ""] * ("unet" in args.models.split(",") and "muon" in args.gps)
+    routed = "unet" in args.models.split(",") and bool({"muon", "adamuon"} & set(args.gps))
+    lines += [NOTES, ""] + [UNET_NOTE, ""] * routed
     lines += target_checks(transformer)
     text = "\n".join(lines) + "\n"
     print(text)
