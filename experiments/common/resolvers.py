@@ -1,0 +1,17 @@
+"""OmegaConf resolvers the configs use, registered on import of experiments.common.
+
+${paper_hparam:<table>,<key>,<field>}: one entry of a hyperparameter table keyed by an integer, e.g.
+the paper's per-trajectory-count tables: ${paper_hparam:${paper_hparams},${task.num_trajectories},lr}.
+"""
+from omegaconf import OmegaConf
+
+
+def paper_hparam(table, key, field):
+    entry = table.get(str(key))
+    if entry is None:
+        raise KeyError(f"the paper's table has no entry for {key!r} (it has {sorted(table, key=int)})")
+    return entry[field]
+
+
+if not OmegaConf.has_resolver("paper_hparam"):
+    OmegaConf.register_new_resolver("paper_hparam", paper_hparam)

@@ -1,0 +1,246 @@
+"""MuJoCo behaviour cloning: SAC expert resume, demonstration files, BC runs, EMA evaluation, bootstrap."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gymnasium")
+pytest.importorskip("mujoco")
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from experiments.bc import demos, train  # noqa: E402
+from experiments.bc.evaluate import bootstrap, rollout  # noqa: E402
+from experiments.common.launch import run_job  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GPS = ["adamw", "muon", "signum", "adamuon"]
+
+
+def _compose(*overrides):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _bc(demo_path, tmp, *overrides):
+    cfg = _compose("task=halfcheetah", f"task.demos={demo_path}", "task.num_trajectories=2",
+                   "task.max_trajectories=2", "task.val_trajectories=1", "debug=default", *overrides)
+    return run_job(cfg, tmp)
+
+
+# ------------------------------------------------------------------------------------------- expert
+def test_expert_training_is_interrupted_and_resumes(tmp_path):
+    small = ["task=expert", "task.env=HalfCheetah-v5", "task.hidden=32", "task.batch_size=32", "task.learning_starts=500",
+             "task.eval_every=1000", "task.eval_episodes=1", "task.final_eval_episodes=2", "task.checkpoint_every=1000",
+             "task.buffer_size=5000"]
+    out = tmp_path / "expert"
+    first = run_job(_compose(*small, "task.total_steps=2000"), out)  # "interrupted" after its 2000-step budget
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
+    assert ckpt["step"] == 2000 and first["train_steps"] == 2000
+    with np.load(out / "replay.npz") as z:
+        assert int(z["step"]) == 2000 and int(z["size"]) == 2000
+    second = run_job(_compose(*small, "task.total_steps=3000"), out)  # same directory: resumes
+    assert second["train_steps"] == 3000
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in rows if "eval_return" in r]
+    assert evals == [1000, 2000, 3000]  # every evaluation logged once across the two runs
+    with np.load(out / "replay.npz") as z:  # buffer restored and extended, not restarted
+        assert int(z["step"]) == 3000 and int(z["size"]) == 3000
+    blob = torch.load(out / "expert.pt", weights_only=False)
+    assert blob["env"] == "HalfCheetah-v5" and blob["eval_episodes"] == 2 and np.isfinite(blob["return_mean"])
+
+
+def test_resume_refuses_a_replay_buffer_from_another_step(tmp_path):
+    from experiments.bc.sac import ReplayBuffer
+
+    buf = ReplayBuffer(10, 3, 2)
+    for i in range(4):
+        buf.add(np.full(3, i), np.zeros(2), float(i), np.zeros(3), 0.0)
+    buf.save(tmp_path / "r.npz", step=4)
+    other = ReplayBuffer(10, 3, 2)
+    other.load(tmp_path / "r.npz", step=4)
+    assert other.size == 4 and np.array_equal(other.rew[:4], [0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="replay buffer of step 4, but the checkpoint is at step 7"):
+        other.load(tmp_path / "r.npz", step=7)
+
+
+# ------------------------------------------------------------------------------------ demonstrations
+def test_demonstration_file_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    policy = lambda obs: rng.uniform(-1, 1, (len(obs), 3)).astype(np.float32)
+    traj = rollout("Hopper-v5", policy, 4, seed=7, batch=2, record=True)
+    path = demos.write(tmp_path / "d.npz", "Hopper-v5", traj, expert="x.pt")
+    d = demos.load(path, "Hopper-v5")
+    assert len(d) == 4 and d.env == "Hopper-v5" and list(d.seeds) == [7, 8, 9, 10]
+    for i in range(4):
+        assert np.array_equal(d.observations[i], traj["observations"][i])
+        assert np.array_equal(d.actions[i], traj["actions"][i])
+        assert len(d.rewards[i]) == traj["lengths"][i]
+        assert d.returns[i] == pytest.approx(traj["rewards"][i].sum(), rel=1e-5)
+    tr, va = d.split(2, 1)
+    assert len(tr) == 2 and len(va) == 1 and np.array_equal(va.observations[0], d.observations[3])
+    with pytest.raises(ValueError, match="only 4"):
+        d.split(4, 1)
+    with pytest.raises(ValueError, match="not 'Humanoid-v5'"):
+        demos.load(path, "Humanoid-v5")
+
+
+def test_rollout_seeds_make_episodes_reproducible():
+    zero = lambda obs: np.zeros((len(obs), 6), np.float32)
+    a = rollout("HalfCheetah-v5", zero, 3, seed=5, batch=3)
+    b = rollout("HalfCheetah-v5", zero, 3, seed=5, batch=1)  # batching does not change episodes
+    assert np.allclose(a["returns"], b["returns"]) and list(a["lengths"]) == [1000] * 3
+
+
+def test_missing_or_corrupt_demonstrations_fail_clearly(tmp_path, demo_file):
+    with pytest.raises(FileNotFoundError, match="demonstration file not found: .*python -m experiments.bc.demos"):
+        demos.load(tmp_path / "nope.npz", "Hopper-v5")
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip archive at all")
+    with pytest.raises(ValueError, match="corrupt demonstration file"):
+        demos.load(garbage)
+    partial = tmp_path / "partial.npz"
+    np.savez(partial, format_version=1, env="Hopper-v5", observations=np.zeros((3, 11)))
+    with pytest.raises(ValueError, match=r"corrupt demonstration file .*missing \['actions'"):
+        demos.load(partial)
+    good = dict(np.load(demo_file("Hopper-v5")))
+    good["lengths"] = good["lengths"] + 1
+    bad = tmp_path / "bad_lengths.npz"
+    np.savez(bad, **good)
+    with pytest.raises(ValueError, match="episode lengths sum to"):
+        demos.load(bad)
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(Path(demo_file("Hopper-v5")).read_bytes()[:200])
+    with pytest.raises(ValueError, match="corrupt demonstration file"):
+        demos.load(truncated)
+    # the BC task says the same before training, and writes no summary
+    with pytest.raises(FileNotFoundError, match="demonstration file not found"):
+        _bc(tmp_path / "nope.npz", tmp_path / "job", "task.generate_demos=false")
+    assert not (tmp_path / "job" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- BC
+@pytest.mark.parametrize("gp", GPS)
+def test_bc_twenty_steps_per_gp_plain_and_dopr(gp, tmp_path, demo_file):
+    path = demo_file("HalfCheetah-v5")
+    for name in (gp, f"dopr_{gp}"):
+        s = _bc(path, tmp_path / name, f"optim={name}")
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [10, 20]
+        assert s["optim"] == name and len(s["returns"]["20"]) == 2 and np.isfinite(s["return_mean"])
+        assert rows[-1]["train_loss"] < rows[0]["train_loss"]  # it learns
+        assert s["damping"] is None if name == gp else s["damping"] == pytest.approx(1e-4)
+
+
+def test_evaluated_weights_are_the_ema_weights(tmp_path, demo_file, monkeypatch):
+    seen = {}
+
+    def fake_eval(t, policy, seed):
+        seen["policy"] = {k: v.clone() for k, v in policy.state_dict().items()}
+        return np.zeros(t.eval_episodes)
+
+    monkeypatch.setattr(train, "evaluate_policy", fake_eval)
+    orig_init = train.ResidualMLP.__init__
+    made = []
+
+    def spy(self, *a, **k):
+        orig_init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(train.ResidualMLP, "__init__", spy)
+    path = demo_file("HalfCheetah-v5")
+    # decay 1: the EMA never moves, so the evaluated weights are the initial ones
+    _bc(path, tmp_path / "a", "optim=adamw", "task.ema_decay=1.0")
+    torch.manual_seed(0)
+    init = train.ResidualMLP(17, 6, [256, 256]).state_dict()
+    for k in ("inp.weight", "blocks.0.weight", "out.bias"):
+        assert torch.equal(seen["policy"][k], init[k])
+    trained = made[0].state_dict()
+    assert not torch.equal(seen["policy"]["inp.weight"], trained["inp.weight"])
+    # decay 0: the EMA is the trained model itself
+    made.clear()
+    _bc(path, tmp_path / "b", "optim=adamw", "task.ema_decay=0.0")
+    assert torch.equal(seen["policy"]["inp.weight"], made[0].state_dict()["inp.weight"])
+    # decay 0.99: neither
+    made.clear()
+    _bc(path, tmp_path / "c", "optim=adamw")
+    ema = seen["policy"]["inp.weight"]
+    assert not torch.equal(ema, made[0].state_dict()["inp.weight"]) and not torch.equal(ema, init["inp.weight"])
+
+
+def test_warmup_cosine_schedule():
+    f = train.warmup_cosine(1000, 0.05)
+    assert f(0) == pytest.approx(1 / 50) and f(49) == pytest.approx(1.0)
+    assert f(525) == pytest.approx(0.5) and f(1000) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_observation_normalisation_handles_constant_coordinates():
+    m = train.ResidualMLP(3, 1, [8, 8])
+    x = torch.tensor([[1.0, 5.0, 0.0], [3.0, 5.0, 0.0]])
+    m.set_normalization(x)
+    assert torch.allclose(m.obs_mean, torch.tensor([2.0, 5.0, 0.0]))
+    assert torch.allclose(m.obs_std, torch.tensor([2 ** 0.5, 1.0, 1.0]))
+
+
+# --------------------------------------------------------------------------------------- bootstrap
+def test_bootstrap_quantiles_on_a_known_distribution():
+    pool = np.arange(1000, dtype=float)  # mean 499.5, population variance (N^2 - 1) / 12
+    m, n = 100, 1000
+    b = bootstrap(pool, trials=20000, sample_size=m, seed=1)
+    # subset means without replacement: variance sigma^2 / m * (N - m) / (N - 1), close to normal
+    sd = np.sqrt((n ** 2 - 1) / 12 / m * (n - m) / (n - 1))
+    assert b["mean"] == pytest.approx(499.5, abs=0.05 * sd)
+    assert b["q50"] == pytest.approx(499.5, abs=0.05 * sd)
+    assert b["q10"] == pytest.approx(499.5 - 1.2816 * sd, abs=0.05 * sd)
+    assert b["q90"] == pytest.approx(499.5 + 1.2816 * sd, abs=0.05 * sd)
+    full = bootstrap(pool, trials=10, sample_size=n)  # m = N: every subset is the whole pool
+    assert full["q10"] == full["q90"] == pytest.approx(499.5)
+    with pytest.raises(ValueError, match="sample_size must be in"):
+        bootstrap(pool, sample_size=1001)
+
+
+# ------------------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("task,optim,n,lr,wd,damping", [
+    ("humanoid", "adamw", 10, 3e-3, 1e-2, None), ("humanoid", "dopr_adamw", 20, 1e-3, 0.0, 1e-3),
+    ("humanoid", "dopr_muon", 40, 2e-2, 1e-2, 1e-5), ("humanoid", "signum", 20, 1e-3, 0.0, None),
+    ("halfcheetah", "dopr_adamw", 40, 2e-3, 1e-2, 1e-6), ("halfcheetah", "adamuon", 50, 3e-3, 1e-2, None),
+    ("halfcheetah", "dopr_signum", 10, 1e-4, 0.0, 1e-4),
+])
+def test_paper_hyperparameter_presets(task, optim, n, lr, wd, damping):
+    cfg = _compose(f"task={task}", f"+tuned/{task}={optim}", f"task.num_trajectories={n}")
+    assert cfg.optim.name == optim and cfg.optim.lr == pytest.approx(lr) and cfg.optim.weight_decay == pytest.approx(wd)
+    if damping is not None:
+        assert cfg.ap.damping == pytest.approx(damping)
+    bad = _compose(f"task={task}", f"+tuned/{task}={optim}", "task.num_trajectories=15")
+    with pytest.raises(Exception, match="no entry for 15"):
+        _ = bad.optim.lr
+
+
+def test_paper_sweep_is_the_full_grid():
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["sweep=paper_humanoid"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert len(params["+tuned/humanoid"].split(",")) == 8
+    assert params["task.num_trajectories"] == "10,20,30,40,50" and params["seed"] == "0,1,2"
+    assert cfg.task.name == "humanoid" and cfg.task.env == "Humanoid-v5"
+
+
+def test_report_writes_tables_and_figure(tmp_path):
+    records = []
+    for opt_name, shift in (("adamw", 0.0), ("dopr_adamw", 50.0)):
+        for n in (10, 20):
+            for seed in range(2):
+                rets = list(np.random.default_rng(seed).normal(1000 + shift + n, 10, 20))
+                records.append({"summary": {"task": "halfcheetah", "env": "HalfCheetah-v5", "optim": opt_name,
+                                            "num_trajectories": n, "seed": seed, "returns": {"1000": rets},
+                                            "train_loss": 0.1, "val_loss": 0.2, "lr": 1e-3, "weight_decay": 0.0,
+                                            "damping": None, "expert_return": 5000.0, "train_time_s": 1.0,
+                                            "eval_time_s": 2.0, "wall_time_s": 3.5}})
+    train.report(records, tmp_path, "stamp `x`")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([f"halfcheetah{s}{e}" for s in ("", "_dopr_vs_gp", "_timing") for e in (".csv", ".md")]
+                           + ["halfcheetah.png"])
+    import csv
+    rows = list(csv.DictReader(open(tmp_path / "halfcheetah_dopr_vs_gp.csv")))
+    assert [r["dopr_better"] for r in rows] == ["yes", "yes"]
+    assert float(rows[0]["delta"]) == pytest.approx(50.0, abs=8.0)
