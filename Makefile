@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test demo bench
+.PHONY: setup test demo bench experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,3 +32,17 @@ demo: setup
 
 bench: setup
 	$(PY) -m dopr.bench --out results/bench/cpu.md
+
+# MuJoCo behaviour cloning (issue "MuJoCo BC"): SAC experts (resumable: rerun the same line), then the
+# paper grids. Experts take tens of minutes (HalfCheetah) to hours (Humanoid) on CPU.
+EXPERT_RUN = $(PY) run.py task=expert hydra.run.dir=outputs/expert/$(1) task.env=$(1)
+experts: setup
+	$(call EXPERT_RUN,HalfCheetah-v5) task.total_steps=400000 task.stop_at_return=7000
+	$(call EXPERT_RUN,Humanoid-v5) task.obs_slice=45 task.stop_at_return=5500
+	$(PY) -m experiments.bc.expert publish outputs/expert/HalfCheetah-v5
+	$(PY) -m experiments.bc.expert publish outputs/expert/Humanoid-v5
+
+bc: setup
+	$(PY) run.py -m sweep=paper_halfcheetah hydra.sweep.dir=multirun/paper_halfcheetah/main
+	$(PY) run.py -m sweep=paper_humanoid hydra.sweep.dir=multirun/paper_humanoid/main
+	$(PY) -m experiments.report multirun/paper_halfcheetah/main multirun/paper_humanoid/main

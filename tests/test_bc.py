@@ -1,5 +1,7 @@
 """MuJoCo behaviour cloning: SAC expert resume, demonstration files, BC runs, EMA evaluation, bootstrap."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,8 @@ from experiments.bc import demos, train  # noqa: E402
 from experiments.bc.evaluate import bootstrap, rollout  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 GPS = ["adamw", "muon", "signum", "adamuon"]
 
 
@@ -35,12 +38,19 @@ def test_expert_training_is_interrupted_and_resumes(tmp_path):
              "task.eval_every=1000", "task.eval_episodes=1", "task.final_eval_episodes=2", "task.checkpoint_every=1000",
              "task.buffer_size=5000"]
     out = tmp_path / "expert"
-    first = run_job(_compose(*small, "task.total_steps=2000"), out)  # "interrupted" after its 2000-step budget
+
+    def cli(*args):  # the user's command line; the same hydra.run.dir resumes
+        res = subprocess.run([sys.executable, str(ROOT / "run.py"), *small, *args, f"hydra.run.dir={out}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    first = cli("task.total_steps=2000")  # "interrupted" after its 2000-step budget
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
     assert ckpt["step"] == 2000 and first["train_steps"] == 2000
     with np.load(out / "replay.npz") as z:
         assert int(z["step"]) == 2000 and int(z["size"]) == 2000
-    second = run_job(_compose(*small, "task.total_steps=3000"), out)  # same directory: resumes
+    second = cli("task.total_steps=3000")
     assert second["train_steps"] == 3000
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["step"] for r in rows if "eval_return" in r]
@@ -49,6 +59,15 @@ def test_expert_training_is_interrupted_and_resumes(tmp_path):
         assert int(z["step"]) == 3000 and int(z["size"]) == 3000
     blob = torch.load(out / "expert.pt", weights_only=False)
     assert blob["env"] == "HalfCheetah-v5" and blob["eval_episodes"] == 2 and np.isfinite(blob["return_mean"])
+    # publishing: weights plus the returns and the command that made them
+    from experiments.bc.expert import load_expert, publish
+
+    pt = publish(out, "vtest", root=tmp_path / "experts")
+    meta = json.loads(pt.with_suffix(".json").read_text())
+    assert meta["return_mean"] == blob["return_mean"] and meta["train_steps"] == 3000
+    assert meta["command"].startswith("python run.py") and "task.total_steps=3000" in meta["command"]
+    _, actor = load_expert(pt)
+    assert torch.equal(actor.net[0].weight, blob["actor"]["net.0.weight"])
 
 
 def test_resume_refuses_a_replay_buffer_from_another_step(tmp_path):

@@ -147,3 +147,38 @@ def run(cfg, run) -> dict:
     return {"env": t.env, "return_mean": mean, "return_std": std, "expert_step": blob["step"],
             "train_steps": step, "best_eval_return": best,
             **{f"return_mean_{k}": v[0] for k, v in finals.items()}}
+
+
+def publish(run_dir, version: str = "v1", root=None) -> Path:
+    """Copy a finished expert run's expert.pt to experiments/bc/experts/<version>/<env>.pt, with
+    <env>.json: its evaluation returns (mean, std, episodes), training steps, command and commit."""
+    import json
+
+    from .demos import EXPERTS
+
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"{run_dir} has no summary.json: the expert run has not finished")
+    summary = json.loads(summary_path.read_text())
+    blob = torch.load(run_dir / "expert.pt", map_location="cpu", weights_only=False)
+    out = Path(root or EXPERTS) / version
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(blob, out / f"{blob['env']}.pt")
+    overrides = (run_dir / ".hydra" / "overrides.yaml")
+    command = "python run.py " + " ".join(
+        l.strip("- \n") for l in overrides.read_text().splitlines() if l.strip()) if overrides.exists() else ""
+    meta = {"env": blob["env"], "return_mean": blob["return_mean"], "return_std": blob["return_std"],
+            "eval_episodes": blob["eval_episodes"], "eval_seed": blob["eval_seed"], "expert_step": blob["step"],
+            "train_steps": blob["train_steps"], "obs_slice": blob.get("obs_slice"), "command": command,
+            "commit": summary.get("git_revision"), "wall_time_s": summary.get("wall_time_s")}
+    (out / f"{blob['env']}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out / f"{blob['env']}.pt"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "publish":
+        sys.exit("usage: python -m experiments.bc.expert publish <expert run dir>")
+    print(publish(sys.argv[2]))
