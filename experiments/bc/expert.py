@@ -88,7 +88,7 @@ def run(cfg, run) -> dict:
         run.save_checkpoint({"agent": agent.state_dict(), "step": step, "best": best, "episode": episode,
                              "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()})
 
-    bar = run.progress(t.total_steps, initial=start)
+    bar = run.progress(t.total_steps, initial=start, desc=f"expert/{t.env}")
     tic, last_log, stats = time.time(), start, {}
     step = start
     for step in range(start + 1, t.total_steps + 1):

@@ -118,11 +118,11 @@ class Run:
         return run
 
     # ---------------------------------------------------------------------------- logging
-    def progress(self, total: int, initial: int = 0):
+    def progress(self, total: int, initial: int = 0, desc: Optional[str] = None):
         """A tqdm bar over training steps (rank 0 only; at most ~1 refresh a second in log files)."""
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, desc=f"{self.cfg.task.name}/{self.cfg.optim.name}",
+        return tqdm(total=total, initial=initial, desc=desc or f"{self.cfg.task.name}/{self.cfg.optim.name}",
                     disable=not self.is_main, mininterval=1.0, dynamic_ncols=True)
 
     def log(self, metrics: dict, step: int) -> None:
