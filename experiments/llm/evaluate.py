@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .data import IGNORE, micro_batches
+from .model import packed_forward
 
 
 def extract_boxed(text: str):
@@ -45,7 +46,7 @@ def validation_nll(model, blocks: dict, micro_batch_size: int, device) -> tuple:
     total, count = 0.0, 0
     for i in range(0, len(blocks["input_ids"]), micro_batch_size):
         b = {k: v.to(device) for k, v in micro_batches(blocks, slice(i, i + micro_batch_size)).items()}
-        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits.float()
+        logits = packed_forward(model, b).logits.float()
         labels = b["labels"][:, 1:]
         keep = labels != IGNORE
         nll = torch.nn.functional.cross_entropy(logits[:, :-1][keep], labels[keep], reduction="sum")

@@ -61,6 +61,18 @@ def gradient_checkpointing(model, mode: str) -> None:
         return
     if mode not in ("reentrant", "non_reentrant"):
         raise ValueError(f"Invalid gradient_checkpointing: {mode!r} (choose none, reentrant, non_reentrant)")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    kwargs = {"use_reentrant": mode == "reentrant"}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
     model.config.use_cache = False
+
+
+def packed_forward(model, batch: dict, **kwargs):
+    """The forward of a packed batch (data.pack): position ids restart at every example and no
+    attention mask is passed, from which Hugging Face builds the block-diagonal causal mask (or
+    FlashAttention's variable-length call). use_cache=False: with a KV cache it skips that mask
+    and every token would attend to the earlier examples of its block."""
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **kwargs)

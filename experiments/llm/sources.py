@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 class MissingResource(FileNotFoundError):
-    """Weights, a tokenizer or a data set that is neither a local path nor in the HF cache."""
+    """Weights, a tokenizer or a data set that is neither a local path nor in the HF cache (or a
+    package the run needs)."""
 
 
 def hub_cache() -> str:
@@ -35,15 +36,15 @@ def locate(source: str, repo_type: str, download: bool, allow_patterns=None) -> 
         raise MissingResource(f"{source} ({type(err).__name__})") from err
 
 
-def locate_all(wanted: list, download: bool) -> dict:
+def locate_all(wanted: list, download: bool, missing_packages=()) -> dict:
     """wanted: [(key, what, source, repo_type, how_to_provide, allow_patterns)] -> {key: local dir}.
-    One MissingResource listing every missing item."""
-    found, missing = {}, []
+    One MissingResource listing every missing item, and the `missing_packages` lines with them."""
+    found, missing = {}, [f"- {line}" for line in missing_packages]
     for key, what, source, repo_type, how, patterns in wanted:
         try:
             found[key] = locate(source, repo_type, download, patterns)
         except MissingResource:
-            fetch = f"huggingface-cli download {'--repo-type dataset ' if repo_type == 'dataset' else ''}{source}"
+            fetch = f"hf download {'--repo-type dataset ' if repo_type == 'dataset' else ''}{source}"
             missing.append(f"- {what}: '{source}' is not a local path and not in the Hugging Face cache "
                            f"({hub_cache()}). Provide it with {how}, or fetch it once with `{fetch}` "
                            "(HF_HOME selects the cache), or let the run download it with task.download=true.")

@@ -24,7 +24,7 @@ from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
                    split_heldout, take)
 from .evaluate import extract_boxed, generation_accuracy, lm_eval_requirements, lm_eval_run_dir, validation_nll
-from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer, small_llama
+from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
 from .report import report  # noqa: F401  (experiments.report calls the task module's report)
 from .sources import locate_all
 
@@ -66,20 +66,18 @@ def locate_inputs(t) -> dict:
         wanted.append(("data", "SFT data (OpenMathInstruct-2)", d.source, "dataset",
                        "task.data.source=<save_to_disk dir, parquet/jsonl file or hub snapshot dir>",
                        [f"*{d.split}*", "*.md", "*.json"]))
+    packages = []
     if m.path is not None and m.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ImportError("task.model.attn_implementation=flash_attention_2 (the paper's) needs the flash-attn package "
-                          "(pip install flash-attn, CUDA only), or pass task.model.attn_implementation=sdpa")
+        packages.append("package flash_attn: task.model.attn_implementation=flash_attention_2 (the paper's) needs "
+                        "`pip install flash-attn` (CUDA), or pass task.model.attn_implementation=sdpa")
     ev = t.eval.lm_eval
     if ev is not None:
-        missing = lm_eval_requirements(ev)
-        if missing:
-            raise ImportError("evaluation with lm-evaluation-harness needs " +
-                              "; ".join(f"{mod} ({how})" for mod, how in missing) +
-                              " (or task.eval.lm_eval=null to skip it)")
+        packages += [f"package {mod}: lm-eval needs it: `{how}` (or task.eval.lm_eval=null to skip lm-eval)"
+                     for mod, how in lm_eval_requirements(ev)]
         for name, task in ev.tasks.items():
             wanted.append((f"eval_{name}", f"evaluation data of lm-eval task {name}", task.dataset, "dataset",
                            "the HF cache (lm-eval reads it from there)", None))
-    return locate_all(wanted, bool(t.download))
+    return locate_all(wanted, bool(t.download), packages)
 
 
 def world() -> tuple:
@@ -265,8 +263,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
         for i, b in enumerate(batches):
             b = {k: v.to(device) for k, v in b.items()}
             with gradient_sync(model, i == len(batches) - 1):
-                out = model(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                            num_items_in_batch=tokens / world()[1])
+                out = packed_forward(model, b, labels=b["labels"], num_items_in_batch=tokens / world()[1])
                 out.loss.backward()
             loss_sum += out.loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm if tr.max_grad_norm else math.inf)
