@@ -181,6 +181,24 @@ def test_lm_eval_invocation_has_the_papers_tasks_shots_and_adapter(tmp_path):
         "accuracy": 0.8, "accuracy_stderr": 0.011}
 
 
+def test_report_rows_take_lm_eval_accuracies_and_the_peak_over_training():
+    from experiments.llm.report import sweep_rows
+
+    def summary(optim, lr, final, steps):
+        res = lambda a: {"gsm8k": {"accuracy": a, "accuracy_stderr": 0.01}}
+        return {"summary": {"optim": optim, "lr": lr, "val_nll": 0.5, "train_loss": 0.4, "lm_eval": res(final),
+                            "lm_eval_steps": {k: res(v) for k, v in steps.items()}}}
+
+    rows, benchmarks = sweep_rows([summary("adamw", 1e-4, 0.6, {100: 0.7, 200: 0.65}),
+                                   summary("dopr_adamw", 1e-4, 0.8, {100: 0.5}),
+                                   summary("adamw", 5e-4, 0.3, {100: 0.2})])
+    assert benchmarks == ["gsm8k", "peak_gsm8k"]
+    by = {(r["optimizer"], r["lr"]): r for r in rows}
+    assert by[("adamw", 1e-4)]["gsm8k"] == 0.6 and by[("adamw", 1e-4)]["peak_gsm8k"] == 0.7
+    assert by[("dopr_adamw", 1e-4)]["peak_gsm8k"] == 0.8 and by[("adamw", 1e-4)]["gsm8k_se"] == 0.01
+    assert [by[("adamw", lr)]["lr_index"] for lr in (1e-4, 5e-4)] == [1, 2]
+
+
 # ------------------------------------------------------------------- missing inputs, sharding
 def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -361,32 +379,27 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path):
     assert (tmp_path / "results" / "sft_arith_nll_vs_accuracy.png").stat().st_size > 10_000
 
 
-def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path):
+def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path, monkeypatch):
     cfg = _compose("task=sft_arith", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default")
     with open_dict(cfg):  # the debug block is merged last: set the run's length there
         cfg.task.debug.train.max_steps = 4
         cfg.task.debug.train.checkpoint_every = 2
     straight = run_job(copy.deepcopy(cfg), tmp_path / "straight")
+    from experiments.common.run import Run
 
-    class Preempted(Exception):
-        pass
+    logged = Run.log
 
-    from experiments.common import run as run_module
+    def preempted_at_step_3(self, metrics, step):  # a SLURM preemption after the step-2 checkpoint
+        if step == 3:
+            raise KeyboardInterrupt
+        logged(self, metrics, step)
 
-    real_log = run_module.Run.log
-
-    def log_until_3(self, metrics, step):
-        if step >= 3:
-            raise Preempted()
-        real_log(self, metrics, step)
-
-    run_module.Run.log = log_until_3
-    try:
-        with pytest.raises(Preempted):
-            run_job(copy.deepcopy(cfg), tmp_path / "broken")
-    finally:
-        run_module.Run.log = real_log
+    monkeypatch.setattr(Run, "log", preempted_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(copy.deepcopy(cfg), tmp_path / "broken")
+    monkeypatch.undo()
     resumed = run_job(copy.deepcopy(cfg), tmp_path / "broken")
     assert resumed["val_nll"] == straight["val_nll"] and resumed["train_loss"] == straight["train_loss"]
+    assert resumed["accuracy"] == straight["accuracy"] and resumed["samples"] == straight["samples"]
     steps = [json.loads(line)["step"] for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]

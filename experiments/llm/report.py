@@ -51,6 +51,7 @@ def sweep_rows(records) -> tuple:
 
 def report(records, out_dir, stamp) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -83,6 +84,7 @@ def report(records, out_dir, stamp) -> None:
                 ax.annotate(str(r["lr_index"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=bars[0].get_color())
         ax.set(xlabel="validation NLL (per token)", ylabel=f"{b} accuracy (%)", title=b)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
         ax.legend(fontsize=7)
     lrs = sorted({r["lr"] for r in rows})
     fig.suptitle(f"{task}: labels = learning-rate rank: " + ", ".join(f"{i + 1}={lr:g}" for i, lr in enumerate(lrs)),
