@@ -224,28 +224,47 @@ def test_dopr_with_parameter_sharding_stops_with_the_clear_error(tmp_path):
     assert _compose("task=sft_llama31_8b").task.sharding == "none"  # the 8B preset runs data parallel
 
 
-def test_fsdp_trains_plain_adamw_and_dopr_refuses_the_sharded_model(tmp_path):
+def _run_in_process_group(cfg, out_dir, init_file):
+    """run() as one rank of a gloo process group of size 1 (DDP or FSDP wrapping, collectives)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    from experiments.common.launch import apply_debug
+    from experiments.common.run import Run
+
+    apply_debug(cfg)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
-        cfg = _compose("task=sft_arith", "+tuned/sft=adamw", "debug=default", "task.sharding=fsdp")
-        from experiments.common.launch import apply_debug
-
-        apply_debug(cfg)
-        with open_dict(cfg):
-            cfg.task.eval.generation = None
-        from experiments.common.run import Run
-
-        run = Run(cfg, tmp_path / "fsdp")
+        run = Run(cfg, out_dir)
         summary = train.run(cfg, run)
         run.close(False)
-        assert summary["steps"] == 2 and summary["val_nll"] > 0
-        saved = peft.PeftConfig.from_pretrained(str(tmp_path / "fsdp" / "adapter"))
-        assert saved.r == 8 and saved.lora_alpha == 16
-        model = add_lora(small_llama(TINY, arith.char_tokenizer()), LORA_8B)
-        from torch.distributed.fsdp import fully_shard
+        return summary
+    finally:
+        dist.destroy_process_group()
 
+
+def test_data_parallel_dopr_with_reentrant_checkpointing_matches_the_single_process_run(tmp_path):
+    overrides = ["task=sft_llama31_8b", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default"]
+    single = run_job(_compose(*overrides), tmp_path / "single")
+    ddp = _run_in_process_group(_compose(*overrides), tmp_path / "ddp", tmp_path / "pg")
+    assert _compose(*overrides).task.model.gradient_checkpointing == "reentrant"  # and DDP's no_sync
+    assert ddp["dopr"]["preconditioned"] == single["dopr"]["preconditioned"] > 0
+    assert ddp["val_nll"] == pytest.approx(single["val_nll"], rel=1e-6)
+
+
+def test_fsdp_trains_plain_adamw_and_dopr_refuses_the_sharded_model(tmp_path):
+    cfg = _compose("task=sft_arith", "+tuned/sft=adamw", "debug=default", "task.sharding=fsdp")
+    with open_dict(cfg):
+        cfg.task.debug.eval.generation = None  # decoding runs on rank 0 alone: not under FSDP
+    summary = _run_in_process_group(cfg, tmp_path / "fsdp", tmp_path / "pg")
+    assert summary["steps"] == 2 and summary["val_nll"] > 0
+    saved = peft.PeftConfig.from_pretrained(str(tmp_path / "fsdp" / "adapter"))
+    assert saved.r == 8 and saved.lora_alpha == 16
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg2'}", rank=0, world_size=1)
+    try:
+        model = add_lora(small_llama(TINY, arith.char_tokenizer()), LORA_8B)
         for layer in model.base_model.model.model.layers:
             fully_shard(layer)
         fully_shard(model)

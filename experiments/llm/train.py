@@ -141,12 +141,12 @@ def build_sft_model(t, local: dict, tokenizer, device):
     return model.to(device)
 
 
-def wrap(model, sharding: str, device, static_graph: bool = False):
+def wrap(model, sharding: str, device):
     """torch.distributed: DistributedDataParallel, or FSDP2 (one unit per decoder layer + the root)."""
-    if world()[1] == 1 and sharding == "none":
+    if not (dist.is_available() and dist.is_initialized()):
+        if sharding == "fsdp":
+            raise ValueError("task.sharding=fsdp needs torch.distributed (launcher=slurm_multigpu)")
         return model
-    if not dist.is_initialized():
-        raise ValueError("task.sharding=fsdp needs torch.distributed (launcher=slurm_multigpu)")
     if sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -155,8 +155,8 @@ def wrap(model, sharding: str, device, static_graph: bool = False):
                 fully_shard(module)
         return fully_shard(model)
     ids = [torch.cuda.current_device()] if device.type == "cuda" else None
-    # reentrant checkpointing re-runs forwards inside backward: DDP then needs static_graph
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, static_graph=static_graph)
+    # not static_graph=True: with reentrant checkpointing it breaks no_sync (tests/test_llm.py)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
 def unwrap(model):
@@ -305,8 +305,7 @@ def run(cfg, run) -> dict:
         val_blocks = equal_share(val_blocks, device)
 
     torch.manual_seed(int(cfg.seed))  # the LoRA initialisation (the base is the same for every seed)
-    model = wrap(build_sft_model(t, local, tokenizer, device), t.sharding, device,
-                 static_graph=t.model.gradient_checkpointing == "reentrant")
+    model = wrap(build_sft_model(t, local, tokenizer, device), t.sharding, device)
     opt = build_optimizer(model, cfg)
     sharded, every = t.sharding == "fsdp", t.train.get("save_adapter_every") or 0
 
