@@ -247,6 +247,8 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
         load_trainable_state(model, opt, resumed["params"], resumed["optimizer"], sharded)
         sched.load_state_dict(resumed["scheduler"])
         torch.set_rng_state(resumed["rng"])
+        if resumed["cuda_rng"] is not None:  # dropout on the GPU draws from the CUDA generator
+            torch.cuda.set_rng_state(resumed["cuda_rng"])
         start, metrics = resumed["step"], resumed["metrics"]
     model.train()
     bar = run.progress(steps, initial=start)
@@ -285,7 +287,8 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
         if tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0 and step + 1 < steps:
             p, o = trainable_state(model, opt, sharded)
             run.save_checkpoint({"params": p, "optimizer": o, "scheduler": sched.state_dict(),
-                                 "rng": torch.get_rng_state(), "step": step + 1, "metrics": metrics})
+                                 "rng": torch.get_rng_state(), "step": step + 1, "metrics": metrics,
+                                 "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None})
     bar.close()
     return {**metrics, "steps": steps}
 
