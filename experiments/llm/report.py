@@ -1,0 +1,95 @@
+"""The SFT sweep's table and the figure that mirrors the paper's "8B SFT sweep": final accuracy
+against validation NLL, one point per optimizer and learning rate, labelled by the learning rate's
+rank (1 = smallest), error bars one standard error (lm-eval's for a single run; over seeds else)."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+
+def accuracies(summary: dict) -> dict:
+    """{benchmark: (accuracy, standard error)} of one run."""
+    if "lm_eval" in summary:
+        out = {task: (v["accuracy"], v["accuracy_stderr"]) for task, v in summary["lm_eval"].items()}
+        for task in list(out) if summary.get("lm_eval_steps") else ():  # the 3B figure: peak over training
+            best = max([summary["lm_eval"][task]] + [s[task] for s in summary["lm_eval_steps"].values()],
+                       key=lambda v: v["accuracy"])
+            out[f"peak_{task}"] = (best["accuracy"], best["accuracy_stderr"])
+        return out
+    return {"exact_match": (summary["accuracy"], summary["accuracy_stderr"])}
+
+
+def mean_and_error(values: list, single_error: float = float("nan")) -> tuple:
+    """Mean and its standard error over seeds (the run's own error when there is one run)."""
+    v = np.asarray(values, dtype=float)
+    if len(v) == 1:
+        return float(v[0]), single_error
+    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))
+
+
+def sweep_rows(records) -> tuple:
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["summary"]["optim"], r["summary"]["lr"])].append(r["summary"])
+    benchmarks = sorted({b for s in (r["summary"] for r in records) for b in accuracies(s)})
+    rows = []
+    for (opt_name, lr), runs in sorted(groups.items()):
+        row = {"optimizer": opt_name, "lr": lr, "seeds": len(runs)}
+        row["val_nll"], row["val_nll_se"] = mean_and_error([s["val_nll"] for s in runs])
+        row["train_loss"] = float(np.mean([s["train_loss"] for s in runs]))
+        for b in benchmarks:
+            accs = [accuracies(s)[b] for s in runs]
+            row[b], row[f"{b}_se"] = mean_and_error([a for a, _ in accs], accs[0][1])
+        rows.append(row)
+    lrs = sorted({r["lr"] for r in rows})
+    for row in rows:
+        row["lr_index"] = lrs.index(row["lr"]) + 1
+    return rows, benchmarks
+
+
+def report(records, out_dir, stamp) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.report import stamp_figure, write_table
+
+    task = records[0]["summary"]["task"]
+    rows, benchmarks = sweep_rows(records)
+    base = {(r["optimizer"], r["lr"]): r for r in rows}
+    for row in rows:  # DoPr's gain over its GP at the same learning rate
+        gp = base.get((row["optimizer"].removeprefix("dopr_"), row["lr"]))
+        for b in benchmarks:
+            row[f"{b}_delta"] = row[b] - gp[b] if row["optimizer"].startswith("dopr_") and gp else ""
+    columns = ["optimizer", "lr_index", "lr", "seeds", "val_nll", "val_nll_se", "train_loss"]
+    columns += [c for b in benchmarks for c in (b, f"{b}_se", f"{b}_delta")]
+    write_table(rows, columns, out_dir / task, stamp,
+                f"{task}: final validation NLL and accuracy per optimizer and learning rate (mean, standard error)")
+
+    fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 4), squeeze=False)
+    for ax, b in zip(axes[0], benchmarks):
+        for opt_name in sorted({r["optimizer"] for r in rows}):
+            rs = sorted((r for r in rows if r["optimizer"] == opt_name and math.isfinite(r["val_nll"])),
+                        key=lambda r: r["lr"])
+            if not rs:
+                continue
+            x, y = [r["val_nll"] for r in rs], [100 * r[b] for r in rs]
+            bars = ax.errorbar(x, y, xerr=[r["val_nll_se"] for r in rs], yerr=[100 * r[f"{b}_se"] for r in rs],
+                               fmt="o-", lw=0.8, ms=5, capsize=2, label=opt_name)
+            for r, xi, yi in zip(rs, x, y):
+                ax.annotate(str(r["lr_index"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color=bars[0].get_color())
+        ax.set(xlabel="validation NLL (per token)", ylabel=f"{b} accuracy (%)", title=b)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+        ax.legend(fontsize=7)
+    lrs = sorted({r["lr"] for r in rows})
+    fig.suptitle(f"{task}: labels = learning-rate rank: " + ", ".join(f"{i + 1}={lr:g}" for i, lr in enumerate(lrs)),
+                 fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    stamp_figure(fig, stamp)
+    fig.savefig(out_dir / f"{task}_nll_vs_accuracy.png", dpi=150)
+    plt.close(fig)

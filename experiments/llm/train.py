@@ -1,0 +1,339 @@
+"""Supervised fine-tuning with LoRA: section "Language Models" and appendix "Supervised Fine-Tuning".
+
+One task entry, `run(cfg, run)`, for the paper's settings (task=sft_llama32_3b, task=sft_llama31_8b:
+a Hugging Face Llama, OpenMathInstruct-2, lm-evaluation-harness on the saved adapter) and for the
+CPU analogue (task=sft_arith: the small Llama that task=pretrain_arith trained, generated arithmetic
+word problems, greedy exact match). The same loop also pretrains that small Llama
+(experiments/llm/pretrain.py): packed micro-batches, gradient accumulation (a token-weighted mean
+over the accumulated batch and all ranks), clipping, a Hugging Face LR schedule, checkpoint and
+resume, data parallel over torch.distributed (parameter sharding for the plain element-wise GPs).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from experiments.common import build_optimizer
+
+from . import arith
+from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
+                   split_heldout, take)
+from .evaluate import extract_boxed, generation_accuracy, lm_eval_requirements, lm_eval_run_dir, validation_nll
+from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
+from .report import report  # noqa: F401  (experiments.report calls the task module's report)
+from .sources import locate_all
+
+SHARDINGS = ("none", "fsdp")
+ELEMENTWISE_GPS = ("sgd", "adamw", "signum")  # a shard of the weight is all their update needs
+
+
+# ------------------------------------------------------------------------- before any work
+def check_sharding(cfg) -> None:
+    """Parameter sharding keeps a slice of each weight per rank. DoPr needs every layer's full
+    gradient and input covariance, and Muon/AdaMuon orthogonalise whole matrices: stop at once."""
+    sharding, name = cfg.task.sharding, cfg.optim.name
+    if sharding not in SHARDINGS:
+        raise ValueError(f"Invalid task.sharding: {sharding!r} (choose from {SHARDINGS})")
+    if sharding == "fsdp" and name.startswith("dopr_"):
+        raise ValueError(f"task.sharding=fsdp with optim={name}: DoPr does not support parameter sharding "
+                         "(FSDP / ZeRO-3): it needs each layer's full weight gradient and input covariance on "
+                         "every rank. Use task.sharding=none (data parallel; the bf16 base is replicated).")
+    if sharding == "fsdp" and name not in ELEMENTWISE_GPS:
+        raise ValueError(f"task.sharding=fsdp with optim={name}: only the element-wise GPs {ELEMENTWISE_GPS} "
+                         "update a weight shard correctly; use task.sharding=none")
+    if sharding == "fsdp" and cfg.task.eval.generation is not None:
+        raise ValueError("task.sharding=fsdp: eval.generation decodes on rank 0 alone; use task.sharding=none")
+
+
+def locate_inputs(t) -> dict:
+    """Local directories for the weights, tokenizer, SFT data and evaluation data the task names;
+    one error listing everything missing (and every missing package), before any model is loaded."""
+    m, d = t.model, t.data
+    wanted = []
+    if m.path is not None:
+        how = m.get("made_by") or "task.model.path=<local dir>"
+        wanted.append(("model", "base model weights", m.path, "model", how, None))
+    if m.tokenizer is not None:
+        how = m.get("made_by") or "task.model.tokenizer=<local dir>"
+        wanted.append(("tokenizer", "tokenizer and chat template", m.tokenizer, "model", how,
+                       ["*.json", "*.jinja", "*.model", "*.txt"]))
+    if d.source != "arith":
+        wanted.append(("data", "SFT data (OpenMathInstruct-2)", d.source, "dataset",
+                       "task.data.source=<save_to_disk dir, parquet/jsonl file or hub snapshot dir>",
+                       [f"*{d.split}*", "*.md", "*.json"]))
+    packages = []
+    if m.path is not None and m.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        packages.append("package flash_attn: task.model.attn_implementation=flash_attention_2 (the paper's) needs "
+                        "`pip install flash-attn` (CUDA), or pass task.model.attn_implementation=sdpa")
+    ev = t.eval.lm_eval
+    if ev is not None:
+        packages += [f"package {mod}: lm-eval needs it: `{how}` (or task.eval.lm_eval=null to skip lm-eval)"
+                     for mod, how in lm_eval_requirements(ev)]
+        for name, task in ev.tasks.items():
+            wanted.append((f"eval_{name}", f"evaluation data of lm-eval task {name}", task.dataset, "dataset",
+                           "the HF cache (lm-eval reads it from there)", None))
+    return locate_all(wanted, bool(t.download), packages)
+
+
+def world() -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_sum(x: float, device) -> float:
+    if world()[1] == 1:
+        return float(x)
+    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+# ---------------------------------------------------------------------------------- data
+def sft_records(t, local: dict) -> tuple:
+    """(train, validation, test problems): OpenMathInstruct-2 (the test set is lm-eval's) or
+    generated arithmetic problems (test problems from a seed of their own)."""
+    d = t.data
+    if d.source == "arith":
+        pool = arith.word_problems(d.train_size + d.val_size, d.seed, d.min_steps, d.max_steps, d.max_value,
+                                   d.max_operand)
+        train, val = split_heldout(pool, d.val_size, d.train_size, d.seed)
+        gen = t.eval.generation
+        test = arith.word_problems(gen.problems, d.seed + 1, d.min_steps, d.max_steps, d.max_value,
+                                   d.max_operand) if gen is not None else []
+        return train, val, test
+    records = load_openmathinstruct(local["data"], d.split)
+    train, val = split_heldout(records, d.val_size, d.train_size, d.seed)
+    return train, val, []
+
+
+def encode_and_pack(tokenizer, records, d, prompt: str, shard: bool) -> dict:
+    """This rank's share of `records` (every world-th one when `shard`) encoded and packed."""
+    rank, size = world() if shard else (0, 1)
+    mine = take(records, range(rank, len(records), size))
+    examples = (encode_example(tokenizer, r["problem"], r["generated_solution"], prompt, d.max_length) for r in mine)
+    return pack(examples, d.max_length, tokenizer.pad_token_id, d.packing)
+
+
+def equal_share(blocks: dict, device) -> dict:
+    """Every rank keeps as many blocks as the rank with fewest, so all take the same steps."""
+    if world()[1] == 1:
+        return blocks
+    n = torch.tensor([len(blocks["input_ids"])], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    return {k: v[: int(n)] for k, v in blocks.items()}
+
+
+# ------------------------------------------------------------------------------- the model
+def build_sft_model(t, local: dict, tokenizer, device):
+    m = t.model
+    if m.path is not None:
+        model = load_model(local["model"], m.dtype, m.attn_implementation)
+    else:  # a randomly initialised small Llama: the debug preset's stand-in for real weights
+        model = small_llama(m.arch, tokenizer).to(getattr(torch, m.dtype))
+    model = add_lora(model, t.lora)
+    gradient_checkpointing(model, m.gradient_checkpointing)
+    return model.to(device)
+
+
+def wrap(model, sharding: str, device):
+    """torch.distributed: DistributedDataParallel, or FSDP2 (one unit per decoder layer + the root)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if sharding == "fsdp":
+            raise ValueError("task.sharding=fsdp needs torch.distributed (launcher=slurm_multigpu)")
+        return model
+    if sharding == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module)
+        return fully_shard(model)
+    ids = [torch.cuda.current_device()] if device.type == "cuda" else None
+    # not static_graph=True: with reentrant checkpointing it breaks no_sync (tests/test_llm.py)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def unwrap(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(model, sync: bool):
+    """No all-reduce on the micro-batches before the last of an accumulation window."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not sync:
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+# -------------------------------------------------------------------------------- the loop
+def total_steps(n_blocks: int, tr) -> int:
+    per_epoch = n_blocks // (tr.micro_batch_size * tr.grad_accumulation)
+    if per_epoch == 0:
+        raise ValueError(f"{n_blocks} packed blocks are fewer than one optimizer step "
+                         f"({tr.micro_batch_size} x {tr.grad_accumulation} per rank)")
+    steps = math.ceil(per_epoch * tr.epochs)
+    return steps if tr.max_steps is None else min(steps, tr.max_steps)
+
+
+def build_schedule(opt, tr, steps: int):
+    """Hugging Face schedules by name: "cosine" (the 3B run, 5% warmup), "constant" (the 8B run)."""
+    from transformers import get_scheduler
+
+    return get_scheduler(tr.schedule, opt, num_warmup_steps=round(tr.warmup_frac * steps), num_training_steps=steps)
+
+
+def full_trainable_params(model) -> dict:
+    """The trainable parameters as full tensors on the CPU, gathered from every rank under FSDP
+    (all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=True))
+
+
+def trainable_state(model, opt, sharded: bool) -> tuple:
+    """(trainable parameters, optimizer state) as full tensors (gathered when sharded)."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return full_trainable_params(model), get_optimizer_state_dict(model, opt, options=o)
+    params = {n: p.detach().clone() for n, p in unwrap(model).named_parameters() if p.requires_grad}
+    return params, opt.state_dict()
+
+
+def save_adapter(model, tokenizer, path: Path, sharded: bool, is_main: bool) -> None:
+    """The LoRA adapter (and any trained embeddings) with the tokenizer: what lm-eval loads."""
+    full = full_trainable_params(model) if sharded else None
+    if is_main:
+        unwrap(model).save_pretrained(str(path), state_dict=full)
+        tokenizer.save_pretrained(str(path))
+
+
+def load_trainable_state(model, opt, params: dict, opt_state: dict, sharded: bool) -> None:
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        o = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, params, options=o)
+        set_optimizer_state_dict(model, opt, opt_state, options=o)
+        return
+    missing = unwrap(model).load_state_dict(params, strict=False).unexpected_keys
+    if missing:
+        raise RuntimeError(f"checkpoint parameters not in the model: {missing[:5]}")
+    opt.load_state_dict(opt_state)
+
+
+def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = False, on_step=None) -> dict:
+    """Optimizer steps over this rank's `blocks` for tr.epochs (or tr.max_steps). Each step sums the
+    loss of micro_batch_size x grad_accumulation blocks per rank and divides by the number of
+    labelled tokens over all of them and all ranks. Returns the last logged metrics."""
+    steps = total_steps(len(blocks["input_ids"]), tr)
+    sched = build_schedule(opt, tr, steps)
+    per_step = tr.micro_batch_size * tr.grad_accumulation
+    per_epoch = len(blocks["input_ids"]) // per_step
+    params = [p for p in model.parameters() if p.requires_grad]
+    start, metrics = 0, {}
+    resumed = run.load_checkpoint()
+    if resumed is not None:  # a requeued (preempted) job continues where it stopped
+        load_trainable_state(model, opt, resumed["params"], resumed["optimizer"], sharded)
+        sched.load_state_dict(resumed["scheduler"])
+        torch.set_rng_state(resumed["rng"])
+        if resumed["cuda_rng"] is not None:  # dropout on the GPU draws from the CUDA generator
+            torch.cuda.set_rng_state(resumed["cuda_rng"])
+        start, metrics = resumed["step"], resumed["metrics"]
+    model.train()
+    bar = run.progress(steps, initial=start)
+    order = None
+    for step in range(start, steps):
+        epoch, within = divmod(step, per_epoch)
+        if order is None or within == 0:
+            order = torch.randperm(len(blocks["input_ids"]), generator=torch.Generator().manual_seed(
+                seed * 1000003 + epoch))
+        window = order[within * per_step:(within + 1) * per_step].view(tr.grad_accumulation, tr.micro_batch_size)
+        batches = [micro_batches(blocks, idx.numpy()) for idx in window]
+        tokens = all_sum(sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches), device)
+        loss_sum = 0.0
+        for i, b in enumerate(batches):
+            b = {k: v.to(device) for k, v in b.items()}
+            with gradient_sync(model, i == len(batches) - 1):
+                out = packed_forward(model, b, labels=b["labels"], num_items_in_batch=tokens / world()[1])
+                out.loss.backward()
+            loss_sum += out.loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm if tr.max_grad_norm else math.inf)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        bar.update()
+        if on_step is not None:
+            on_step(step + 1)
+        loss = all_sum(loss_sum, device) / world()[1]
+        if (step + 1) % tr.log_every == 0 or step + 1 == steps:
+            metrics = {"train_loss": loss, "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens}
+            run.log(metrics, step + 1)
+        if not math.isfinite(loss):
+            metrics = {"train_loss": loss, "diverged_at": step + 1}
+            run.log(metrics, step + 1)
+            break
+        if tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0 and step + 1 < steps:
+            p, o = trainable_state(model, opt, sharded)
+            run.save_checkpoint({"params": p, "optimizer": o, "scheduler": sched.state_dict(),
+                                 "rng": torch.get_rng_state(), "step": step + 1, "metrics": metrics,
+                                 "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None})
+    bar.close()
+    return {**metrics, "steps": steps}
+
+
+# ------------------------------------------------------------------------------ the entry
+def run(cfg, run) -> dict:
+    t = cfg.task
+    check_sharding(cfg)
+    local = locate_inputs(t)
+    device = run.device
+    tokenizer = load_tokenizer(local["tokenizer"]) if t.model.tokenizer is not None else arith.char_tokenizer()
+    prompt = t.data.prompt or PAPER_PROMPT
+    train_records, val_records, test_problems = sft_records(t, local)
+    blocks = equal_share(encode_and_pack(tokenizer, train_records, t.data, prompt, shard=True), device)
+    val_blocks = encode_and_pack(tokenizer, val_records, t.data, prompt, shard=True)
+    if t.sharding == "fsdp":  # every rank takes part in every sharded forward
+        val_blocks = equal_share(val_blocks, device)
+
+    torch.manual_seed(int(cfg.seed))  # the LoRA initialisation (the base is the same for every seed)
+    model = wrap(build_sft_model(t, local, tokenizer, device), t.sharding, device)
+    opt = build_optimizer(model, cfg)
+    sharded, every = t.sharding == "fsdp", t.train.get("save_adapter_every") or 0
+
+    def keep_adapter(step: int) -> None:  # adapters/step_N, for the peak over training
+        if every and step % every == 0:
+            save_adapter(model, tokenizer, run.dir / "adapters" / f"step_{step}", sharded, run.is_main)
+
+    result = train(model, opt, blocks, t.train, int(cfg.seed), run, device, sharded, keep_adapter)
+
+    core = unwrap(model)
+    nll_sum, nll_count = validation_nll(core, val_blocks, t.train.micro_batch_size, device)
+    summary = {**result, "lr": float(cfg.optim.lr), "train_blocks": len(blocks["input_ids"]),
+               "val_nll": all_sum(nll_sum, device) / max(1.0, all_sum(nll_count, device)),
+               "trainable_params": sum(p.numel() for p in core.parameters() if p.requires_grad)}
+    if hasattr(opt, "stats"):
+        summary["dopr"] = {k: v for k, v in opt.stats().items() if k != "no_forward"}
+    save_adapter(model, tokenizer, run.dir / "adapter", sharded, run.is_main)
+    if t.eval.generation is not None and run.is_main:
+        g = t.eval.generation
+        prompts = [encode_prompt(tokenizer, p["problem"], prompt) for p in test_problems]
+        summary.update(generation_accuracy(core, tokenizer, prompts, [p["expected_answer"] for p in test_problems],
+                                           extract_boxed, g.max_new_tokens, g.batch_size, device))
+    if t.eval.lm_eval is not None and run.is_main:
+        del model, core, opt
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        summary.update(lm_eval_run_dir(t, local, run.dir, int(cfg.seed)))
+    return summary
