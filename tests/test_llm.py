@@ -59,6 +59,19 @@ def test_arithmetic_solutions_are_right_and_end_in_boxed_answer():
         assert 0 <= value <= 999
 
 
+def test_pretraining_documents_spell_every_character_the_sft_answer_needs(tok):
+    """The base must have produced '{' and '}' (LoRA on the blocks cannot teach a new output character
+    through tied embeddings), and the pretraining answer parser reads the document's own answer."""
+    from experiments.llm.pretrain import first_answer
+
+    for p in arith.word_problems(50, 4, 1, 3, 999, 99):
+        doc = arith.pretraining_document(p)
+        assert first_answer(doc) == p["expected_answer"]
+        assert tok.unk_token_id not in tok(doc, add_special_tokens=False)["input_ids"]
+        assert set(p["generated_solution"]) <= set(doc)  # every character of the SFT target, braces included
+    assert first_answer("The answer is 12.") is None and first_answer("The answer is \\boxed{7}.") == "7"
+
+
 def test_only_completion_tokens_carry_labels(tok):
     p = arith.word_problems(1, 0, 2, 2, 999, 99)[0]
     ex = encode_example(tok, p["problem"], p["generated_solution"], "Solve.", 512)

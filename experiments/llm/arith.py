@@ -91,9 +91,12 @@ def word_problems(n: int, seed: int, min_steps: int, max_steps: int, max_value: 
 
 
 def pretraining_document(p: dict) -> str:
-    """A problem as plain text, without the chat template or \\boxed{} (what SFT then teaches)."""
+    """A problem as plain text, without the chat template (what SFT then teaches, with longer chains).
+    The answer sentence uses \\boxed{} so that the base has seen the braces: with tied embeddings and
+    LoRA on the blocks only, SFT cannot teach a character the base never produced (measured: at every
+    learning rate up to 3e-3 the SFT'd model wrote "\\boxed*142D", not "\\boxed{142}")."""
     work = p["generated_solution"].rsplit("\n", 1)[0]
-    return f"Q: {p['problem']}\nA: {work}\nThe answer is {p['expected_answer']}."
+    return f"Q: {p['problem']}\nA: {work}\nThe answer is \\boxed{{{p['expected_answer']}}}."
 
 
 def char_tokenizer():

@@ -1,10 +1,11 @@
 """Pretraining the CPU analogue's base model (no download anywhere).
 
 A small Llama built from `task.arch` learns plain-text arithmetic word problems with their column
-by column working ("Q: ... A: ... The answer is N."), next-token loss on every token, through the
+by column working ("Q: ... A: ... The answer is \\boxed{N}."), next-token loss on every token, through the
 same loop as SFT (experiments/llm/train.py). It saves the model and the character tokenizer (with
 its chat template) to `task.save_to`, the base model that task=sft_arith fine-tunes: SFT then
-teaches the chat format, \\boxed{} and longer problems, as OpenMathInstruct-2 does for Llama.
+teaches the chat format, the bare \\boxed{} ending and longer chains (3-5 operations), as
+OpenMathInstruct-2 does for Llama.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .evaluate import generation_accuracy, validation_nll
 from .model import small_llama
 from .train import train
 
-ANSWER = re.compile(r"The answer is (\d+)\.")
+ANSWER = re.compile(r"The answer is \\boxed\{(\d+)\}\.")
 
 
 def document_example(tokenizer, text: str, max_length: int) -> dict:
