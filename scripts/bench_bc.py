@@ -45,7 +45,8 @@ def main() -> None:
             rows.append((name, s["train_time_s"], s["eval_time_s"], s["wall_time_s"], s["return_mean"]))
     load1 = os.getloadavg()[0]
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cmd = f"python scripts/bench_bc.py --task {a.task} --threads {a.threads}" + (f" --out {a.out}" if a.out else "")
+    cmd = (f"python scripts/bench_bc.py --task {a.task} --threads {a.threads} --num-trajectories {a.num_trajectories}"
+           + (f" --optims {a.optims}" if a.optims != ",".join(OPTIMS) else "") + (f" --out {a.out}" if a.out else ""))
     lines = [f"# One BC job ({a.task}, {a.num_trajectories} trajectories): 1000 training steps + 100 evaluation episodes", "",
              f"Made by `{cmd}` at commit `{rev}`; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{a.threads} threads; load average {load0:.2f} at start, {load1:.2f} at end.", "",

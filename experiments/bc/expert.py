@@ -149,6 +149,22 @@ def run(cfg, run) -> dict:
             **{f"return_mean_{k}": v[0] for k, v in finals.items()}}
 
 
+def _training_time(metrics_path: Path):
+    """SAC time summed over every launch of a resumed run: each evaluation row's steps since the
+    previous one divided by the steps/s it logged (wall_time_s only covers the last launch)."""
+    import json
+
+    if not metrics_path.exists():
+        return None
+    total, last = 0.0, 0
+    for line in metrics_path.read_text().splitlines():
+        row = json.loads(line)
+        if "steps_per_s" in row:
+            total += (row["step"] - last) / row["steps_per_s"]
+            last = row["step"]
+    return round(total, 1)
+
+
 def publish(run_dir, version: str = "v1", root=None) -> Path:
     """Copy a finished expert run's expert.pt to experiments/bc/experts/<version>/<env>.pt, with
     <env>.json: its evaluation returns (mean, std, episodes), training steps, command and commit."""
@@ -171,7 +187,8 @@ def publish(run_dir, version: str = "v1", root=None) -> Path:
     meta = {"env": blob["env"], "return_mean": blob["return_mean"], "return_std": blob["return_std"],
             "eval_episodes": blob["eval_episodes"], "eval_seed": blob["eval_seed"], "expert_step": blob["step"],
             "train_steps": blob["train_steps"], "obs_slice": blob.get("obs_slice"), "command": command,
-            "commit": summary.get("git_revision"), "wall_time_s": summary.get("wall_time_s")}
+            "commit": summary.get("git_revision"), "train_time_s": _training_time(run_dir / "metrics.jsonl"),
+            "last_launch_wall_time_s": summary.get("wall_time_s")}
     (out / f"{blob['env']}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out / f"{blob['env']}.pt"
 
