@@ -55,7 +55,8 @@ def test_arithmetic_solutions_are_right_and_end_in_boxed_answer():
             a, op, b = (head.partition("+") if "+" in head else head.partition("-"))
             assert int(a) == value and result == (int(a) + int(b) if op == "+" else int(a) - int(b))
             value = result
-        assert p["generated_solution"].endswith(f"\\boxed{{{value}}}") and p["expected_answer"] == str(value)
+        assert p["generated_solution"].endswith(f"\nThe answer is \\boxed{{{value}}}.")
+        assert p["expected_answer"] == str(value)
         assert 0 <= value <= 999
 
 

@@ -1,12 +1,13 @@
 """The CPU-scale analogue of math SFT: procedurally generated arithmetic word problems.
 
 A problem starts from a quantity and applies `steps` additions and subtractions; the solution
-works each one column by column, carries and borrows written out, and ends in \\boxed{answer}:
+works each one column by column, carries and borrows written out, and ends in "The answer is
+\\boxed{answer}.":
 
     Problem:  Mia has 347 stamps. She gets 58 more. Then she gives away 19. How many stamps does Mia have now?
     Solution: 347+58: 7+8=15, 4+5+1=10, 3+0+1=4, so 405.
               405-19: 15-9=6, 10-1-1=8, 4-0-1=3, so 386.
-              \\boxed{386}
+              The answer is \\boxed{386}.
 
 Every character of a solution follows from the ones before it, so next-token training is the whole
 job, but at deployment the model reads its own earlier results: a wrong digit in the first line
@@ -81,8 +82,8 @@ def word_problem(rng: random.Random, steps: int, max_value: int, max_operand: in
         sentences.append(f"Then {sentence}" if i else sentence)
         lines.append(line)
     sentences.append(f"How many {obj} does {name} have now?")
-    return {"problem": " ".join(sentences), "generated_solution": "\n".join(lines) + f"\n\\boxed{{{value}}}",
-            "expected_answer": str(value)}
+    solution = "\n".join(lines) + f"\nThe answer is \\boxed{{{value}}}."
+    return {"problem": " ".join(sentences), "generated_solution": solution, "expected_answer": str(value)}
 
 
 def word_problems(n: int, seed: int, min_steps: int, max_steps: int, max_value: int, max_operand: int) -> list:
@@ -92,11 +93,11 @@ def word_problems(n: int, seed: int, min_steps: int, max_steps: int, max_value: 
 
 def pretraining_document(p: dict) -> str:
     """A problem as plain text, without the chat template (what SFT then teaches, with longer chains).
-    The answer sentence uses \\boxed{} so that the base has seen the braces: with tied embeddings and
-    LoRA on the blocks only, SFT cannot teach a character the base never produced (measured: at every
-    learning rate up to 3e-3 the SFT'd model wrote "\\boxed*142D", not "\\boxed{142}")."""
-    work = p["generated_solution"].rsplit("\n", 1)[0]
-    return f"Q: {p['problem']}\nA: {work}\nThe answer is \\boxed{{{p['expected_answer']}}}."
+    It ends in the solution's own answer sentence, so the base has produced "\\boxed{N}": with tied
+    embeddings and LoRA on the blocks only, SFT could not teach a character the base never produced
+    (measured: up to lr 3e-3 the SFT'd model wrote "\\boxed*142D"), nor, in one short epoch, a bare
+    "\\boxed{N}" line in place of the answer sentence it knew (it copied the wrong number)."""
+    return f"Q: {p['problem']}\nA: {p['generated_solution']}"
 
 
 def char_tokenizer():
