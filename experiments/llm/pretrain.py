@@ -4,7 +4,7 @@ A small Llama built from `task.arch` learns plain-text arithmetic word problems 
 by column working ("Q: ... A: ... The answer is \\boxed{N}."), next-token loss on every token, through the
 same loop as SFT (experiments/llm/train.py). It saves the model and the character tokenizer (with
 its chat template) to `task.save_to`, the base model that task=sft_arith fine-tunes: SFT then
-teaches the chat format, the bare \\boxed{} ending and longer chains (3-5 operations), as
+teaches the chat format and chains of up to 4 operations (pretraining has 1-3), as
 OpenMathInstruct-2 does for Llama.
 """
 from __future__ import annotations
