@@ -205,6 +205,23 @@ def test_observation_normalisation_handles_constant_coordinates():
     assert torch.allclose(m.obs_std, torch.tensor([2 ** 0.5, 1.0, 1.0]))
 
 
+def test_observation_clip_bounds_what_the_first_layer_sees():
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    plain, clipped = train.ResidualMLP(4, 2, [8]), train.ResidualMLP(4, 2, [8], obs_clip=3.0)
+    clipped.load_state_dict(plain.state_dict())
+    for m in (plain, clipped):
+        m.set_normalization(x)
+    inside = x.mean(0) + 2.0 * x.std(0) * torch.tanh(x[:8])  # every coordinate within 2 std
+    assert torch.allclose(plain(inside), clipped(inside))
+    far = x.mean(0, keepdim=True) + 1e4 * x.std(0, keepdim=True)  # a contact-force spike: 1e4 std away
+    at_edge = x.mean(0, keepdim=True) + 3.0 * x.std(0, keepdim=True)
+    assert torch.allclose(clipped(far), plain(at_edge), atol=1e-5)
+    assert not torch.allclose(plain(far), plain(at_edge))
+    with pytest.raises(ValueError, match="obs_clip must be a positive"):
+        train.ResidualMLP(4, 2, [8], obs_clip=0.0)
+
+
 # --------------------------------------------------------------------------------------- bootstrap
 def test_bootstrap_quantiles_on_a_known_distribution():
     pool = np.arange(1000, dtype=float)  # mean 499.5, population variance (N^2 - 1) / 12
@@ -246,6 +263,15 @@ def test_paper_sweep_is_the_full_grid():
     assert len(params["+tuned/humanoid"].split(",")) == 8
     assert params["task.num_trajectories"] == "10,20,30,40,50" and params["seed"] == "0,1,2"
     assert cfg.task.name == "humanoid" and cfg.task.env == "Humanoid-v5"
+    assert cfg.task.obs_clip is None
+
+
+def test_obs_clip_ablation_is_the_paper_grid_with_clamped_observations():
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        paper = compose("config", overrides=["sweep=paper_humanoid"], return_hydra_config=True)
+        clip = compose("config", overrides=["sweep=humanoid_obs_clip"], return_hydra_config=True)
+    assert dict(clip.hydra.sweeper.params) == dict(paper.hydra.sweeper.params)
+    assert clip.task.obs_clip == 10 and clip.sweep_name == "humanoid_obs_clip"
 
 
 def test_report_writes_tables_and_figure(tmp_path):
@@ -267,3 +293,9 @@ def test_report_writes_tables_and_figure(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "halfcheetah_dopr_vs_gp.csv")))
     assert [r["dopr_better"] for r in rows] == ["yes", "yes"]
     assert float(rows[0]["delta"]) == pytest.approx(50.0, abs=8.0)
+    assert [r["seed_ranges_overlap"] for r in rows] == ["no", "no"]  # per-seed means 1010 +- 5 vs 1060 +- 5
+    table = {(r["optimizer"], r["num_trajectories"]): r for r in csv.DictReader(open(tmp_path / "halfcheetah.csv"))}
+    seed_means = [np.mean(r["summary"]["returns"]["1000"]) for r in records
+                  if r["summary"]["optim"] == "adamw" and r["summary"]["num_trajectories"] == 10]
+    assert float(table[("adamw", "10")]["seed_return_min"]) == pytest.approx(min(seed_means), rel=1e-3)
+    assert float(table[("adamw", "10")]["seed_return_max"]) == pytest.approx(max(seed_means), rel=1e-3)

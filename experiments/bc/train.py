@@ -76,7 +76,7 @@ def run(cfg, run) -> dict:
     val_obs, val_act = cat(val.observations), cat(val.actions)
 
     torch.manual_seed(int(cfg.seed))
-    model = ResidualMLP(obs.shape[1], act.shape[1], t.hidden)
+    model = ResidualMLP(obs.shape[1], act.shape[1], t.hidden, obs_clip=t.get("obs_clip"))
     model.set_normalization(obs)
     ema = copy.deepcopy(model).requires_grad_(False)  # deep-copied before the optimizer hooks the model
     opt = build_optimizer(model, cfg)
@@ -136,7 +136,7 @@ def run(cfg, run) -> dict:
         "env": t.env, "num_trajectories": int(t.num_trajectories), "lr": float(cfg.optim.lr),
         "weight_decay": float(cfg.optim.get("weight_decay", 0.0)),
         "damping": float(cfg.ap.damping) if cfg.optim.name.startswith("dopr_") else None,
-        "train_loss": mse(model, obs, act), "train_loss_ema": mse(ema, obs, act),
+        "obs_clip": model.obs_clip, "train_loss": mse(model, obs, act), "train_loss_ema": mse(ema, obs, act),
         "val_loss": mse(ema, val_obs, val_act), "val_loss_raw": mse(model, val_obs, val_act),
         "return_mean": float(np.mean(final)) if final else None,
         "returns": {str(k): v for k, v in returns.items()},
@@ -168,15 +168,17 @@ def report(records, out_dir, stamp) -> None:
     for (opt_name, n, *_), ss in sorted(cells.items()):
         pooled = [x for s in ss for v in s["returns"].values() for x in v]  # seeds x checkpoints x episodes
         b = bootstrap(pooled, trials=1000, seed=0)
+        per_seed = [np.mean([x for v in s["returns"].values() for x in v]) for s in ss]  # the spread the pool hides
         rows.append({"optimizer": opt_name, "num_trajectories": n, "seeds": len(ss), "episodes": len(pooled),
                      "return_mean": b["mean"], "return_q10": b["q10"], "return_q50": b["q50"], "return_q90": b["q90"],
+                     "seed_return_min": float(np.min(per_seed)), "seed_return_max": float(np.max(per_seed)),
                      "train_loss": float(np.mean([s["train_loss"] for s in ss])),
                      "val_loss": float(np.mean([s["val_loss"] for s in ss])),
                      "lr": ss[0]["lr"], "weight_decay": ss[0]["weight_decay"],
                      "damping": "" if ss[0]["damping"] is None else ss[0]["damping"],
                      "expert_return": ss[0]["expert_return"]})
     cols = ["optimizer", "num_trajectories", "seeds", "episodes", "return_mean", "return_q10", "return_q50",
-            "return_q90", "train_loss", "val_loss", "lr", "weight_decay", "damping", "expert_return"]
+            "return_q90", "seed_return_min", "seed_return_max", "train_loss", "val_loss", "lr", "weight_decay", "damping", "expert_return"]
     write_table(rows, cols, out_dir / task, stamp,
                 f"{env} behaviour cloning: bootstrap return (m = half the pooled episodes, 1000 trials), "
                 f"train/validation MSE (mean over seeds)")
@@ -197,11 +199,13 @@ def report(records, out_dir, stamp) -> None:
                                "dopr_better": "yes" if dp["return_mean"] > base["return_mean"] else "no",
                                "quantile_bands_overlap": "yes" if dp["return_q10"] <= base["return_q90"]
                                and base["return_q10"] <= dp["return_q90"] else "no",
+                               "seed_ranges_overlap": "yes" if dp["seed_return_min"] <= base["seed_return_max"]
+                               and base["seed_return_min"] <= dp["seed_return_max"] else "no",
                                "gp_val_loss": base["val_loss"], "dopr_val_loss": dp["val_loss"],
                                "gp_lr": base["lr"], "dopr_lr": dp["lr"]})
     if deltas:
         write_table(deltas, ["gp", "num_trajectories", "gp_return", "dopr_return", "delta", "delta_pct", "dopr_better",
-                             "quantile_bands_overlap", "gp_val_loss", "dopr_val_loss", "gp_lr", "dopr_lr"],
+                             "quantile_bands_overlap", "seed_ranges_overlap", "gp_val_loss", "dopr_val_loss", "gp_lr", "dopr_lr"],
                     out_dir / f"{task}_dopr_vs_gp", stamp, f"{env}: DoPr variant minus its GP (bootstrap mean return; where the sweep varies "
                     f"hyperparameters, each optimizer's best setting)")
 
