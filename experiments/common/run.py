@@ -59,8 +59,9 @@ def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        # results/ holds outputs, not code: a report regenerated next to another one is still at this commit
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         return (rev + ("-dirty" if dirty else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
