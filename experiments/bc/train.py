@@ -178,7 +178,8 @@ def report(records, out_dir, stamp) -> None:
                      "damping": "" if ss[0]["damping"] is None else ss[0]["damping"],
                      "expert_return": ss[0]["expert_return"]})
     cols = ["optimizer", "num_trajectories", "seeds", "episodes", "return_mean", "return_q10", "return_q50",
-            "return_q90", "seed_return_min", "seed_return_max", "train_loss", "val_loss", "lr", "weight_decay", "damping", "expert_return"]
+            "return_q90", "seed_return_min", "seed_return_max", "train_loss", "val_loss", "lr", "weight_decay",
+            "damping", "expert_return"]
     write_table(rows, cols, out_dir / task, stamp,
                 f"{env} behaviour cloning: bootstrap return (m = half the pooled episodes, 1000 trials), "
                 f"train/validation MSE (mean over seeds)")
@@ -205,7 +206,8 @@ def report(records, out_dir, stamp) -> None:
                                "gp_lr": base["lr"], "dopr_lr": dp["lr"]})
     if deltas:
         write_table(deltas, ["gp", "num_trajectories", "gp_return", "dopr_return", "delta", "delta_pct", "dopr_better",
-                             "quantile_bands_overlap", "seed_ranges_overlap", "gp_val_loss", "dopr_val_loss", "gp_lr", "dopr_lr"],
+                             "quantile_bands_overlap", "seed_ranges_overlap", "gp_val_loss", "dopr_val_loss",
+                             "gp_lr", "dopr_lr"],
                     out_dir / f"{task}_dopr_vs_gp", stamp, f"{env}: DoPr variant minus its GP (bootstrap mean return; where the sweep varies "
                     f"hyperparameters, each optimizer's best setting)")
 
