@@ -4,12 +4,13 @@ Per preconditioned layer with weight W (rows x d) and input activations z (Algor
 
     Sigma  = mean over samples (and positions) of z z^T, from every training forward since the last step
     G_bar  = EMA_{grad_ema}(G),   Sigma_bar = EMA_{precond_ema}(Sigma)       (beta = 0: raw batch values)
-    M      = G_bar (Sigma_bar + gamma * tr(Sigma_bar) / d * I)^-1            (AP)
+    M      = G_bar (Sigma_bar + gamma * tr(Sigma_bar) * I)^-1                (AP)
     W     <- GP(M)                                                            (the base optimizer, unchanged)
 
-Damping: the paper writes both gamma*tr(Sigma) (Algorithm 1) and gamma*tr(Sigma)/d (the appendix
-"Damping"); we use gamma * tr(Sigma) / d (``damping_mode="trace"``): the mean eigenvalue times gamma,
-so gamma means the same for every layer width. ``damping_mode="absolute"`` adds gamma * I.
+Damping: Algorithms 1 and 2, the muP section and the invariance appendix write gamma * tr(Sigma);
+only the appendix paragraph "Damping" writes gamma * tr(Sigma) / d. ``damping_mode="trace"`` (the
+default) is what the algorithm boxes print, gamma * tr(Sigma); ``"trace_per_dim"`` is
+gamma * tr(Sigma) / d (the mean eigenvalue times gamma, d times weaker), ``"absolute"`` is gamma * I.
 
 EMAs start at zero and are bias-corrected (divided by 1 - beta^t), as Adam's moments are.
 
@@ -36,7 +37,7 @@ from .distributed import all_reduce_statistics
 from .layers import find_layers
 from .statistics import ActivationStatistics, statistics_dtype
 
-DAMPING_MODES = ("trace", "absolute")
+DAMPING_MODES = ("trace", "trace_per_dim", "absolute")
 CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 
@@ -111,7 +112,8 @@ class DoPr(torch.optim.Optimizer):
         base: the gradient preconditioner, any ``torch.optim.Optimizer`` over (some of) the model's
             parameters. Its ``param_groups`` and ``state`` are this optimizer's.
         damping: gamma >= 0.
-        damping_mode: ``"trace"`` (gamma * tr(Sigma) / d, default) or ``"absolute"`` (gamma).
+        damping_mode: ``"trace"`` (gamma * tr(Sigma), Algorithms 1-2, default), ``"trace_per_dim"``
+            (gamma * tr(Sigma) / d, the appendix paragraph "Damping") or ``"absolute"`` (gamma).
         grad_ema, precond_ema: EMA rates beta_g, beta_Sigma in [0, 1); 0 uses the batch values.
         solver: ``"cholesky"``, ``"eigh"``, ``"rank1_diag"`` or ``"rankk_diag"`` (see dopr.solvers).
         precond_every: refactor every k steps and reuse the cached inverse in between; statistics
@@ -352,7 +354,7 @@ class DoPr(torch.optim.Optimizer):
 
     def _factor(self, groups: dict) -> dict:
         opts = self.options
-        gamma, trace = opts["damping"], opts["damping_mode"] == "trace"
+        gamma, mode = opts["damping"], opts["damping_mode"]
         means = {}
         bad = self._nonfinite({k: s.sums[0] for k, s in groups.items()}, what="activation covariance")
         for key, stat in groups.items():
@@ -362,7 +364,7 @@ class DoPr(torch.optim.Optimizer):
         ops, dense = {}, defaultdict(list)
         for key, (kind, m) in means.items():
             diag = m[0].diagonal() if kind == "dense" else (m[1] if kind == "moments" else m[0])
-            lam = gamma * diag.sum() / diag.numel() if trace else torch.tensor(gamma, device=diag.device)
+            lam = damping(gamma, mode, diag)
             if kind == "dense":
                 dense[(m[0].shape[0], m[0].device)].append((key, m[0], lam))
             elif kind == "moments":
@@ -490,6 +492,16 @@ class DoPr(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:
+    """The absolute damping lambda added to Sigma's diagonal (``diag``): gamma * tr(Sigma) ("trace"),
+    gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
+    if mode == "trace":
+        return gamma * diag.sum()
+    if mode == "trace_per_dim":
+        return gamma * diag.sum() / diag.numel()
+    return torch.tensor(gamma, device=diag.device)
 
 
 def _commit_hook(opt: DoPr, index: int, cap: _Capture, saved: Optional[Tensor]):

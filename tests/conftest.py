@@ -1,11 +1,30 @@
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def _compose(*overrides, hydra_config: bool = False):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+@pytest.fixture
+def compose():
+    """compose(*overrides, hydra_config=False): the suite's config as `python run.py <overrides>` builds it
+    (with hydra_config=True also the `hydra` node, e.g. a sweep preset's sweeper params)."""
+    pytest.importorskip("hydra")
+    return _compose
 
 
 @pytest.fixture(autouse=True)

@@ -2,12 +2,15 @@
 import torch
 
 
-def ap_reference(g: torch.Tensor, z: torch.Tensor, damping: float) -> torch.Tensor:
-    """M = G (Sigma + damping * tr(Sigma) / d * I)^-1 with Sigma = Z^T Z / n, all in float64."""
+def ap_reference(g: torch.Tensor, z: torch.Tensor, damping: float, mode: str = "trace") -> torch.Tensor:
+    """M = G (Sigma + lam I)^-1 with Sigma = Z^T Z / n, all in float64; lam = damping * tr(Sigma)
+    ("trace", Algorithms 1-2), damping * tr(Sigma) / d ("trace_per_dim") or damping ("absolute")."""
     g, z = g.double(), z.double()
     sigma = z.T @ z / z.shape[0]
     d = sigma.shape[0]
-    a = sigma + damping * torch.trace(sigma) / d * torch.eye(d, dtype=torch.float64)
+    lam = {"trace": damping * torch.trace(sigma), "trace_per_dim": damping * torch.trace(sigma) / d,
+           "absolute": torch.tensor(damping, dtype=torch.float64)}[mode]
+    a = sigma + lam * torch.eye(d, dtype=torch.float64)
     return torch.linalg.solve(a, g.T).T  # a is symmetric: G A^-1 = (A^-1 G^T)^T
 
 

@@ -19,9 +19,9 @@ GP_KWARGS = {
     "adamw": {"betas", "eps"},
     "signum": {"momentum"},
     "muon": {"momentum", "nesterov", "adjust_lr_fn", "ns_steps",
-             "betas", "eps", "adamw_lr", "head_names"},
-    "adamuon": {"momentum", "nesterov", "beta2", "ns_steps",
-                "betas", "eps", "adamw_lr", "head_names"},
+             "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names"},
+    "adamuon": {"momentum", "nesterov", "beta2", "ns_steps", "adjust_lr_fn",
+                "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names"},
 }
 
 
@@ -32,8 +32,11 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     ``name`` is one of "sgd", "adamw", "signum" (an ``nn.Module`` or an iterable of
     parameters / param groups), or "muon", "adamuon" (an ``nn.Module`` only). The last two
     return a :class:`HybridOptimizer`: Muon / AdaMuon on the hidden ``nn.Linear`` weights
-    (see :func:`route_matrix_params`) and AdamW, at ``adamw_lr`` (default ``lr``), on the
-    rest; a member with no parameters is left out. ``eps`` and ``betas`` go to AdamW (``eps``
+    (see :func:`route_matrix_params`; ``input_layer="muon"`` adds the input layer) and AdamW, at
+    ``adamw_lr`` (default ``lr``), on the rest; a member with no parameters is left out.
+    ``adjust_lr_fn`` is the Muon step scale, with torch.optim.Muon's names: ``"original"``
+    (sqrt(max(1, m/n)), Keller Jordan's Muon, torch's default) or ``"match_rms_adamw"``
+    (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
     to AdaMuon too). Keywords a GP does not take raise ``TypeError``.
     """
     if name not in GP_KWARGS:
@@ -64,8 +67,8 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
 
 def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, ns_steps=5,
                   adjust_lr_fn=None, beta2=0.999, betas=(0.9, 0.999), eps=1e-8, adamw_lr=None,
-                  head_names=None):
-    matrix_params, other_params = route_matrix_params(model, head_names)
+                  head_names=None, input_layer="adamw", input_names=None):
+    matrix_params, other_params = route_matrix_params(model, head_names, input_layer, input_names)
     members = {}
     if matrix_params and name == "muon":
         members["muon"] = Muon(
@@ -74,7 +77,8 @@ def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, n
     if matrix_params and name == "adamuon":
         members["adamuon"] = AdaMuon(
             matrix_params, lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, ns_steps=ns_steps)
+            weight_decay=weight_decay, ns_steps=ns_steps,
+            adjust_lr_fn="match_rms_adamw" if adjust_lr_fn is None else adjust_lr_fn)
     if other_params:
         members["adamw"] = torch.optim.AdamW(
             other_params, lr=lr if adamw_lr is None else adamw_lr, betas=betas, eps=eps,

@@ -8,6 +8,16 @@ from torch.optim import Optimizer
 from .newton_schulz import newton_schulz5
 
 
+ADJUST_LR_FNS = ("match_rms_adamw", "original")
+
+
+def _target_norm(adjust_lr_fn: str, shape) -> float:
+    m, n = shape
+    if adjust_lr_fn == "original":
+        return math.sqrt(min(m, n)) * math.sqrt(max(1.0, m / n))
+    return 0.2 * math.sqrt(m * n)
+
+
 class AdaMuon(Optimizer):
     r"""AdaMuon (Si, Zhang & Shen, 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005).
 
@@ -19,13 +29,18 @@ class AdaMuon(Optimizer):
         O_t = NewtonSchulz5(sign(N_t))               (sign-stabilised orthogonal direction)
         V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t  (element-wise, V_0 = 0)
         U_t = O_t / (sqrt(V_t) + eps)
-        U_t <- 0.2 sqrt(m n) U_t / ||U_t||_F         (RMS alignment: RMS(U_t) = 0.2)
+        U_t <- s(m, n) U_t / ||U_t||_F               (RMS alignment, s from ``adjust_lr_fn``)
         W_t = W_{t-1} - lr (U_t + wd W_{t-1})        (decoupled weight decay)
 
     This is the sign-stabilised variant described in the paper (arXiv v2 onward), which
     orthogonalises sign(N_t); the authors' released ``adamuon.py`` orthogonalises N_t itself
     and bias-corrects V_t. As in the paper, V_t is not bias-corrected here: the scalar
     correction (1 - beta2^t) would cancel in the RMS alignment, apart from rescaling eps.
+
+    ``adjust_lr_fn`` names the alignment with torch.optim.Muon's names: ``"match_rms_adamw"``
+    (the paper's, default) sets ||U_t||_F = 0.2 sqrt(m n), i.e. RMS 0.2, as Muon's 0.2 sqrt(max(m, n))
+    does to an orthogonal matrix; ``"original"`` sets ||U_t||_F = sqrt(min(m, n)) sqrt(max(1, m/n)),
+    the norm of Keller Jordan's Muon update sqrt(max(1, m/n)) O_t.
     Because sign(.) and the alignment are scale-invariant, an EMA momentum
     M_t = mu M_{t-1} + (1 - mu) G_t would give the same update. The target RMS of 0.2 matches
     AdamW's typical update RMS, so AdamW learning rates and weight decays carry over.
@@ -36,7 +51,7 @@ class AdaMuon(Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-                 ns_steps: int = 5):
+                 ns_steps: int = 5, adjust_lr_fn: str = "match_rms_adamw"):
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -49,9 +64,16 @@ class AdaMuon(Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if not (isinstance(ns_steps, int) and ns_steps >= 1):
             raise ValueError(f"Invalid number of Newton-Schulz steps: {ns_steps}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (choose from {ADJUST_LR_FNS})")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, ns_steps=ns_steps)
+                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # state saved before the option existed
+            group.setdefault("adjust_lr_fn", "match_rms_adamw")
 
     def add_param_group(self, param_group):
         params = param_group["params"]
@@ -97,8 +119,8 @@ class AdaMuon(Optimizer):
                 V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
                 U = O / (V.sqrt() + eps)
 
-                # RMS alignment: ||U_t||_F = 0.2 sqrt(m n), i.e. RMS(U_t) = 0.2
-                U.mul_(0.2 * math.sqrt(p.numel()) / U.norm().clamp_min(eps))
+                # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
+                U.mul_(_target_norm(group["adjust_lr_fn"], p.shape) / U.norm().clamp_min(eps))
 
                 # W_t = (1 - lr wd) W_{t-1} - lr U_t
                 p.mul_(1.0 - lr * wd)

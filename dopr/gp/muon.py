@@ -56,28 +56,49 @@ def _lr_ratio(adjust_lr_fn, shape) -> float:
     return 1.0
 
 
-def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None):
+INPUT_LAYER = ("adamw", "muon")
+
+
+def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None,
+                        input_layer: str = "adamw", input_names: Iterable[str] | None = None):
     """Split ``model``'s trainable parameters into ``(matrix_params, other_params)``.
 
-    ``matrix_params`` (for Muon / AdaMuon) holds the ``weight`` of every ``nn.Linear`` whose
-    weight requires grad, except the output head. ``other_params`` (for AdamW) holds every
-    other trainable parameter: embeddings, convolutions, biases, norm parameters, the head.
+    ``matrix_params`` (for Muon / AdaMuon) holds the ``weight`` of every hidden ``nn.Linear`` whose
+    weight requires grad. ``other_params`` (for AdamW) holds every other trainable parameter:
+    embeddings, convolutions, biases, norm parameters, the output head and, with
+    ``input_layer="adamw"`` (Muon's convention, the default), the input layer. Both lists follow
+    ``model.parameters()`` order.
+
     The head is the modules named in ``head_names`` if given, else the last ``nn.Linear`` in
-    ``model.named_modules()`` order. Both lists follow ``model.parameters()`` order.
+    ``model.named_modules()`` order. The input layer is the modules named in ``input_names`` if
+    given, else the first ``nn.Linear``, unless the model has an ``nn.Embedding`` (then the embedding
+    reads the input and every ``nn.Linear`` but the head is hidden). ``input_layer="muon"`` gives the
+    input ``nn.Linear`` to Muon as well.
     """
+    if input_layer not in INPUT_LAYER:
+        raise ValueError(f"Invalid input_layer: {input_layer!r} (choose from {INPUT_LAYER})")
     modules = dict(model.named_modules())
     linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
-    if head_names is None:
-        heads = set(linears[-1:])
-    else:
-        heads = set([head_names] if isinstance(head_names, str) else head_names)
-        missing = sorted(heads - modules.keys())
-        if missing:
-            raise ValueError(f"head_names not found among the model's modules: {missing}")
 
-    head_ids = {id(p) for name in heads for p in modules[name].parameters()}
+    def named(names, what):
+        names = set([names] if isinstance(names, str) else names)
+        missing = sorted(names - modules.keys())
+        if missing:
+            raise ValueError(f"{what} not found among the model's modules: {missing}")
+        return names
+
+    heads = set(linears[-1:]) if head_names is None else named(head_names, "head_names")
+    if input_names is not None:
+        inputs = named(input_names, "input_names")
+    elif any(isinstance(m, nn.Embedding) for m in modules.values()):
+        inputs = set()
+    else:
+        inputs = set(linears[:1]) - heads
+    adamw_modules = heads | (inputs if input_layer == "adamw" else set())
+
+    adamw_ids = {id(p) for name in adamw_modules for p in modules[name].parameters()}
     matrix_ids = {id(modules[name].weight) for name in linears
-                  if modules[name].weight.requires_grad} - head_ids
+                  if modules[name].weight.requires_grad} - adamw_ids
     trainable = [p for p in model.parameters() if p.requires_grad]
     matrix_params = [p for p in trainable if id(p) in matrix_ids]
     other_params = [p for p in trainable if id(p) not in matrix_ids]

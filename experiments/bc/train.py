@@ -17,8 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.common import build_optimizer
-
 from . import demos as demo_io
 from .evaluate import rollout
 from .policy import ResidualMLP
@@ -79,7 +77,7 @@ def run(cfg, run) -> dict:
     model = ResidualMLP(obs.shape[1], act.shape[1], t.hidden, obs_clip=t.get("obs_clip"))
     model.set_normalization(obs)
     ema = copy.deepcopy(model).requires_grad_(False)  # deep-copied before the optimizer hooks the model
-    opt = build_optimizer(model, cfg)
+    opt = run.build_optimizer(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(t.steps, t.warmup_frac, t.min_lr_factor))
     params, ema_params = list(model.parameters()), list(ema.parameters())
     gen = torch.Generator().manual_seed(int(cfg.seed))

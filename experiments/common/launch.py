@@ -44,8 +44,30 @@ def init_distributed(cfg: DictConfig) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def finished_summary(cfg: DictConfig, out_dir: Path):
+    """With `skip_finished=true`, the summary of a job that already finished in `out_dir` (a re-run
+    sweep with the same hydra.sweep.dir skips its finished jobs); None when it must run. A finished
+    job with other overrides in that directory is an error, not a skip."""
+    path = Path(out_dir) / "summary.json"
+    if not (cfg.skip_finished and path.exists()):
+        return None
+    import json
+
+    from .run import _overrides
+
+    summary = json.loads(path.read_text())
+    if summary["overrides"] != _overrides():
+        raise ValueError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
+                         f"{_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
+    print(f"skip_finished: {out_dir} finished already", flush=True)
+    return summary
+
+
 def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     """Run the task named by `cfg.task.entry`; summary.json is written only if it returns."""
+    done = finished_summary(cfg, out_dir)
+    if done is not None:
+        return done
     apply_debug(cfg)
     init_distributed(cfg)
     seed_everything(int(cfg.seed))

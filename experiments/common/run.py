@@ -97,8 +97,16 @@ class Run:
         self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "a")
         self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
         self.summary_path = self.dir / "summary.json"
+        self.optimizers: list = []
         if self.is_main and self.summary_path.exists():  # a re-run in the same directory starts unfinished
             self.summary_path.unlink()
+
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """The `optim` (and `ap`) config's optimizer over `model`; its conventions and, for DoPr, its
+        counters go into summary.json."""
+        opt = build_optimizer(model, self.cfg)
+        self.optimizers.append(opt)
+        return opt
 
     # ------------------------------------------------------------------------------ W&B
     def _start_wandb(self, cfg):
@@ -170,6 +178,7 @@ class Run:
             "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "packages": package_versions(), "overrides": _overrides(),
+            **optimizer_record(self.cfg, self.optimizers),
         }
         if not self.is_main:
             return out
@@ -183,6 +192,24 @@ class Run:
         if self._wandb is not None:
             self._wandb.finish(exit_code=1 if failed else 0)
             self._wandb = None
+
+
+DOPR_COUNTERS = ("steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries", "eigh_fallbacks",
+                 "nonfinite_skips")
+
+
+def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:
+    """What summary.json says of the optimizer: the conventions that change its update (the AP's
+    damping form, Muon's step scale and which layers it gets) and DoPr's counters (summed over the
+    job's DoPr optimizers), so an effective damping other than the table's shows (Cholesky retries)."""
+    conventions = {k: cfg.optim[k] for k in ("adjust_lr_fn", "input_layer") if k in cfg.optim}
+    if cfg.optim.name.startswith("dopr_"):
+        conventions["damping_mode"] = cfg.ap.damping_mode
+    out = {"conventions": conventions}
+    stats = [o.stats() for o in optimizers if isinstance(o, dopr.DoPr)]
+    if stats:
+        out["dopr"] = {k: sum(int(s[k]) for s in stats) for k in DOPR_COUNTERS}
+    return out
 
 
 def _overrides() -> list:

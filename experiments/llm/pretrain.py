@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import build_optimizer
-
 from . import arith
 from .data import IGNORE, pack, split_heldout
 from .evaluate import generation_accuracy, validation_nll
@@ -54,7 +52,7 @@ def run(cfg, run) -> dict:
                                d.max_length, tokenizer.pad_token_id) for ps in (train_docs, val_docs))
     torch.manual_seed(int(cfg.seed))
     model = small_llama(t.arch, tokenizer).to(device)
-    opt = build_optimizer(model, cfg)
+    opt = run.build_optimizer(model)
     summary = train(model, opt, blocks, t.train, int(cfg.seed), run, device)
     nll, count = validation_nll(model, val_blocks, t.train.micro_batch_size, device)
     problems = val_docs[: t.eval_problems]

@@ -18,8 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from experiments.common import build_optimizer
-
 from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
                    split_heldout, take)
@@ -309,7 +307,7 @@ def run(cfg, run) -> dict:
 
     torch.manual_seed(int(cfg.seed))  # the LoRA initialisation (the base is the same for every seed)
     model = wrap(build_sft_model(t, local, tokenizer, device), t.sharding, device)
-    opt = build_optimizer(model, cfg)
+    opt = run.build_optimizer(model)
     sharded, every = t.sharding == "fsdp", t.train.get("save_adapter_every") or 0
 
     def keep_adapter(step: int) -> None:  # adapters/step_N, for the peak over training
@@ -323,8 +321,6 @@ def run(cfg, run) -> dict:
     summary = {**result, "lr": float(cfg.optim.lr), "train_blocks": len(blocks["input_ids"]),
                "val_nll": all_sum(nll_sum, device) / max(1.0, all_sum(nll_count, device)),
                "trainable_params": sum(p.numel() for p in core.parameters() if p.requires_grad)}
-    if hasattr(opt, "stats"):
-        summary["dopr"] = {k: v for k, v in opt.stats().items() if k != "no_forward"}
     save_adapter(model, tokenizer, run.dir / "adapter", sharded, run.is_main)
     if t.eval.generation is not None and run.is_main:
         g = t.eval.generation

@@ -15,8 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from experiments.common import build_optimizer
-
 matplotlib.use("Agg")
 
 
@@ -65,7 +63,7 @@ def run(cfg, run) -> dict:
     problem = Problem(t, gen, dtype)
     torch.manual_seed(int(cfg.seed))  # identical initialisation for every optimizer of a seed
     model = TwoLayerLinear(t.d_x, t.k, t.d_y).to(dtype)
-    opt = build_optimizer(model, cfg)
+    opt = run.build_optimizer(model)
     x_val, y_val = problem.sample(t.n_val)
     loss_fn = lambda x, y: ((model(x) - y) ** 2).sum(1).mean()
     start = 0

@@ -11,8 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from experiments.common import build_optimizer
-
 matplotlib.use("Agg")
 
 
@@ -50,7 +48,7 @@ def run(cfg, run) -> dict:
         transformed[0].weight.copy_(w_qinv)
         transformed[0].bias.copy_(original[0].bias - w_qinv @ shift)
     pairs = [(original, x), (transformed, xt)]
-    opts = [build_optimizer(m, cfg) for m, _ in pairs]
+    opts = [run.build_optimizer(m) for m, _ in pairs]
     perm = torch.randperm(n_train, generator=gen)
     val = lambda m, inp: ((m(inp[n_train:]) - y[n_train:]) ** 2).mean().item()
     step, gap = 0, 0.0
