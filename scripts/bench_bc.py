@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.common.launch import run_job
+from experiments.common.provenance import git_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMS = ("adamw", "dopr_adamw", "muon", "dopr_muon", "signum", "dopr_signum", "adamuon", "dopr_adamuon")
@@ -44,7 +44,7 @@ def main() -> None:
             s = json.loads((Path(tmp) / name / "summary.json").read_text())
             rows.append((name, s["train_time_s"], s["eval_time_s"], s["wall_time_s"], s["return_mean"]))
     load1 = os.getloadavg()[0]
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rev = git_revision()
     cmd = (f"python scripts/bench_bc.py --task {a.task} --threads {a.threads} --num-trajectories {a.num_trajectories}"
            + (f" --optims {a.optims}" if a.optims != ",".join(OPTIMS) else "") + (f" --out {a.out}" if a.out else ""))
     lines = [f"# One BC job ({a.task}, {a.num_trajectories} trajectories): 1000 training steps + 100 evaluation episodes", "",

@@ -10,29 +10,25 @@ import torch
 
 pytest.importorskip("gymnasium")
 pytest.importorskip("mujoco")
-from hydra import compose, initialize_config_dir  # noqa: E402
 
 from experiments.bc import demos, train  # noqa: E402
-from experiments.bc.evaluate import bootstrap, rollout  # noqa: E402
+from experiments.bc import report as bc_report  # noqa: E402
+from experiments.bc.evaluate import rollout  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 GPS = ["adamw", "muon", "signum", "adamuon"]
 
 
-def _compose(*overrides):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
 def _bc(demo_path, tmp, *overrides):
+    from conftest import _compose  # what the `compose` fixture returns, for this helper
     cfg = _compose("task=halfcheetah", f"task.demos={demo_path}", "task.num_trajectories=2",
                    "task.max_trajectories=2", "task.val_trajectories=1", "debug=default", *overrides)
     return run_job(cfg, tmp)
 
 
 # ------------------------------------------------------------------------------------------- expert
+@pytest.mark.slow
 def test_expert_training_is_interrupted_and_resumes(tmp_path):
     small = ["task=expert", "task.env=HalfCheetah-v5", "task.hidden=32", "task.batch_size=32", "task.learning_starts=500",
              "task.eval_every=1000", "task.eval_episodes=1", "task.final_eval_episodes=2", "task.checkpoint_every=1000",
@@ -117,7 +113,7 @@ def test_rollout_seeds_make_episodes_reproducible():
 
 
 def test_missing_or_corrupt_demonstrations_fail_clearly(tmp_path, demo_file):
-    with pytest.raises(FileNotFoundError, match="demonstration file not found: .*python -m experiments.bc.demos"):
+    with pytest.raises(FileNotFoundError, match="demonstration file not found: .*python -m experiments.bc.expert demos"):
         demos.load(tmp_path / "nope.npz", "Hopper-v5")
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(b"not a zip archive at all")
@@ -191,12 +187,6 @@ def test_evaluated_weights_are_the_ema_weights(tmp_path, demo_file, monkeypatch)
     assert not torch.equal(ema, made[0].state_dict()["inp.weight"]) and not torch.equal(ema, init["inp.weight"])
 
 
-def test_warmup_cosine_schedule():
-    f = train.warmup_cosine(1000, 0.05)
-    assert f(0) == pytest.approx(1 / 50) and f(49) == pytest.approx(1.0)
-    assert f(525) == pytest.approx(0.5) and f(1000) == pytest.approx(0.0, abs=1e-12)
-
-
 def test_observation_normalisation_handles_constant_coordinates():
     m = train.ResidualMLP(3, 1, [8, 8])
     x = torch.tensor([[1.0, 5.0, 0.0], [3.0, 5.0, 0.0]])
@@ -222,22 +212,6 @@ def test_observation_clip_bounds_what_the_first_layer_sees():
         train.ResidualMLP(4, 2, [8], obs_clip=0.0)
 
 
-# --------------------------------------------------------------------------------------- bootstrap
-def test_bootstrap_quantiles_on_a_known_distribution():
-    pool = np.arange(1000, dtype=float)  # mean 499.5, population variance (N^2 - 1) / 12
-    m, n = 100, 1000
-    b = bootstrap(pool, trials=20000, sample_size=m, seed=1)
-    # subset means without replacement: variance sigma^2 / m * (N - m) / (N - 1), close to normal
-    sd = np.sqrt((n ** 2 - 1) / 12 / m * (n - m) / (n - 1))
-    assert b["mean"] == pytest.approx(499.5, abs=0.05 * sd)
-    assert b["q50"] == pytest.approx(499.5, abs=0.05 * sd)
-    assert b["q10"] == pytest.approx(499.5 - 1.2816 * sd, abs=0.05 * sd)
-    assert b["q90"] == pytest.approx(499.5 + 1.2816 * sd, abs=0.05 * sd)
-    full = bootstrap(pool, trials=10, sample_size=n)  # m = N: every subset is the whole pool
-    assert full["q10"] == full["q90"] == pytest.approx(499.5)
-    with pytest.raises(ValueError, match="sample_size must be in"):
-        bootstrap(pool, sample_size=1001)
-
 
 # ------------------------------------------------------------------------------------------ configs
 @pytest.mark.parametrize("task,optim,n,lr,wd,damping", [
@@ -246,19 +220,18 @@ def test_bootstrap_quantiles_on_a_known_distribution():
     ("halfcheetah", "dopr_adamw", 40, 2e-3, 1e-2, 1e-6), ("halfcheetah", "adamuon", 50, 3e-3, 1e-2, None),
     ("halfcheetah", "dopr_signum", 10, 1e-4, 0.0, 1e-4),
 ])
-def test_paper_hyperparameter_presets(task, optim, n, lr, wd, damping):
-    cfg = _compose(f"task={task}", f"+tuned/{task}={optim}", f"task.num_trajectories={n}")
+def test_paper_hyperparameter_presets(task, optim, n, lr, wd, damping, compose):
+    cfg = compose(f"task={task}", f"+tuned/{task}={optim}", f"task.num_trajectories={n}")
     assert cfg.optim.name == optim and cfg.optim.lr == pytest.approx(lr) and cfg.optim.weight_decay == pytest.approx(wd)
     if damping is not None:
         assert cfg.ap.damping == pytest.approx(damping)
-    bad = _compose(f"task={task}", f"+tuned/{task}={optim}", "task.num_trajectories=15")
+    bad = compose(f"task={task}", f"+tuned/{task}={optim}", "task.num_trajectories=15")
     with pytest.raises(Exception, match="no entry for 15"):
         _ = bad.optim.lr
 
 
-def test_paper_sweep_is_the_full_grid():
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=["sweep=paper_humanoid"], return_hydra_config=True)
+def test_paper_sweep_is_the_full_grid(compose):
+    cfg = compose("sweep=paper_humanoid", hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert len(params["+tuned/humanoid"].split(",")) == 8
     assert params["task.num_trajectories"] == "10,20,30,40,50" and params["seed"] == "0,1,2"
@@ -266,10 +239,9 @@ def test_paper_sweep_is_the_full_grid():
     assert cfg.task.obs_clip is None
 
 
-def test_obs_clip_ablation_is_the_paper_grid_with_clamped_observations():
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        paper = compose("config", overrides=["sweep=paper_humanoid"], return_hydra_config=True)
-        clip = compose("config", overrides=["sweep=humanoid_obs_clip"], return_hydra_config=True)
+def test_obs_clip_ablation_is_the_paper_grid_with_clamped_observations(compose):
+    paper = compose("sweep=paper_humanoid", hydra_config=True)
+    clip = compose("sweep=humanoid_obs_clip", hydra_config=True)
     assert dict(clip.hydra.sweeper.params) == dict(paper.hydra.sweeper.params)
     assert clip.task.obs_clip == 10 and clip.sweep_name == "humanoid_obs_clip"
 
@@ -285,7 +257,7 @@ def test_report_writes_tables_and_figure(tmp_path):
                                             "train_loss": 0.1, "val_loss": 0.2, "lr": 1e-3, "weight_decay": 0.0,
                                             "damping": None, "expert_return": 5000.0, "train_time_s": 1.0,
                                             "eval_time_s": 2.0, "wall_time_s": 3.5}})
-    train.report(records, tmp_path, "stamp `x`")
+    bc_report.bc(records, tmp_path, "stamp `x`")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted([f"halfcheetah{s}{e}" for s in ("", "_dopr_vs_gp", "_timing") for e in (".csv", ".md")]
                            + ["halfcheetah.png"])

@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from experiments.theory import lds
+from experiments.theory import report as theory_report
 
 
 def _random_system(seed=0, n=3, m=2):
@@ -210,15 +211,15 @@ def test_run_and_report_end_to_end(tmp_path):
     assert out["inf_f_min_over_paper_bound"] >= 1.0 and out["inf_f_max_over_lideal_theta"] <= 1.0 + 1e-9
     rows = list(csv.DictReader(open(job / "construction.csv")))
     assert len(rows) == len(cfg.task.alphas) * len(cfg.task.epsilons) * len(cfg.task.thetas)
-    assert set(lds.TABLE_COLUMNS) <= set(rows[0])
+    assert set(theory_report.TABLE_COLUMNS) <= set(rows[0])
 
     rec = {"summary": {**out, "task": "lds", "optim": "sgd", "seed": 0}, "config": cfg, "metrics": fake.rows,
            "dir": job}
     res = tmp_path / "results"
     res.mkdir()
-    lds.report([rec], res, "stamp")
+    theory_report.lds([rec], res, "stamp")
     for f in ("construction.csv", "construction.md", "monte_carlo.csv", "monte_carlo.md", "lds_construction.png"):
         assert (res / f).stat().st_size > 0, f
     first = {f: (res / f).read_bytes() for f in ("construction.csv", "construction.md", "monte_carlo.md")}
-    lds.report_tables([rec], res, "stamp")  # deterministic (the figure is skipped: matplotlib is slow here)
+    theory_report.report_tables([rec], res, "stamp")  # deterministic (the figure is skipped: matplotlib is slow here)
     assert all((res / f).read_bytes() == b for f, b in first.items())

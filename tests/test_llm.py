@@ -10,7 +10,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("hydra")
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 
 import dopr  # noqa: E402
@@ -21,17 +20,12 @@ from experiments.llm.data import IGNORE, encode_example, encode_prompt, pack  # 
 from experiments.llm.model import add_lora, gradient_checkpointing, packed_forward, small_llama  # noqa: E402
 from experiments.llm.sources import MissingResource  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
 LORA_8B = OmegaConf.create({"r": 4, "alpha": 8, "dropout": 0.0, "target_modules":
                             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                             "modules_to_save": []})
 
-
-def _compose(*overrides):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +161,8 @@ def test_generation_exact_match_counts_boxed_answers(tok):
     assert res["accuracy_stderr"] == pytest.approx((0.25 / 3) ** 0.5)
 
 
-def test_lm_eval_invocation_has_the_papers_tasks_shots_and_adapter(tmp_path):
-    t = _compose("task=sft_llama31_8b").task
+def test_lm_eval_invocation_has_the_papers_tasks_shots_and_adapter(tmp_path, compose):
+    t = compose("task=sft_llama31_8b").task
     cmds = evaluate.lm_eval_commands(t.eval.lm_eval, "/w/Llama-3.1-8B", "/run/adapter", "/run/adapter", tmp_path, 0)
     assert list(cmds) == ["gsm8k", "gsm8k_cot", "minerva_math500"]
     for task, shots in {"gsm8k": "5", "gsm8k_cot": "8", "minerva_math500": "4"}.items():
@@ -214,13 +208,13 @@ def test_report_rows_take_lm_eval_accuracies_and_the_peak_over_training():
 
 
 # ------------------------------------------------------------------- missing inputs, sharding
-def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_path, monkeypatch):
+def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    cfg = _compose("task=sft_llama31_8b", "+tuned/sft=dopr_adamw")
+    cfg = compose("task=sft_llama31_8b", "+tuned/sft=dopr_adamw")
     with pytest.raises(MissingResource) as err:
         run_job(cfg, tmp_path / "run")
     msg = str(err.value)
@@ -231,11 +225,11 @@ def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
 
 
-def test_dopr_with_parameter_sharding_stops_with_the_clear_error(tmp_path):
-    cfg = _compose("task=sft_llama31_8b", "+tuned/sft=dopr_adamw", "task.sharding=fsdp")
+def test_dopr_with_parameter_sharding_stops_with_the_clear_error(tmp_path, compose):
+    cfg = compose("task=sft_llama31_8b", "+tuned/sft=dopr_adamw", "task.sharding=fsdp")
     with pytest.raises(ValueError, match="DoPr does not support parameter sharding"):
         run_job(cfg, tmp_path / "run")  # before the weights are even looked for
-    assert _compose("task=sft_llama31_8b").task.sharding == "none"  # the 8B preset runs data parallel
+    assert compose("task=sft_llama31_8b").task.sharding == "none"  # the 8B preset runs data parallel
 
 
 def _run_in_process_group(cfg, out_dir, init_file):
@@ -245,28 +239,28 @@ def _run_in_process_group(cfg, out_dir, init_file):
     from experiments.common.launch import apply_debug
     from experiments.common.run import Run
 
-    apply_debug(cfg)
+    apply_debug(cfg, out_dir)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
         run = Run(cfg, out_dir)
-        summary = train.run(cfg, run)
+        summary = run.finish(train.run(cfg, run))  # as run_job does: conventions and DoPr counters added
         run.close(False)
         return summary
     finally:
         dist.destroy_process_group()
 
 
-def test_data_parallel_dopr_with_reentrant_checkpointing_matches_the_single_process_run(tmp_path):
+def test_data_parallel_dopr_with_reentrant_checkpointing_matches_the_single_process_run(tmp_path, compose):
     overrides = ["task=sft_llama31_8b", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default"]
-    single = run_job(_compose(*overrides), tmp_path / "single")
-    ddp = _run_in_process_group(_compose(*overrides), tmp_path / "ddp", tmp_path / "pg")
-    assert _compose(*overrides).task.model.gradient_checkpointing == "reentrant"  # and DDP's no_sync
+    single = run_job(compose(*overrides), tmp_path / "single")
+    ddp = _run_in_process_group(compose(*overrides), tmp_path / "ddp", tmp_path / "pg")
+    assert compose(*overrides).task.model.gradient_checkpointing == "reentrant"  # and DDP's no_sync
     assert ddp["dopr"]["preconditioned"] == single["dopr"]["preconditioned"] > 0
     assert ddp["val_nll"] == pytest.approx(single["val_nll"], rel=1e-6)
 
 
-def test_fsdp_trains_plain_adamw_and_dopr_refuses_the_sharded_model(tmp_path):
-    cfg = _compose("task=sft_arith", "+tuned/sft=adamw", "debug=default", "task.sharding=fsdp")
+def test_fsdp_trains_plain_adamw_and_dopr_refuses_the_sharded_model(tmp_path, compose):
+    cfg = compose("task=sft_arith", "+tuned/sft=adamw", "debug=default", "task.sharding=fsdp")
     with open_dict(cfg):
         cfg.task.debug.eval.generation = None  # decoding runs on rank 0 alone: not under FSDP
     summary = _run_in_process_group(cfg, tmp_path / "fsdp", tmp_path / "pg")
@@ -294,13 +288,13 @@ def _one_batch(tok, n=3):
     return {k: torch.from_numpy(v) for k, v in pack(exs, 512, tok.pad_token_id).items()}
 
 
-def test_lora_with_dopr_updates_only_the_adapters_and_covers_every_one(tok):
+def test_lora_with_dopr_updates_only_the_adapters_and_covers_every_one(tok, compose):
     torch.manual_seed(0)
     model = add_lora(small_llama(TINY, tok), LORA_8B)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert lora and all(".lora_A." in n or ".lora_B." in n for n in lora)
-    cfg = _compose("+tuned/sft=dopr_adamw", "optim.lr=1e-2")
+    cfg = compose("+tuned/sft=dopr_adamw", "optim.lr=1e-2")
     opt = build_optimizer(model, cfg)
     cov = {e.name: e for e in opt.coverage()}
     adapters = {n.rsplit(".", 1)[0] for n in lora}  # ...q_proj.lora_A.default
@@ -318,8 +312,8 @@ def test_lora_with_dopr_updates_only_the_adapters_and_covers_every_one(tok):
     assert all(not torch.equal(after[n], p) for n, p in lora.items())
 
 
-def test_3b_lora_trains_the_tied_embeddings_and_keeps_the_tie(tok):
-    t = _compose("task=sft_llama32_3b").task
+def test_3b_lora_trains_the_tied_embeddings_and_keeps_the_tie(tok, compose):
+    t = compose("task=sft_llama32_3b").task
     assert t.lora.target_modules == "all-linear" and list(t.lora.modules_to_save) == ["embed_tokens"]
     model = add_lora(small_llama(TINY, tok), t.lora)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
@@ -361,7 +355,7 @@ def test_reentrant_checkpointing_gives_the_same_dopr_step_and_bf16_keeps_fp32_ad
     assert {p.dtype for p in bf16.parameters() if not p.requires_grad} == {torch.bfloat16}
 
 
-def test_gradient_accumulation_is_a_token_weighted_mean(tok, tmp_path):
+def test_gradient_accumulation_is_a_token_weighted_mean(tok, tmp_path, compose):
     """One step of 2 x 2 accumulated micro-batches equals one step on the 4 blocks at once."""
     exs, _ = _examples(tok, 6)
     blocks = pack(exs, 256, tok.pad_token_id)
@@ -370,7 +364,7 @@ def test_gradient_accumulation_is_a_token_weighted_mean(tok, tmp_path):
     for micro, accum in ((4, 1), (2, 2)):
         torch.manual_seed(0)
         model = add_lora(small_llama(TINY, tok), LORA_8B)
-        cfg = _compose("optim=sgd", "optim.lr=1.0", "optim.momentum=0.0")
+        cfg = compose("optim=sgd", "optim.lr=1.0", "optim.momentum=0.0")
         tr = OmegaConf.create({"micro_batch_size": micro, "grad_accumulation": accum, "epochs": 1, "max_steps": 1,
                                "schedule": "constant", "warmup_frac": 0.0, "max_grad_norm": 0.0, "log_every": 1,
                                "checkpoint_every": 0})
@@ -385,14 +379,14 @@ def test_gradient_accumulation_is_a_token_weighted_mean(tok, tmp_path):
 
 
 # ---------------------------------------------------------------------------- end to end
-def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path):
-    pre_summary = run_job(_compose("task=pretrain_arith", "optim=adamw", "optim.lr=3e-3", "debug=default"),
+def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compose):
+    pre_summary = run_job(compose("task=pretrain_arith", "optim=adamw", "optim.lr=3e-3", "debug=default"),
                           tmp_path / "pre")
     base = tmp_path / "pre" / "base"  # debug: the run directory, not outputs/
     assert pre_summary["saved_to"] == str(base) and (base / "model.safetensors").exists() and pre_summary["val_nll"] > 0
     records = []
     for optim in ("adamw", "dopr_adamw"):
-        cfg = _compose("task=sft_arith", f"+tuned/sft={optim}", "optim.lr=1e-2", f"task.model.path={base}",
+        cfg = compose("task=sft_arith", f"+tuned/sft={optim}", "optim.lr=1e-2", f"task.model.path={base}",
                        f"task.model.tokenizer={base}", "task.data.train_size=16", "task.data.val_size=4",
                        "task.data.max_steps=2", "task.data.max_length=256", "task.train.max_steps=3", "task.train.checkpoint_every=2",
                        "task.eval.generation.problems=6", "task.eval.generation.max_new_tokens=12")
@@ -404,16 +398,16 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path):
         assert [r["step"] for r in rows] == [3] and rows[0]["lr"] == 1e-2  # log_every 5: the last step
         records.append({"summary": json.loads((tmp_path / optim / "summary.json").read_text())})
     assert "dopr" in records[1]["summary"] and records[1]["summary"]["dopr"]["preconditioned"] > 0
-    from experiments.llm.train import report
+    from experiments.llm.report import sft
 
-    report(records, tmp_path / "results", "Made by `test`")
+    sft(records, tmp_path / "results", "Made by `test`")
     md = (tmp_path / "results" / "sft_arith.md").read_text()
     assert "dopr_adamw" in md and "exact_match" in md and "Made by" in md
     assert (tmp_path / "results" / "sft_arith_nll_vs_accuracy.png").stat().st_size > 10_000
 
 
-def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path, monkeypatch):
-    cfg = _compose("task=sft_arith", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default")
+def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path, monkeypatch, compose):
+    cfg = compose("task=sft_arith", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default")
     with open_dict(cfg):  # the debug block is merged last: set the run's length there
         cfg.task.debug.train.max_steps = 4
         cfg.task.debug.train.checkpoint_every = 2

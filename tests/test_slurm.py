@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # a real Slurm cluster: tens of seconds per test
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 PY = sys.executable
 

@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 pytest.importorskip("hydra")
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
 
 from experiments.common.launch import run_job  # noqa: E402
 
@@ -22,30 +21,28 @@ OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no key: W&B goes offline
 
 
-def _compose(*overrides):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
 
 def _run_py(*args, cwd=ROOT, timeout=300):
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", TASKS)
-def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file):
+def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, compose):
     assert {"feature_learning", "invariance", "expert", *BC_ENVS} <= set(TASKS)
     extra = []
     if task in BC_ENVS:  # small demonstration files instead of the committed experts' 60 episodes
         extra = [f"task.demos={demo_file(BC_ENVS[task])}", "task.num_trajectories=2", "task.max_trajectories=2",
                  "task.val_trajectories=1"]
     for optim in OPTIMS if task != "expert" else ["adamw"]:  # the SAC expert has its own optimizers
-        cfg = _compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
+        cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
         assert json.loads((tmp_path / optim / "summary.json").read_text())["optim"] == optim
 
 
+@pytest.mark.slow
 def test_local_parallel_multirun_then_aggregation(tmp_path):
     sweep = tmp_path / "sweep"
     res = _run_py("-m", "launcher=local_parallel", "task=feature_learning", "optim=sgd,dopr_sgd", "debug=default",
@@ -66,6 +63,7 @@ def test_local_parallel_multirun_then_aggregation(tmp_path):
     assert "python -m experiments.report" in md and "commit" in md and "dopr_sgd" in md
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_written_and_finished(tmp_path):
     res = _run_py("task=feature_learning", "optim=dopr_sgd", "debug=default", "logger=wandb",
                   f"hydra.run.dir={tmp_path / 'wb'}")
@@ -79,6 +77,7 @@ def test_wandb_offline_run_is_written_and_finished(tmp_path):
     assert (tmp_path / "none" / "summary.json").exists() and not (tmp_path / "none" / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_fails_clearly_and_writes_no_summary(tmp_path):
     res = _run_py("optim=lbfgs", f"hydra.run.dir={tmp_path / 'a'}")
     assert res.returncode != 0 and "Available options" in res.stderr and "dopr_adamw" in res.stderr
@@ -90,10 +89,10 @@ def test_bad_input_fails_clearly_and_writes_no_summary(tmp_path):
     assert not (tmp_path / "c" / "metrics.jsonl").read_text()  # failed before any training step
 
 
-def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_result(tmp_path):
+def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_result(tmp_path, compose):
     overrides = ["task=feature_learning", "optim=dopr_adamw", "optim.lr=0.01", "task.steps=60",
                  "task.checkpoint_every=20", "task.log_every=5", "logger=none"]
-    straight = run_job(_compose(*overrides), tmp_path / "straight")
+    straight = run_job(compose(*overrides), tmp_path / "straight")
 
     class Preempted(Exception):
         pass
@@ -110,11 +109,11 @@ def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_result(tmp_path
     run_module.Run.log = log_until_45
     try:
         with pytest.raises(Preempted):
-            run_job(_compose(*overrides), tmp_path / "broken")
+            run_job(compose(*overrides), tmp_path / "broken")
     finally:
         run_module.Run.log = real_log
     assert not (tmp_path / "broken" / "summary.json").exists()
-    resumed = run_job(_compose(*overrides), tmp_path / "broken")
+    resumed = run_job(compose(*overrides), tmp_path / "broken")
     assert resumed["val_loss"] == straight["val_loss"]
     assert resumed["subspace_distance"] == straight["subspace_distance"]
     steps = [json.loads(l)["step"] for l in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
@@ -124,3 +123,112 @@ def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_result(tmp_path
 def test_slurm_launcher_without_partition_names_the_missing_field(tmp_path):
     res = _run_py("-m", "launcher=slurm", "task=feature_learning", "debug=default", f"hydra.sweep.dir={tmp_path}")
     assert res.returncode != 0 and "Missing mandatory value" in res.stderr and "partition" in res.stderr
+
+
+# ------------------------------------------------------------------------- every preset composes
+SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.yaml"))
+TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
+              "invariance": "invariance", "sft": "sft_arith"}
+
+
+def _values(spec) -> list:
+    spec = str(spec)
+    if spec.startswith("range("):
+        return [str(v) for v in eval(spec, {"range": range})]  # noqa: S307 (Hydra's range() sweep syntax)
+    return [v.strip() for v in spec.split(",")]
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_every_sweep_preset_composes_every_job_value(sweep, compose):
+    cfg = compose(f"sweep={sweep}", hydra_config=True)
+    params = {k: _values(v) for k, v in cfg.hydra.sweeper.params.items()}
+    assert params, f"sweep={sweep} sweeps nothing"
+    first = [f"{k}={v[0]}" for k, v in params.items()]
+    for i, (key, values) in enumerate(params.items()):  # each value of each parameter, the others at their first
+        for v in values:
+            job = compose(f"sweep={sweep}", *first[:i], f"{key}={v}", *first[i + 1:])
+            OmegaConf.to_container(job, resolve=True)  # every interpolation and resolver resolves
+            assert job.sweep_name and job.task.name
+
+
+@pytest.mark.parametrize("tuned", TUNED)
+def test_every_tuned_preset_composes(tuned, compose):
+    group, name = tuned.split("/")
+    extra = ["task.num_trajectories=30"] if group in ("humanoid", "halfcheetah") else []
+    cfg = compose(f"task={TUNED_TASK[group]}", f"+tuned/{group}={name}", *extra)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["optim"]["name"] == name
+    if name.startswith("dopr_"):  # every DoPr preset names its damping form
+        assert "damping_mode" in (CONF / "tuned" / f"{tuned}.yaml").read_text()
+
+
+def test_ap_config_and_dopr_signature_cannot_drift_apart():
+    import inspect
+
+    from dopr import DoPr
+
+    sig = {k: p.default for k, p in inspect.signature(DoPr.__init__).parameters.items()
+           if k not in ("self", "model", "base")}
+    ap = OmegaConf.to_container(OmegaConf.load(CONF / "ap" / "default.yaml"))
+    assert ap == sig
+
+
+def test_debug_run_records_the_values_that_ran(tmp_path):
+    res = _run_py("task=feature_learning", "optim=sgd", "debug=default", f"hydra.run.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = OmegaConf.load(tmp_path / ".hydra" / "config.yaml")
+    assert saved.task.steps == 2 and saved.task.n_val == 256  # debug=default's values, not steps: 1000
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 2
+
+
+@pytest.mark.parametrize("task", TASKS + ["bc"])
+def test_every_task_names_a_report_function(task):
+    import hydra
+
+    cfg = OmegaConf.load(CONF / "task" / f"{task}.yaml")
+    if "report" not in cfg:  # a BC task inherits it from bc.yaml
+        assert "bc" in [d if isinstance(d, str) else "" for d in cfg.defaults], task
+        return
+    fn = hydra.utils.get_method(cfg.report)
+    assert callable(fn) and fn.__module__.endswith(".report")
+
+
+def test_expert_report_and_sweep_command_in_tables(tmp_path):
+    from experiments.common.report import main
+
+    sweep = tmp_path / "sweep"
+    for i, (env, ret) in enumerate((("HalfCheetah-v5", 6000.0), ("Humanoid-v5", 3800.0))):
+        job = sweep / str(i)
+        (job / ".hydra").mkdir(parents=True)
+        OmegaConf.save(OmegaConf.create({"sweep_name": "expert", "task": {"name": "expert",
+                                                                          "report": "experiments.bc.report.expert"}}),
+                       job / ".hydra" / "config.yaml")
+        (job / "summary.json").write_text(json.dumps({
+            "task": "expert", "env": env, "seed": 0, "return_mean": ret, "return_std": 10.0, "expert_step": 5,
+            "train_steps": 10, "best_eval_return": ret, "wall_time_s": 1.0}))
+    OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": ["task=expert", "task.env=HalfCheetah-v5,Humanoid-v5"],
+                                                             "hydra": ["hydra.mode=MULTIRUN"]}}}),
+                   sweep / "multirun.yaml")
+    main([str(sweep), "--out", str(tmp_path / "results")])
+    md = (tmp_path / "results" / "expert" / "expert.md").read_text()
+    assert "`python run.py -m task=expert task.env=HalfCheetah-v5,Humanoid-v5` (2 runs)" in md
+    assert "python -m experiments.report" in md and "| Humanoid-v5 | 0 | 3800 |" in md
+
+
+@pytest.mark.slow
+def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path):
+    args = ["-m", "task=feature_learning", "optim=sgd,adamw", "debug=default", "skip_finished=true",
+            f"hydra.sweep.dir={tmp_path}"]
+    assert _run_py(*args).returncode == 0
+    first = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/summary.json")}
+    (tmp_path / "1" / "summary.json").unlink()  # job 1 "died" before it finished
+    res = _run_py(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("finished already") == 1
+    assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
+    assert (tmp_path / "1" / "summary.json").exists()
+    other = _run_py("-m", "task=feature_learning", "optim=signum", "debug=default", "skip_finished=true",
+                    f"hydra.sweep.dir={tmp_path}")
+    assert other.returncode != 0 and "not ['task=feature_learning', 'optim=signum'" in other.stderr

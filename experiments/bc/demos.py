@@ -1,7 +1,8 @@
 """Demonstrations: roll out an expert into one file, and load that file or a local Minari dataset.
 
-    python -m experiments.bc.demos --env Humanoid-v5 --n 60 --out data/demos/Humanoid-v5.npz
-    (--expert defaults to the committed experiments/bc/experts/<version>/<env>.pt)
+    python -m experiments.bc.expert demos --env Humanoid-v5 --n 60 --out data/demos/Humanoid-v5.npz
+    (experiments/bc/expert.py rolls out the expert; --expert defaults to the committed
+    experiments/bc/experts/<version>/<env>.pt)
 
 File format (numpy .npz, compressed), version 1:
   format_version, env               scalars
@@ -11,22 +12,16 @@ File format (numpy .npz, compressed), version 1:
 """
 from __future__ import annotations
 
-import argparse
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from experiments.common.provenance import atomic_write
+
 FORMAT_VERSION = 1
-EXPERTS = Path(__file__).parent / "experts"
-EXPERT_VERSION = "v1"
 FIELDS = ("observations", "actions", "rewards", "lengths", "returns", "seeds")
-
-
-def expert_path(env_id: str, version: str = EXPERT_VERSION) -> Path:
-    return EXPERTS / version / f"{env_id}.pt"
 
 
 @dataclass
@@ -45,7 +40,7 @@ class Demos:
         """The first n_train episodes for training, the last n_val for validation (fixed across n_train)."""
         if n_train + n_val > len(self):
             raise ValueError(f"asked for {n_train} training + {n_val} validation trajectories, but the demonstration "
-                             f"file has only {len(self)}; write more with `python -m experiments.bc.demos --n ...`")
+                             f"file has only {len(self)}; write more with `python -m experiments.bc.expert demos --n ...`")
         return self._take(range(n_train)), self._take(range(len(self) - n_val, len(self)))
 
     def _take(self, idx) -> "Demos":
@@ -58,13 +53,11 @@ def write(path, env_id: str, traj: dict, expert: str = "") -> Path:
     """Write rolled-out episodes (experiments.bc.evaluate.rollout(..., record=True)) atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(
+    atomic_write(path, lambda tmp: np.savez_compressed(
         tmp, format_version=FORMAT_VERSION, env=env_id, expert=str(expert),
         observations=np.concatenate(traj["observations"]), actions=np.concatenate(traj["actions"]),
         rewards=np.concatenate(traj["rewards"]), lengths=np.asarray(traj["lengths"], np.int64),
-        returns=np.asarray(traj["returns"], np.float64), seeds=np.asarray(traj["seeds"], np.int64))
-    os.replace(tmp, path)
+        returns=np.asarray(traj["returns"], np.float64), seeds=np.asarray(traj["seeds"], np.int64)))
     return path
 
 
@@ -73,7 +66,7 @@ def load(path, env_id: str | None = None) -> Demos:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
-            f"demonstration file not found: {path}. Write one with `python -m experiments.bc.demos --env "
+            f"demonstration file not found: {path}. Write one with `python -m experiments.bc.expert demos --env "
             f"{env_id or '<env>'} --out {path}` (rolls out the committed expert), or point task.demos at a local "
             f"Minari dataset directory")
     demos = _load_minari(path) if path.is_dir() else _load_npz(path)
@@ -127,38 +120,3 @@ def _load_minari(path: Path) -> Demos:
         raise ValueError(f"Minari dataset {path} has no episodes")
     env = ds.spec.env_spec.id if ds.spec.env_spec is not None else str(ds.spec.dataset_id)
     return Demos(env, obs, act, rew, np.array([r.sum() for r in rew], np.float64), np.array(seeds))
-
-
-def generate(env_id: str, n: int, out, expert=None, seed: int = 0) -> dict:
-    """Roll out the expert's deterministic policy for n episodes (reset seeds seed..seed+n-1) into `out`."""
-    from .evaluate import rollout
-    from .expert import load_expert, policy_fn
-
-    expert = Path(expert) if expert else expert_path(env_id)
-    blob, actor = load_expert(expert)
-    if blob["env"] != env_id:
-        raise ValueError(f"expert {expert} was trained on {blob['env']}, not {env_id}")
-    import torch
-
-    with torch.inference_mode():
-        traj = rollout(env_id, policy_fn(actor, blob.get("obs_slice")), n, seed=seed, record=True)
-    write(out, env_id, traj, expert=str(expert))
-    return traj
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Roll out an expert into a demonstration file.")
-    p.add_argument("--env", required=True)
-    p.add_argument("--n", type=int, default=60, help="episodes (BC uses up to 50 for training + 10 validation)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--expert", default=None, help=f"expert .pt (default: {EXPERTS}/{EXPERT_VERSION}/<env>.pt)")
-    p.add_argument("--seed", type=int, default=0, help="episode i is reset with seed + i")
-    a = p.parse_args(argv)
-    traj = generate(a.env, a.n, a.out, a.expert, a.seed)
-    r = traj["returns"]
-    print(f"{a.n} episodes of {a.env} -> {a.out}: return {r.mean():.1f} +- {r.std():.1f}, "
-          f"{int(traj['lengths'].sum())} transitions")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Rollouts of a policy in a batch of Gymnasium environments, and the paper's bootstrap estimate.
+"""Rollouts of a policy in a batch of Gymnasium environments (the paper's bootstrap over their returns
+is experiments.common.stats.bootstrap).
 
 `rollout` steps N environments side by side and queries the policy once per time step for all the
 episodes still running (one batched forward), which is what makes 100 evaluation episodes cheap.
@@ -75,21 +76,3 @@ def rollout(env_id: str, policy: Callable[[np.ndarray], np.ndarray], n_episodes:
     if record:
         out.update(traj)
     return out
-
-
-def bootstrap(outcomes, trials: int = 1000, sample_size: Optional[int] = None, seed: int = 0) -> dict:
-    """Algorithm "Bootstrap Mean Estimation": outcomes pooled over checkpoints (and seeds); `trials`
-    subsets of size m drawn without replacement; mean and 10/50/90 quantiles of the subset means.
-    m defaults to half the pool (the paper does not give m)."""
-    x = np.asarray(outcomes, dtype=np.float64).ravel()
-    if x.size < 2:
-        raise ValueError(f"bootstrap needs at least 2 outcomes, got {x.size}")
-    m = sample_size or max(1, x.size // 2)
-    if not 1 <= m <= x.size:
-        raise ValueError(f"sample_size must be in [1, {x.size}], got {m}")
-    rng = np.random.default_rng(seed)
-    # argsort of uniform keys = one random permutation per trial; its first m entries are a subset
-    idx = np.argsort(rng.random((trials, x.size)), axis=1)[:, :m]
-    means = x[idx].mean(1)
-    q10, q50, q90 = np.quantile(means, [0.1, 0.5, 0.9])
-    return {"mean": float(means.mean()), "q10": float(q10), "q50": float(q50), "q90": float(q90), "m": m}

@@ -7,7 +7,12 @@ and optimizers go into checkpoint.pt, the replay buffer into replay.npz, both ev
 `checkpoint_every` steps. Every `eval_every` steps the deterministic policy is evaluated; the best one
 so far is kept in actor_best.pt. At the end the best and the last actor are evaluated on
 `final_eval_episodes` episodes and the better one is written to expert.pt (with its returns), the
-file `python -m experiments.bc.demos` rolls out.
+file that demonstrations are rolled out from:
+
+    python -m experiments.bc.expert publish outputs/expert/Humanoid-v5     # -> experiments/bc/experts/v1/
+    python -m experiments.bc.expert demos --env Humanoid-v5 --n 60 --out data/demos/Humanoid-v5.npz
+
+The registry of committed experts is experiments/bc/experts/<version>/<env>.{pt,json}.
 """
 from __future__ import annotations
 
@@ -17,8 +22,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments.common.checkpoint import TrainingState
+from experiments.common.provenance import atomic_write
+
+from . import demos
 from .evaluate import make_env, rollout
 from .sac import SAC, ReplayBuffer
+
+EXPERTS = Path(__file__).parent / "experts"
+EXPERT_VERSION = "v1"
+
+
+def expert_path(env_id: str, version: str = EXPERT_VERSION) -> Path:
+    """The committed expert of an environment: experiments/bc/experts/<version>/<env>.pt."""
+    return EXPERTS / version / f"{env_id}.pt"
 
 
 def load_expert(path):
@@ -48,9 +65,7 @@ def _save_actor(path: Path, agent: SAC, env_id: str, meta: dict) -> None:
     blob = {"env": env_id, "obs_dim": a.net[0].in_features, "act_dim": a.net[-1].out_features // 2,
             "hidden": a.net[0].out_features, "act_low": (a.bias - a.scale).tolist(),
             "act_high": (a.bias + a.scale).tolist(), "actor": {k: v.clone() for k, v in a.state_dict().items()}, **meta}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(blob, tmp)
-    tmp.replace(path)
+    atomic_write(path, lambda p: torch.save(blob, p))
 
 
 def run(cfg, run) -> dict:
@@ -59,7 +74,7 @@ def run(cfg, run) -> dict:
     if t.bf16_matmul:  # oneDNN bf16 GEMMs, fp32 accumulation: faster only with native bf16 (AVX512-BF16, AMX)
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     env = make_env(t.env)
-    obs_slice = t.get("obs_slice")  # Humanoid: the expert sees qpos/qvel only (BC still gets the full obs)
+    obs_slice = t.obs_slice  # Humanoid: the expert sees qpos/qvel only (BC still gets the full obs)
     obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
     obs_dim = min(obs_dim, obs_slice or obs_dim)
     view = lambda o: o[:obs_dim]
@@ -71,13 +86,10 @@ def run(cfg, run) -> dict:
     replay_path = run.dir / "replay.npz"
     best_path, last_path = run.dir / "actor_best.pt", run.dir / "actor_last.pt"
 
-    start, best, episode, ep_return = 0, -np.inf, 0, 0.0
-    resumed = run.load_checkpoint()
-    if resumed is not None:
-        agent.load_state_dict(resumed["agent"])
-        start, best, episode = resumed["step"], resumed["best"], resumed["episode"]
-        rng.bit_generator.state = resumed["rng"]
-        torch.set_rng_state(resumed["torch_rng"])
+    state = TrainingState(model=agent, generators={"sampling": rng})  # the SAC state holds its optimizers
+    start, extra = state.resume(run)
+    best, episode, ep_return = extra.get("best", -np.inf), extra.get("episode", 0), 0.0
+    if start:
         buf.load(replay_path, start)
     # an episode in progress at the checkpoint is restarted (its transitions are in the buffer)
     obs, _ = env.reset(seed=int(cfg.seed) * 100_000 + episode)
@@ -85,8 +97,7 @@ def run(cfg, run) -> dict:
 
     def checkpoint(step):
         buf.save(replay_path, step)
-        run.save_checkpoint({"agent": agent.state_dict(), "step": step, "best": best, "episode": episode,
-                             "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()})
+        state.save(run, step, best=best, episode=episode)
 
     bar = run.progress(t.total_steps, initial=start, desc=f"expert/{t.env}")
     tic, last_log, stats = time.time(), start, {}
@@ -165,12 +176,23 @@ def _training_time(metrics_path: Path):
     return round(total, 1)
 
 
-def publish(run_dir, version: str = "v1", root=None) -> Path:
+def generate_demos(env_id: str, n: int, out, expert=None, seed: int = 0) -> dict:
+    """Roll out the expert's deterministic policy for n episodes (reset seeds seed..seed+n-1) into the
+    demonstration file `out` (experiments/bc/demos.py's format)."""
+    expert = Path(expert) if expert else expert_path(env_id)
+    blob, actor = load_expert(expert)
+    if blob["env"] != env_id:
+        raise ValueError(f"expert {expert} was trained on {blob['env']}, not {env_id}")
+    with torch.inference_mode():
+        traj = rollout(env_id, policy_fn(actor, blob.get("obs_slice")), n, seed=seed, record=True)
+    demos.write(out, env_id, traj, expert=str(expert))
+    return traj
+
+
+def publish(run_dir, version: str = EXPERT_VERSION, root=None) -> Path:
     """Copy a finished expert run's expert.pt to experiments/bc/experts/<version>/<env>.pt, with
     <env>.json: its evaluation returns (mean, std, episodes), training steps, command and commit."""
     import json
-
-    from .demos import EXPERTS
 
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"
@@ -193,9 +215,28 @@ def publish(run_dir, version: str = "v1", root=None) -> Path:
     return out / f"{blob['env']}.pt"
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv=None) -> None:
+    import argparse
 
-    if len(sys.argv) != 3 or sys.argv[1] != "publish":
-        sys.exit("usage: python -m experiments.bc.expert publish <expert run dir>")
-    print(publish(sys.argv[2]))
+    p = argparse.ArgumentParser(description="Publish a finished expert run, or roll an expert out into demonstrations.")
+    sub = p.add_subparsers(dest="command", required=True)
+    pub = sub.add_parser("publish", help="copy <run dir>/expert.pt to experiments/bc/experts/<version>/<env>.{pt,json}")
+    pub.add_argument("run_dir")
+    dem = sub.add_parser("demos", help="roll out an expert into one demonstration file")
+    dem.add_argument("--env", required=True)
+    dem.add_argument("--n", type=int, default=60, help="episodes (BC uses up to 50 for training + 10 validation)")
+    dem.add_argument("--out", required=True)
+    dem.add_argument("--expert", default=None, help=f"expert .pt (default: {EXPERTS}/{EXPERT_VERSION}/<env>.pt)")
+    dem.add_argument("--seed", type=int, default=0, help="episode i is reset with seed + i")
+    a = p.parse_args(argv)
+    if a.command == "publish":
+        print(publish(a.run_dir))
+        return
+    traj = generate_demos(a.env, a.n, a.out, a.expert, a.seed)
+    r = traj["returns"]
+    print(f"{a.n} episodes of {a.env} -> {a.out}: return {r.mean():.1f} +- {r.std():.1f}, "
+          f"{int(traj['lengths'].sum())} transitions")
+
+
+if __name__ == "__main__":
+    main()

@@ -160,13 +160,13 @@ class ReplayBuffer:
 
     def save(self, path, step: int) -> None:
         """Write the filled part to `path` (.npz) atomically, tagged with the training step."""
-        import os
         import numpy as np
 
+        from experiments.common.provenance import atomic_write
+
         n = self.size
-        tmp = str(path) + ".tmp.npz"
-        np.savez(tmp, step=step, size=n, pos=self.pos, **{k: getattr(self, k)[:n] for k in self.FIELDS})
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: np.savez(tmp, step=step, size=n, pos=self.pos,
+                                                **{k: getattr(self, k)[:n] for k in self.FIELDS}))
 
     def load(self, path, step: int) -> None:
         import numpy as np

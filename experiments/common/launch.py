@@ -8,14 +8,20 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from .provenance import atomic_write
 from .run import Run, seed_everything
 
 
-def apply_debug(cfg: DictConfig) -> None:
-    """`debug=default` shrinks the task with the `debug:` block its own config defines."""
-    if cfg.get("debug_run") and cfg.task.get("debug"):
-        with open_dict(cfg):
-            cfg.task = OmegaConf.merge(cfg.task, cfg.task.debug)
+def apply_debug(cfg: DictConfig, out_dir: Path) -> None:
+    """`debug=default` shrinks the task with the `debug:` block its own config defines. The job's
+    .hydra/config.yaml (written by Hydra before the job starts) is rewritten with the values that run."""
+    if not (cfg.debug_run and "debug" in cfg.task):
+        return
+    with open_dict(cfg):
+        cfg.task = OmegaConf.merge(cfg.task, cfg.task.debug)
+    saved = Path(out_dir) / ".hydra" / "config.yaml"
+    if saved.exists():
+        atomic_write(saved, lambda p: OmegaConf.save(cfg, p))
 
 
 class RequireSlurmPartition(Callback):
@@ -32,7 +38,7 @@ class RequireSlurmPartition(Callback):
 
 def init_distributed(cfg: DictConfig) -> None:
     """launcher=slurm_multigpu: one process per GPU; rank and world from submitit's environment."""
-    if not cfg.get("distributed"):
+    if not cfg.distributed:
         return
     import submitit
     import torch
@@ -68,7 +74,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     done = finished_summary(cfg, out_dir)
     if done is not None:
         return done
-    apply_debug(cfg)
+    apply_debug(cfg, out_dir)
     init_distributed(cfg)
     seed_everything(int(cfg.seed))
     task = hydra.utils.get_method(cfg.task.entry)

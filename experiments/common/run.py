@@ -13,10 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import dopr
 
-PACKAGES = ("torch", "dopr", "hydra-core", "omegaconf", "submitit", "wandb", "numpy", "gymnasium",
-            "mujoco", "transformers", "peft")
+from .distributed import is_main, world
+from .provenance import atomic_write, git_revision, package_versions
 
 
 def seed_everything(seed: int) -> None:
@@ -54,35 +51,6 @@ def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Opti
     return dopr.build(model, name, **kwargs)
 
 
-def git_revision() -> str:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        # results/ holds outputs, not code: a report regenerated next to another one is still at this commit
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev + ("-dirty" if dirty else "")) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def package_versions() -> dict:
-    out = {"python": sys.version.split()[0]}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 class Run:
     """The job's handle for logging, checkpointing and finishing."""
 
@@ -93,7 +61,7 @@ class Run:
         self.device = pick_device(cfg.device)
         self.start = time.time()
         # under torch.distributed only rank 0 writes files and talks to W&B
-        self.is_main = not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0)
+        self.is_main = is_main()
         self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "a")
         self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
         self.summary_path = self.dir / "summary.json"
@@ -152,7 +120,7 @@ class Run:
             return
         self._metrics.flush()
         rows = sum(1 for _ in open(self.dir / "metrics.jsonl"))
-        _atomic_write(self.checkpoint_path, lambda p: torch.save({"state": state, "metric_rows": rows}, p))
+        atomic_write(self.checkpoint_path, lambda p: torch.save({"state": state, "metric_rows": rows}, p))
 
     def load_checkpoint(self) -> Optional[dict]:
         """The last saved state (None on a fresh start); metrics.jsonl is cut back to that point, so a
@@ -176,13 +144,13 @@ class Run:
             "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
             **{k: _plain(v) for k, v in summary.items()},
             "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
-            "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+            "world_size": world()[1],
             "packages": package_versions(), "overrides": _overrides(),
             **optimizer_record(self.cfg, self.optimizers),
         }
         if not self.is_main:
             return out
-        _atomic_write(self.summary_path, lambda p: p.write_text(json.dumps(out, indent=2)))
+        atomic_write(self.summary_path, lambda p: p.write_text(json.dumps(out, indent=2)))
         if self._wandb is not None:
             self._wandb.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float, str))})
         return out

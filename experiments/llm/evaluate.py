@@ -6,7 +6,6 @@ MATH-500; appendix "8B SFT", "Evaluation protocol").
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -83,16 +82,6 @@ def generation_accuracy(model, tokenizer, prompts: list, answers: list, extract,
 
 
 # ------------------------------------------------------------------------------ lm-eval
-def lm_eval_requirements(ev) -> list:
-    """What the harness run needs that is not installed: [(what, how to install)]."""
-    need = [("lm_eval", "pip install lm-eval")]
-    if ev.backend == "vllm":
-        need.append(("vllm", "pip install vllm (a CUDA machine)"))
-    if any(t.metric.startswith("math_verify") for t in ev.tasks.values()):
-        need.append(("math_verify", "pip install 'lm-eval[math]'"))
-    return [(m, how) for m, how in need if importlib.util.find_spec(m) is None]
-
-
 def lm_eval_commands(ev, base: str, adapter: str, tokenizer: str, out_dir: Path, seed: int) -> dict:
     """{task: argv} for `python -m lm_eval run`, one per task (each has its own number of shots).
     `base` is the model lm-eval loads; `adapter` the LoRA directory (None for a merged model)."""
@@ -159,7 +148,7 @@ def lm_eval_run_dir(t, local: dict, run_dir: Path, seed: int) -> dict:
     {step: results} for each adapters/step_N."""
     ev, run_dir = t.eval.lm_eval, Path(run_dir)
     targets = {"final": run_dir / "adapter"}
-    if ev.get("every_adapter"):
+    if ev.every_adapter:
         for a in sorted((run_dir / "adapters").glob("step_*"), key=lambda p: int(p.name[5:])):
             targets[int(a.name[5:])] = a
     results = {}
@@ -186,7 +175,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    from .train import locate_inputs
+    from .sources import locate_inputs
 
     res = lm_eval_run_dir(cfg.task, locate_inputs(cfg.task), run_dir, int(cfg.seed))
     print(json.dumps(res, indent=2))

@@ -10,10 +10,11 @@ OpenMathInstruct-2 does for Llama.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import torch
+
+from experiments.common.provenance import atomic_write
 
 from . import arith
 from .data import IGNORE, pack, split_heldout
@@ -60,22 +61,10 @@ def run(cfg, run) -> dict:
                                        [p["expected_answer"] for p in problems], first_answer,
                                        t.eval_max_new_tokens, t.eval_batch_size, device))
     save_to = Path(t.save_to) if t.save_to else run.dir / "base"
-    tmp = save_to.with_name(save_to.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    shutil.rmtree(save_to, ignore_errors=True)
-    tmp.rename(save_to)
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    atomic_write(save_to, save)
     return {**summary, "val_nll": nll / max(1, count), "lr": float(cfg.optim.lr), "saved_to": str(save_to),
             "params": sum(p.numel() for p in model.parameters()), "train_blocks": len(blocks["input_ids"])}
-
-
-def report(records, out_dir, stamp) -> None:
-    from experiments.report import write_table
-
-    rows = [{"optimizer": r["summary"]["optim"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
-             "steps": r["summary"]["steps"], "train_loss": r["summary"]["train_loss"],
-             "val_nll": r["summary"]["val_nll"], "accuracy": r["summary"]["accuracy"],
-             "wall_time_s": r["summary"]["wall_time_s"]} for r in records]
-    write_table(rows, list(rows[0]), out_dir / "pretrain_arith", stamp,
-                "CPU analogue: the pretrained base (token NLL on held-out documents, greedy answer accuracy)")

@@ -1,12 +1,15 @@
-"""The SFT sweep's table and the figure that mirrors the paper's "8B SFT sweep": final accuracy
-against validation NLL, one point per optimizer and learning rate, labelled by the learning rate's
-rank (1 = smallest), error bars one standard error (lm-eval's for a single run; over seeds else)."""
+"""Reports of the LLM family. `sft`: the SFT sweep's table and the figure that mirrors the paper's
+"8B SFT sweep": final accuracy against validation NLL, one point per optimizer and learning rate,
+labelled by the learning rate's rank (1 = smallest), error bars one standard error (lm-eval's for a
+single run; over seeds else). `pretrain`: the CPU analogue's base model."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import numpy as np
+
+from experiments.common.report import save_figure, write_table
+from experiments.common.stats import group_runs, mean_and_error
 
 
 def accuracies(summary: dict) -> dict:
@@ -21,21 +24,11 @@ def accuracies(summary: dict) -> dict:
     return {"exact_match": (summary["accuracy"], summary["accuracy_stderr"])}
 
 
-def mean_and_error(values: list, single_error: float = float("nan")) -> tuple:
-    """Mean and its standard error over seeds (the run's own error when there is one run)."""
-    v = np.asarray(values, dtype=float)
-    if len(v) == 1:
-        return float(v[0]), single_error
-    return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))
-
-
 def sweep_rows(records) -> tuple:
-    groups = defaultdict(list)
-    for r in records:
-        groups[(r["summary"]["optim"], r["summary"]["lr"])].append(r["summary"])
+    groups = group_runs((r["summary"] for r in records), lambda s: (s["optim"], s["lr"]))
     benchmarks = sorted({b for s in (r["summary"] for r in records) for b in accuracies(s)})
     rows = []
-    for (opt_name, lr), runs in sorted(groups.items()):
+    for (opt_name, lr), runs in groups.items():
         row = {"optimizer": opt_name, "lr": lr, "seeds": len(runs)}
         row["val_nll"], row["val_nll_se"] = mean_and_error([s["val_nll"] for s in runs])
         row["train_loss"] = float(np.mean([s["train_loss"] for s in runs]))
@@ -49,14 +42,12 @@ def sweep_rows(records) -> tuple:
     return rows, benchmarks
 
 
-def report(records, out_dir, stamp) -> None:
+def sft(records, out_dir, stamp) -> None:
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from experiments.report import stamp_figure, write_table
 
     task = records[0]["summary"]["task"]
     rows, benchmarks = sweep_rows(records)
@@ -90,6 +81,13 @@ def report(records, out_dir, stamp) -> None:
     fig.suptitle(f"{task}: labels = learning-rate rank: " + ", ".join(f"{i + 1}={lr:g}" for i, lr in enumerate(lrs)),
                  fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp_figure(fig, stamp)
-    fig.savefig(out_dir / f"{task}_nll_vs_accuracy.png", dpi=150)
-    plt.close(fig)
+    save_figure(fig, out_dir / f"{task}_nll_vs_accuracy.png", stamp)
+
+
+def pretrain(records, out_dir, stamp) -> None:
+    rows = [{"optimizer": r["summary"]["optim"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
+             "steps": r["summary"]["steps"], "train_loss": r["summary"]["train_loss"],
+             "val_nll": r["summary"]["val_nll"], "accuracy": r["summary"]["accuracy"],
+             "wall_time_s": r["summary"]["wall_time_s"]} for r in records]
+    write_table(rows, list(rows[0]), out_dir / "pretrain_arith", stamp,
+                "CPU analogue: the pretrained base (token NLL on held-out documents, greedy answer accuracy)")

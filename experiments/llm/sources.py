@@ -6,6 +6,7 @@ and how to provide it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -51,3 +52,43 @@ def locate_all(wanted: list, download: bool, missing_packages=()) -> dict:
     if missing:
         raise MissingResource("missing before training could start:\n" + "\n".join(missing))
     return found
+
+
+def lm_eval_requirements(ev) -> list:
+    """What the harness run needs that is not installed: [(what, how to install)]."""
+    need = [("lm_eval", "pip install lm-eval")]
+    if ev.backend == "vllm":
+        need.append(("vllm", "pip install vllm (a CUDA machine)"))
+    if any(t.metric.startswith("math_verify") for t in ev.tasks.values()):
+        need.append(("math_verify", "pip install 'lm-eval[math]'"))
+    return [(m, how) for m, how in need if importlib.util.find_spec(m) is None]
+
+
+def locate_inputs(t) -> dict:
+    """Local directories for the weights, tokenizer, SFT data and evaluation data the task names;
+    one error listing everything missing (and every missing package), before any model is loaded."""
+    m, d = t.model, t.data
+    wanted = []
+    if m.path is not None:
+        how = m.made_by or "task.model.path=<local dir>"
+        wanted.append(("model", "base model weights", m.path, "model", how, None))
+    if m.tokenizer is not None:
+        how = m.made_by or "task.model.tokenizer=<local dir>"
+        wanted.append(("tokenizer", "tokenizer and chat template", m.tokenizer, "model", how,
+                       ["*.json", "*.jinja", "*.model", "*.txt"]))
+    if d.source != "arith":
+        wanted.append(("data", "SFT data (OpenMathInstruct-2)", d.source, "dataset",
+                       "task.data.source=<save_to_disk dir, parquet/jsonl file or hub snapshot dir>",
+                       [f"*{d.split}*", "*.md", "*.json"]))
+    packages = []
+    if m.path is not None and m.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        packages.append("package flash_attn: task.model.attn_implementation=flash_attention_2 (the paper's) needs "
+                        "`pip install flash-attn` (CUDA), or pass task.model.attn_implementation=sdpa")
+    ev = t.eval.lm_eval
+    if ev is not None:
+        packages += [f"package {mod}: lm-eval needs it: `{how}` (or task.eval.lm_eval=null to skip lm-eval)"
+                     for mod, how in lm_eval_requirements(ev)]
+        for name, task in ev.tasks.items():
+            wanted.append((f"eval_{name}", f"evaluation data of lm-eval task {name}", task.dataset, "dataset",
+                           "the HF cache (lm-eval reads it from there)", None))
+    return locate_all(wanted, bool(t.download), packages)

@@ -10,21 +10,22 @@ resume, data parallel over torch.distributed (parameter sharding for the plain e
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from experiments.common.checkpoint import TrainingState
+from experiments.common.distributed import (all_reduce_sum, gradient_sync, initialized, unwrap, world,
+                                            wrap_ddp)
+
 from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
                    split_heldout, take)
-from .evaluate import extract_boxed, generation_accuracy, lm_eval_requirements, lm_eval_run_dir, validation_nll
+from .evaluate import extract_boxed, generation_accuracy, lm_eval_run_dir, validation_nll
 from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
-from .report import report  # noqa: F401  (experiments.report calls the task module's report)
-from .sources import locate_all
+from .sources import locate_inputs
 
 SHARDINGS = ("none", "fsdp")
 ELEMENTWISE_GPS = ("sgd", "adamw", "signum")  # a shard of the weight is all their update needs
@@ -46,50 +47,6 @@ def check_sharding(cfg) -> None:
                          "update a weight shard correctly; use task.sharding=none")
     if sharding == "fsdp" and cfg.task.eval.generation is not None:
         raise ValueError("task.sharding=fsdp: eval.generation decodes on rank 0 alone; use task.sharding=none")
-
-
-def locate_inputs(t) -> dict:
-    """Local directories for the weights, tokenizer, SFT data and evaluation data the task names;
-    one error listing everything missing (and every missing package), before any model is loaded."""
-    m, d = t.model, t.data
-    wanted = []
-    if m.path is not None:
-        how = m.get("made_by") or "task.model.path=<local dir>"
-        wanted.append(("model", "base model weights", m.path, "model", how, None))
-    if m.tokenizer is not None:
-        how = m.get("made_by") or "task.model.tokenizer=<local dir>"
-        wanted.append(("tokenizer", "tokenizer and chat template", m.tokenizer, "model", how,
-                       ["*.json", "*.jinja", "*.model", "*.txt"]))
-    if d.source != "arith":
-        wanted.append(("data", "SFT data (OpenMathInstruct-2)", d.source, "dataset",
-                       "task.data.source=<save_to_disk dir, parquet/jsonl file or hub snapshot dir>",
-                       [f"*{d.split}*", "*.md", "*.json"]))
-    packages = []
-    if m.path is not None and m.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        packages.append("package flash_attn: task.model.attn_implementation=flash_attention_2 (the paper's) needs "
-                        "`pip install flash-attn` (CUDA), or pass task.model.attn_implementation=sdpa")
-    ev = t.eval.lm_eval
-    if ev is not None:
-        packages += [f"package {mod}: lm-eval needs it: `{how}` (or task.eval.lm_eval=null to skip lm-eval)"
-                     for mod, how in lm_eval_requirements(ev)]
-        for name, task in ev.tasks.items():
-            wanted.append((f"eval_{name}", f"evaluation data of lm-eval task {name}", task.dataset, "dataset",
-                           "the HF cache (lm-eval reads it from there)", None))
-    return locate_all(wanted, bool(t.download), packages)
-
-
-def world() -> tuple:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_sum(x: float, device) -> float:
-    if world()[1] == 1:
-        return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
 
 
 # ---------------------------------------------------------------------------------- data
@@ -141,7 +98,7 @@ def build_sft_model(t, local: dict, tokenizer, device):
 
 def wrap(model, sharding: str, device):
     """torch.distributed: DistributedDataParallel, or FSDP2 (one unit per decoder layer + the root)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         if sharding == "fsdp":
             raise ValueError("task.sharding=fsdp needs torch.distributed (launcher=slurm_multigpu)")
         return model
@@ -152,22 +109,7 @@ def wrap(model, sharding: str, device):
             if type(module).__name__.endswith("DecoderLayer"):
                 fully_shard(module)
         return fully_shard(model)
-    ids = [torch.cuda.current_device()] if device.type == "cuda" else None
-    # not static_graph=True: with reentrant checkpointing it breaks no_sync (tests/test_llm.py)
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-
-def unwrap(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def gradient_sync(model, sync: bool):
-    """No all-reduce on the micro-batches before the last of an accumulation window."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not sync:
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
+    return wrap_ddp(model, device)
 
 
 # -------------------------------------------------------------------------------- the loop
@@ -215,6 +157,21 @@ def save_adapter(model, tokenizer, path: Path, sharded: bool, is_main: bool) -> 
         tokenizer.save_pretrained(str(path))
 
 
+class TrainableState:
+    """The checkpointed part of an SFT model and its optimizer: the trainable parameters and the
+    optimizer state as full tensors, gathered from every rank under FSDP (all ranks take part)."""
+
+    def __init__(self, model, opt, sharded: bool) -> None:
+        self.model, self.opt, self.sharded = model, opt, sharded
+
+    def state_dict(self) -> dict:
+        params, opt_state = trainable_state(self.model, self.opt, self.sharded)
+        return {"params": params, "optimizer": opt_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_trainable_state(self.model, self.opt, state["params"], state["optimizer"], self.sharded)
+
+
 def load_trainable_state(model, opt, params: dict, opt_state: dict, sharded: bool) -> None:
     if sharded:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
@@ -239,15 +196,10 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
     per_step = tr.micro_batch_size * tr.grad_accumulation
     per_epoch = len(blocks["input_ids"]) // per_step
     params = [p for p in model.parameters() if p.requires_grad]
-    start, metrics = 0, {}
-    resumed = run.load_checkpoint()
-    if resumed is not None:  # a requeued (preempted) job continues where it stopped
-        load_trainable_state(model, opt, resumed["params"], resumed["optimizer"], sharded)
-        sched.load_state_dict(resumed["scheduler"])
-        torch.set_rng_state(resumed["rng"])
-        if resumed["cuda_rng"] is not None:  # dropout on the GPU draws from the CUDA generator
-            torch.cuda.set_rng_state(resumed["cuda_rng"])
-        start, metrics = resumed["step"], resumed["metrics"]
+    # a requeued (preempted) job continues where it stopped; dropout's generators (CPU, CUDA) included
+    state = TrainingState(model=TrainableState(model, opt, sharded), scheduler=sched)
+    start, extra = state.resume(run)
+    metrics = extra.get("metrics", {})
     model.train()
     bar = run.progress(steps, initial=start)
     order = None
@@ -258,7 +210,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
                 seed * 1000003 + epoch))
         window = order[within * per_step:(within + 1) * per_step].view(tr.grad_accumulation, tr.micro_batch_size)
         batches = [micro_batches(blocks, idx.numpy()) for idx in window]
-        tokens = all_sum(sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches), device)
+        tokens = all_reduce_sum(sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches), device)
         loss_sum = 0.0
         for i, b in enumerate(batches):
             b = {k: v.to(device) for k, v in b.items()}
@@ -274,7 +226,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
         bar.update()
         if on_step is not None:
             on_step(step + 1)
-        loss = all_sum(loss_sum, device) / world()[1]
+        loss = all_reduce_sum(loss_sum, device) / world()[1]
         if (step + 1) % tr.log_every == 0 or step + 1 == steps:
             metrics = {"train_loss": loss, "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens}
             run.log(metrics, step + 1)
@@ -283,10 +235,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
             run.log(metrics, step + 1)
             break
         if tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0 and step + 1 < steps:
-            p, o = trainable_state(model, opt, sharded)
-            run.save_checkpoint({"params": p, "optimizer": o, "scheduler": sched.state_dict(),
-                                 "rng": torch.get_rng_state(), "step": step + 1, "metrics": metrics,
-                                 "cuda_rng": torch.cuda.get_rng_state() if device.type == "cuda" else None})
+            state.save(run, step + 1, metrics=metrics)
     bar.close()
     return {**metrics, "steps": steps}
 
@@ -308,7 +257,7 @@ def run(cfg, run) -> dict:
     torch.manual_seed(int(cfg.seed))  # the LoRA initialisation (the base is the same for every seed)
     model = wrap(build_sft_model(t, local, tokenizer, device), t.sharding, device)
     opt = run.build_optimizer(model)
-    sharded, every = t.sharding == "fsdp", t.train.get("save_adapter_every") or 0
+    sharded, every = t.sharding == "fsdp", t.train.save_adapter_every
 
     def keep_adapter(step: int) -> None:  # adapters/step_N, for the peak over training
         if every and step % every == 0:
@@ -319,7 +268,7 @@ def run(cfg, run) -> dict:
     core = unwrap(model)
     nll_sum, nll_count = validation_nll(core, val_blocks, t.train.micro_batch_size, device)
     summary = {**result, "lr": float(cfg.optim.lr), "train_blocks": len(blocks["input_ids"]),
-               "val_nll": all_sum(nll_sum, device) / max(1.0, all_sum(nll_count, device)),
+               "val_nll": all_reduce_sum(nll_sum, device) / max(1.0, all_reduce_sum(nll_count, device)),
                "trainable_params": sum(p.numel() for p in core.parameters() if p.requires_grad)}
     save_adapter(model, tokenizer, run.dir / "adapter", sharded, run.is_main)
     if t.eval.generation is not None and run.is_main:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 import time
 
-import matplotlib
-import numpy as np
 import torch
 from torch import nn
 
-matplotlib.use("Agg")
+from experiments.common.checkpoint import TrainingState
 
 
 def subspace_distance(g_theta: torch.Tensor, g_star: torch.Tensor) -> float:
@@ -66,18 +64,12 @@ def run(cfg, run) -> dict:
     opt = run.build_optimizer(model)
     x_val, y_val = problem.sample(t.n_val)
     loss_fn = lambda x, y: ((model(x) - y) ** 2).sum(1).mean()
-    start = 0
-    resumed = run.load_checkpoint()
-    if resumed is not None:  # a requeued (preempted) job continues where it stopped
-        model.load_state_dict(resumed["model"])
-        opt.load_state_dict(resumed["optimizer"])
-        gen.set_state(resumed["generator"])
-        start = resumed["step"]
+    state = TrainingState(model=model, optimizer=opt, generators={"data": gen})
+    start, _ = state.resume(run)  # a requeued (preempted) job continues where it stopped
     bar = run.progress(t.steps, initial=start)
     for step in range(start, t.steps + 1):
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step > start:
-            run.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                 "generator": gen.get_state(), "step": step})
+            state.save(run, step)
         if step % t.log_every == 0 or step == t.steps:
             with torch.no_grad():
                 val = loss_fn(x_val, y_val).item()
@@ -99,48 +91,3 @@ def run(cfg, run) -> dict:
     bar.close()
     return {"val_loss": val, "subspace_distance": dist, "lr": float(cfg.optim.lr),
             "noise_floor": t.noise_std**2 * t.d_y}
-
-
-def report(records, out_dir, stamp) -> None:
-    """Per optimizer: the learning rate with the lowest median final validation loss, then the median
-    and 10/90% quantiles over seeds of both metrics over training (the paper's figure)."""
-    import matplotlib.pyplot as plt
-
-    from experiments.report import stamp_figure, write_table
-
-    by = {}
-    for r in records:
-        s = r["summary"]
-        by.setdefault(s["optim"], {}).setdefault(s["lr"], []).append(r)
-    rows, best = [], {}
-    for opt_name, lrs in sorted(by.items()):
-        for lr, rs in sorted(lrs.items()):
-            vals = [r["summary"]["val_loss"] for r in rs]
-            dists = [r["summary"]["subspace_distance"] for r in rs]
-            med = float(np.median(vals)) if all(math.isfinite(v) for v in vals) else float("inf")
-            rows.append({"optimizer": opt_name, "lr": lr, "seeds": len(rs), "val_loss_median": med,
-                         "subspace_distance_median": float(np.median(dists)), "best": ""})
-        best[opt_name] = min(lrs, key=lambda lr: next(r["val_loss_median"] for r in rows if r["optimizer"] == opt_name and r["lr"] == lr))
-        for row in rows:
-            if row["optimizer"] == opt_name and row["lr"] == best[opt_name]:
-                row["best"] = "*"
-    write_table(rows, ["optimizer", "lr", "seeds", "val_loss_median", "subspace_distance_median", "best"],
-                out_dir / "feature_learning", stamp,
-                "Feature learning: final validation loss and subspace distance (median over seeds; * = best lr)")
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for opt_name in sorted(best):
-        rs = by[opt_name][best[opt_name]]
-        steps = np.array([m["step"] for m in rs[0]["metrics"]])
-        for ax, key in zip(axes, ("val_loss", "subspace_distance")):
-            curves = np.array([[m[key] for m in r["metrics"]] for r in rs if len(r["metrics"]) == len(steps)])
-            q10, q50, q90 = np.quantile(curves, [0.1, 0.5, 0.9], axis=0)
-            line, = ax.plot(steps, q50, label=f"{opt_name} (lr {best[opt_name]:g})")
-            ax.fill_between(steps, q10, q90, color=line.get_color(), alpha=0.2)
-    axes[0].set(yscale="log", xlabel="step", ylabel="validation loss", title="in-distribution validation loss")
-    axes[1].set(xlabel="step", ylabel=r"dist$(G_\theta, G_\star)$", title="feature subspace distance")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp_figure(fig, stamp)
-    fig.savefig(out_dir / "feature_learning.png", dpi=150)
-    plt.close(fig)

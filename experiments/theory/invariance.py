@@ -6,12 +6,8 @@ Under DoPr the two validation-loss trajectories stay identical; under SGD they d
 """
 from __future__ import annotations
 
-import matplotlib
-import numpy as np
 import torch
 from torch import nn
-
-matplotlib.use("Agg")
 
 
 def mlp(t, dtype) -> nn.Sequential:
@@ -71,33 +67,3 @@ def run(cfg, run) -> dict:
             run.log({"val_loss_original": a, "val_loss_transformed": b, "relative_gap": abs(a - b) / abs(a)}, step)
     bar.close()
     return {"val_loss_original": a, "val_loss_transformed": b, "max_relative_gap": gap, "lr": float(cfg.optim.lr)}
-
-
-def report(records, out_dir, stamp) -> None:
-    """The paper's figure: both trajectories per optimizer, and the table of the largest gap."""
-    import matplotlib.pyplot as plt
-
-    from experiments.report import stamp_figure, write_table
-
-    records = sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["seed"]))
-    rows = [{"optimizer": r["summary"]["optim"], "seed": r["summary"]["seed"], "lr": r["summary"]["lr"],
-             "final_val_original": r["summary"]["val_loss_original"],
-             "final_val_transformed": r["summary"]["val_loss_transformed"],
-             "max_relative_gap": r["summary"]["max_relative_gap"]} for r in records]
-    write_table(rows, list(rows[0]), out_dir / "invariance", stamp,
-                "Activation invariance: validation loss on x vs on Qx+d (largest relative gap over training)")
-    shown = {}
-    for r in records:
-        shown.setdefault(r["summary"]["optim"], r)  # first seed of each optimizer
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, (name, r) in zip(axes[0], sorted(shown.items())):
-        steps = [m["step"] for m in r["metrics"]]
-        ax.plot(steps, [m["val_loss_original"] for m in r["metrics"]], label="original x")
-        ax.plot(steps, [m["val_loss_transformed"] for m in r["metrics"]], "--", label="transformed Qx+d")
-        ax.set(yscale="log", xlabel="step", ylabel="validation loss",
-               title=f"{name}: max relative gap {r['summary']['max_relative_gap']:.1e}")
-        ax.legend()
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    stamp_figure(fig, stamp)
-    fig.savefig(out_dir / "invariance.png", dpi=150)
-    plt.close(fig)

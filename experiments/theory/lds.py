@@ -56,12 +56,9 @@ import math
 import warnings
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 from scipy.linalg import LinAlgWarning, solve_discrete_lyapunov
 from scipy.optimize import minimize
-
-matplotlib.use("Agg")
 
 
 # ============================================================================ Proposition "LDS"
@@ -503,17 +500,6 @@ def _write_csv(rows: list, columns: list, path: Path) -> None:
             w.writerow({k: (repr(float(v)) if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def _read_csv(path: Path) -> list:
-    def conv(v):
-        try:
-            return int(v)
-        except ValueError:
-            return float(v)
-
-    with open(path, newline="") as f:
-        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(f)]
-
-
 # ================================================================================ Hydra task
 def run(cfg, run) -> dict:
     t = cfg.task
@@ -531,82 +517,3 @@ def run(cfg, run) -> dict:
     _write_csv(rows, CONSTRUCTION_COLUMNS, Path(run.dir) / "construction.csv")
     return {"n_state": int(t.n_state), "n_action": int(t.n_action), "horizon": int(t.horizon),
             "n_rollouts": int(t.n_rollouts), "perturbation": delta, **mc, **construction_summary(rows)}
-
-
-# ==================================================================================== report
-MC_COLUMNS = ["seed", "n_state", "n_action", "horizon", "n_rollouts", "perturbation", "rho_demo", "rho_K",
-              "mc_gamma_rel_err_max", "mc_gamma_max_abs_z", "lval_closed", "mc_lval_rel_err", "mc_lval_z",
-              "lideal_closed", "mc_lideal_rel_err", "mc_lideal_z", "ttf_paper_T", "ttf_w2_T",
-              "mc_ttf_paper_rel_err", "mc_ttf_w2_rel_err"]
-TABLE_COLUMNS = ["alpha", "epsilon", "theta", "lval_theta", "lval_psi", "lideal_theta", "lideal_psi",
-                 "lval_ratio_psi_over_theta", "lideal_ratio_theta_over_psi", "inf_f_lideal", "inf_f_paper_bound",
-                 "inf_f_over_lideal_psi", "paper_regime", "corrected_regime", "ordering_holds",
-                 "feature_ordering_holds", "ttf_psi_paper", "ttf_psi_w2", "closed_form_rel_err"]
-
-
-def report(records, out_dir, stamp) -> None:
-    """construction.{csv,md} (the T = inf construction grid; deterministic, taken from the lowest seed),
-    monte_carlo.{csv,md} (closed forms vs Monte Carlo, one row per seed) and lds_construction.png."""
-    rows = report_tables(records, out_dir, stamp)
-    report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
-
-
-def report_tables(records, out_dir, stamp) -> list:
-    from experiments.report import write_table
-
-    out_dir = Path(out_dir)
-    records = sorted(records, key=lambda r: (r["summary"].get("seed", 0), str(r["dir"])))
-    mc_rows = [{k: r["summary"].get(k, "") for k in MC_COLUMNS} for r in records]
-    write_table(mc_rows, MC_COLUMNS, out_dir / "monte_carlo", stamp,
-                "Proposition LDS: closed forms vs Monte Carlo rollouts (relative errors, z-scores)")
-    rows = _read_csv(Path(records[0]["dir"]) / "construction.csv")
-    write_table(rows, TABLE_COLUMNS, out_dir / "construction", stamp,
-                "Appendix construction (T = inf): L_val and L_ideal of K_theta vs K_psi; "
-                "paper_regime = the Proposition's printed conditions, corrected_regime = alpha << eps, "
-                "sin theta << alpha^2/eps^2 (factor 10)")
-    return rows
-
-
-def report_figure(rows, path, stamp) -> None:
-    import matplotlib.pyplot as plt
-
-    from experiments.report import stamp_figure
-
-    alphas = sorted({r["alpha"] for r in rows})
-    epsilons = sorted({r["epsilon"] for r in rows})
-    fig, axes = plt.subplots(2, len(alphas), figsize=(4.2 * len(alphas), 7.5), squeeze=False)
-    cmap = plt.get_cmap("plasma")
-    for j, a in enumerate(alphas):
-        ax, bx = axes[0, j], axes[1, j]
-        sub = sorted((r for r in rows if r["alpha"] == a and r["epsilon"] == epsilons[0]), key=lambda r: r["theta"])
-        th = [r["theta"] for r in sub]
-        ax.plot(th, [r["lideal_theta"] for r in sub], "r-o", ms=3, label=r"$L_{ideal}(K_\theta)$")
-        ax.plot(th, [r["lval_theta"] for r in sub], "r--s", ms=3, label=r"$L_{val}(K_\theta)$")
-        ax.plot(th, [r["inf_f_lideal"] for r in sub], "m:^", ms=3, label=r"$\inf_F L_{ideal}(F G_\theta)$")
-        ax.plot(th, [r["inf_f_paper_bound"] for r in sub], color="0.5", lw=0.8, label=r"$\alpha^2/(4\sin\theta)$")
-        for k, e in enumerate(epsilons):
-            col = cmap(0.85 * k / max(1, len(epsilons) - 1))
-            sub_e = sorted((r for r in rows if r["alpha"] == a and r["epsilon"] == e), key=lambda r: r["theta"])
-            ax.axhline(sub_e[0]["lval_psi"], color=col, lw=1.2,
-                       label=rf"$L_{{val}}=L_{{ideal}}(K_\psi)$, $\epsilon$={e:g}")
-            bx.plot([r["theta"] for r in sub_e], [r["ordering_margin"] for r in sub_e], "-o", ms=3, color=col,
-                    label=rf"$\epsilon$={e:g}")
-            corr = [r for r in sub_e if r["corrected_regime"]]
-            bx.plot([r["theta"] for r in corr], [r["ordering_margin"] for r in corr], "o", ms=8, mfc="none",
-                    color=col)
-            printed = [r for r in sub_e if r["paper_regime"]]
-            bx.plot([r["theta"] for r in printed], [r["ordering_margin"] for r in printed], "x", ms=8, color=col)
-        ax.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  losses at T = $\infty$")
-        bx.axhline(1.0, color="k", lw=0.8)
-        bx.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  mismatch margin")
-    axes[0, 0].set_ylabel("loss")
-    axes[1, 0].set_ylabel("margin (> 1: mismatch holds)")
-    axes[0, 0].legend(fontsize=6)
-    axes[1, 0].legend(fontsize=6, title="o: corrected regime, x: printed regime", title_fontsize=6)
-    fig.suptitle(r"margin = min($L_{val}(K_\psi)/L_{val}(K_\theta)$, $L_{ideal}(K_\theta)/L_{ideal}(K_\psi)$)"
-                 r"; > 1 means $L_{val}(K_\theta) < L_{val}(K_\psi)$ and $L_{ideal}(K_\psi) < L_{ideal}(K_\theta)$",
-                 fontsize=9, y=0.995)
-    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
-    stamp_figure(fig, stamp)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)

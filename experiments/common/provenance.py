@@ -1,0 +1,65 @@
+"""Where a file came from, and how it is written: the commit, the package versions, and writes that
+leave either the old file or the new one, never half of one."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("torch", "dopr", "hydra-core", "omegaconf", "submitit", "wandb", "numpy", "gymnasium",
+            "mujoco", "transformers", "peft")
+
+
+def git_revision() -> str:
+    """The short commit, "-dirty" when tracked code differs from it. results/ holds outputs, not code:
+    a report regenerated next to another one is still at this commit."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def atomic_write(path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` writes a file (or a directory) next to `path`, which then replaces `path` in one
+    rename: a reader, or a job killed mid-write, sees the old content or the new, never a part.
+    The temporary name keeps the suffix (numpy's savez appends ".npz" to names without it)."""
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    _remove(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if tmp.is_dir():
+        _remove(path)
+        tmp.rename(path)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

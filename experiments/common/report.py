@@ -1,0 +1,121 @@
+"""Aggregate sweeps into results/<task>/: tables (CSV and markdown) and figures (PNG).
+
+    python -m experiments.report multirun/feature_learning/20261121-230000 [more sweep dirs] [--out results]
+
+Each finished job (a directory with summary.json) becomes a record; records are grouped by task and
+sweep and handed to the report function the task config names (`task.report`, e.g.
+experiments.bc.report.bc), which writes the files that mirror the paper's figure for that task.
+Every file carries a stamp naming the sweep command that made the runs, the report command and the
+commit. Re-running the command rewrites the same files (idempotent).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .provenance import git_revision
+
+
+def _sweep_command(job: Path, root: Path) -> str:
+    """The command that made the job: its sweep's (multirun.yaml in an ancestor up to `root`), else its own."""
+    for d in [job, *job.parents]:
+        f = d / "multirun.yaml"
+        if f.exists():
+            o = OmegaConf.load(f).hydra.overrides
+            args = [a for a in list(o.task) + list(o.hydra) if a != "hydra.mode=MULTIRUN"]
+            return "python run.py -m " + " ".join(shlex.quote(a) for a in args)
+        if d == root:
+            break
+    overrides = job / ".hydra" / "overrides.yaml"
+    args = OmegaConf.load(overrides) if overrides.exists() else []
+    return "python run.py " + " ".join(shlex.quote(str(a)) for a in args)
+
+
+def load_records(sweep_dirs) -> list:
+    records = []
+    for root in sweep_dirs:
+        root = Path(root)
+        if not root.exists():
+            raise FileNotFoundError(f"sweep directory not found: {root}")
+        for summary in sorted(root.rglob("summary.json")):
+            job = summary.parent
+            cfg_file = job / ".hydra" / "config.yaml"
+            metrics_file = job / "metrics.jsonl"
+            records.append({
+                "dir": job,
+                "summary": json.loads(summary.read_text()),
+                "config": OmegaConf.load(cfg_file) if cfg_file.exists() else None,
+                "metrics": [json.loads(l) for l in metrics_file.read_text().splitlines() if l] if metrics_file.exists() else [],
+                "command": _sweep_command(job, root),
+            })
+    return records
+
+
+def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "") -> None:
+    """rows: list of dicts. Writes <stem>.csv and <stem>.md (the markdown names commands and commit)."""
+    path_stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = [f"# {title}" if title else "", "", stamp, "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
+
+
+def stamp_figure(fig, stamp: str) -> None:
+    fig.text(0.01, 0.005, stamp.replace("`", ""), fontsize=6, color="0.4", ha="left", va="bottom", wrap=True)
+
+
+def save_figure(fig, path: Path, stamp: str, dpi: int = 150) -> None:
+    """Stamp the figure with the commands and commit, write it, close it."""
+    import matplotlib.pyplot as plt
+
+    stamp_figure(fig, stamp)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def make_stamp(records: list, report_command: str) -> str:
+    runs = defaultdict(int)
+    for r in records:
+        runs[r["command"]] += 1
+    made = "; ".join(f"`{c}` ({n} runs)" for c, n in runs.items())
+    return f"Runs made by {made}. Tables by `{report_command}` at commit `{git_revision()}`."
+
+
+def report_function(cfg):
+    import hydra
+
+    return hydra.utils.get_method(cfg.task.report)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweeps", nargs="+", help="sweep (multirun) directories")
+    ap.add_argument("--out", default="results", help="results root (default: results)")
+    args = ap.parse_args(argv)
+    records = load_records(args.sweeps)
+    if not records:
+        raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
+    missing = sorted({str(r["dir"]) for r in records if r["config"] is None})
+    if missing:
+        raise SystemExit(f"no .hydra/config.yaml (the job's config) in {missing[:3]}: cannot tell its task's report")
+    by_sweep = defaultdict(list)  # results/<task>/ for a task's main sweep, results/<task>/<sweep>/ else
+    for r in records:
+        by_sweep[(r["summary"]["task"], r["config"].sweep_name)].append(r)
+    command = "python -m experiments.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    for (task, sweep), recs in sorted(by_sweep.items()):
+        out = Path(args.out) / task / ("" if sweep == task else sweep)
+        out.mkdir(parents=True, exist_ok=True)
+        report_function(recs[0]["config"])(recs, out, make_stamp(recs, command))
+        print(f"{task} ({sweep}): {len(recs)} runs -> {out}")

@@ -1,0 +1,171 @@
+"""The shared plumbing of experiments/common/: weights EMA, schedules, the training-state checkpoint,
+atomic writes, the distributed helpers in one process, and the report statistics."""
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from experiments.common import checkpoint, distributed, stats
+from experiments.common.ema import WeightEMA
+from experiments.common.provenance import atomic_write
+from experiments.common.schedules import build_schedule, warmup_cosine
+
+
+# ----------------------------------------------------------------------------------------- EMA
+def test_weight_ema_follows_the_formula_and_round_trips():
+    model = nn.Linear(3, 2)
+    ema = WeightEMA(model, 0.9)
+    w0 = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update()
+    torch.testing.assert_close(ema.module.weight, 0.9 * w0 + 0.1 * (w0 + 1.0))
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    other = WeightEMA(nn.Linear(3, 2), 0.9)
+    other.load_state_dict(ema.state_dict())
+    assert torch.equal(other.module.weight, ema.module.weight)
+    with pytest.raises(ValueError, match="Invalid EMA decay: 1.5"):
+        WeightEMA(model, 1.5)
+
+
+# ----------------------------------------------------------------------------------- schedules
+def test_warmup_cosine_schedule():
+    f = warmup_cosine(1000, 0.05)
+    assert f(0) == pytest.approx(1 / 50) and f(49) == pytest.approx(1.0)
+    assert f(525) == pytest.approx(0.5) and f(1000) == pytest.approx(0.0, abs=1e-12)
+    floor = warmup_cosine(1000, 0.0, min_factor=0.1)
+    assert floor(1000) == pytest.approx(0.1) and floor(0) == pytest.approx(1.0)
+
+
+def test_build_schedule_drives_the_optimizer_and_names_a_bad_schedule():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = build_schedule(opt, "constant", 10)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 2.0
+    with pytest.raises(ValueError, match="Invalid schedule: 'linear'"):
+        build_schedule(opt, "linear", 10)
+
+
+# ---------------------------------------------------------------------------------- checkpoint
+class _FakeRun:
+    def __init__(self):
+        self.saved = None
+
+    def save_checkpoint(self, state):  # Run.save_checkpoint writes a file: a copy, not live tensors
+        self.saved = copy.deepcopy(state)
+
+    def load_checkpoint(self):
+        return self.saved
+
+
+def _draws(gen, npgen):
+    return (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=gen).item(),
+            npgen.random())
+
+
+def test_training_state_restores_model_optimizer_and_every_random_state():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = build_schedule(opt, "warmup_cosine", 20, 0.1)
+    gen, npgen = torch.Generator().manual_seed(3), np.random.default_rng(4)
+    state = checkpoint.TrainingState(model=model, optimizer=opt, scheduler=sched,
+                                     generators={"data": gen, "numpy": npgen})
+    run = _FakeRun()
+    assert state.resume(run) == (0, {})
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    state.save(run, 7, note="x")
+    after = _draws(gen, npgen)
+    weights = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    assert state.resume(run) == (7, {"note": "x"})
+    assert torch.equal(model.weight, weights) and sched.last_epoch == 1
+    assert _draws(gen, npgen) == after  # python, numpy, torch, and the job's own generators
+
+
+def test_training_state_refuses_a_foreign_or_old_checkpoint():
+    run = _FakeRun()
+    checkpoint.TrainingState(model=nn.Linear(2, 2)).save(run, 1)
+    with pytest.raises(ValueError, match=r"no state for \['optimizer'\]"):
+        m = nn.Linear(2, 2)
+        checkpoint.TrainingState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0)).resume(run)
+    run.saved = {"model": {}, "step": 3}  # what the suite wrote before one checkpoint format
+    with pytest.raises(ValueError, match="older version of the suite"):
+        checkpoint.TrainingState(model=nn.Linear(2, 2)).resume(run)
+
+
+# ------------------------------------------------------------------------------- atomic writes
+def test_atomic_write_replaces_whole_files_and_leaves_the_old_one_on_failure(tmp_path):
+    path = tmp_path / "summary.json"
+    atomic_write(path, lambda p: p.write_text("old"))
+
+    def broken(p):
+        p.write_text("half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, broken)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    npz = tmp_path / "d.npz"
+    atomic_write(npz, lambda p: np.savez(p, x=np.arange(3)))  # numpy keeps the .npz name
+    assert np.load(npz)["x"].tolist() == [0, 1, 2]
+    folder = tmp_path / "base"
+    atomic_write(folder, lambda p: (p.mkdir(), (p / "a").write_text("1")))
+    atomic_write(folder, lambda p: (p.mkdir(), (p / "b").write_text("2")))
+    assert sorted(x.name for x in folder.iterdir()) == ["b"]
+
+
+# ------------------------------------------------------------------------------ distributed
+def test_distributed_helpers_in_one_process():
+    assert distributed.world() == (0, 1) and distributed.is_main()
+    assert distributed.all_reduce_sum(2.5, "cpu") == 2.5
+    model = nn.Linear(2, 2)
+    assert distributed.wrap_ddp(model, "cpu") is model and distributed.unwrap(model) is model
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    loader = distributed.data_loader(data, batch_size=4, seed=0)
+    batches = [b[0] for b in loader]
+    assert len(batches) == 2 and sorted(torch.cat(batches).tolist()) != list(range(8))  # shuffled, 2 full batches
+    assert len(set(torch.cat(batches).tolist())) == 8
+
+
+# ------------------------------------------------------------------------------------ statistics
+def test_bootstrap_quantiles_on_a_known_distribution():
+    pool = np.arange(1000, dtype=float)  # mean 499.5, population variance (N^2 - 1) / 12
+    m, n = 100, 1000
+    b = stats.bootstrap(pool, trials=20000, sample_size=m, seed=1)
+    # subset means without replacement: variance sigma^2 / m * (N - m) / (N - 1), close to normal
+    sd = np.sqrt((n ** 2 - 1) / 12 / m * (n - m) / (n - 1))
+    assert b["mean"] == pytest.approx(499.5, abs=0.05 * sd)
+    assert b["q50"] == pytest.approx(499.5, abs=0.05 * sd)
+    assert b["q10"] == pytest.approx(499.5 - 1.2816 * sd, abs=0.05 * sd)
+    assert b["q90"] == pytest.approx(499.5 + 1.2816 * sd, abs=0.05 * sd)
+    full = stats.bootstrap(pool, trials=10, sample_size=n)  # m = N: every subset is the whole pool
+    assert full["q10"] == full["q90"] == pytest.approx(499.5)
+    with pytest.raises(ValueError, match="sample_size must be in"):
+        stats.bootstrap(pool, sample_size=1001)
+
+
+def test_mean_and_error_grouping_best_and_dopr_vs_gp():
+    assert stats.mean_and_error([1.0, 3.0]) == (2.0, pytest.approx(1.0))
+    assert stats.mean_and_error([5.0], 0.5) == (5.0, 0.5)
+    runs = [{"optim": o, "lr": lr, "score": sc} for o, lr, sc in
+            (("adamw", 1e-3, 1.0), ("adamw", 1e-3, 3.0), ("adamw", 1e-2, 5.0), ("dopr_adamw", 1e-3, 4.0))]
+    groups = stats.group_runs(runs, lambda s: (s["optim"], s["lr"]))
+    assert list(groups) == [("adamw", 1e-3), ("adamw", 1e-2), ("dopr_adamw", 1e-3)]
+    rows = [{"optimizer": o, "n": 10, "lr": lr, "score": float(np.mean([s["score"] for s in ss])), "lo": 0, "hi": 1}
+            for (o, lr), ss in groups.items()]
+    best = stats.best_per(rows, lambda r: (r["optimizer"], r["n"]), "score")
+    assert best[("adamw", 10)]["lr"] == 1e-2
+    table = stats.dopr_vs_gp(best, ["adamw", "muon"], "n", "score", "s", intervals={"overlap": ("lo", "hi")},
+                             carry=("lr",))
+    assert table == [{"gp": "adamw", "n": 10, "gp_s": 5.0, "dopr_s": 4.0, "delta": -1.0, "delta_pct": -20.0,
+                      "dopr_better": "no", "overlap": "yes", "gp_lr": 1e-2, "dopr_lr": 1e-3}]

@@ -1,0 +1,86 @@
+"""The import graph: a tree. No cycles under experiments/ and dopr/ (function-level imports
+included), and the optimizer library imports nothing of the experiment suite."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dopr", "experiments")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str) -> set:
+    """The project modules that `path` imports anywhere in it (absolute and relative)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t.split(".")[0] in PACKAGES}
+    return out
+
+
+def import_graph() -> dict:
+    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        # an import of a.b.c counts as importing the module a.b.c if it exists, else its package a.b
+        graph[name] = {t if t in files else t.rsplit(".", 1)[0] for t in _imports(path, name)}
+        graph[name] = {t for t in graph[name] if t in files and t != name}
+    return graph
+
+
+def _cycle(graph: dict):
+    state = {}
+
+    def visit(n, stack):
+        state[n] = "open"
+        for m in sorted(graph[n]):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m, stack + [m])
+                if found:
+                    return found
+        state[n] = "done"
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n, [n])
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "experiments.bc.train" in graph and "dopr.optimizer" in graph
+    # package __init__ re-exports are edges too, but a package importing its own submodules is how a
+    # package is built: leave those out, keep everything else
+    packages = {n for n in graph if (ROOT / n.replace(".", "/") / "__init__.py").exists()}
+    pruned = {n: {m for m in ms if not (n in packages and m.startswith(n + "."))} for n, ms in graph.items()}
+    assert _cycle(pruned) is None, f"import cycle: {' -> '.join(_cycle(pruned))}"
+
+
+def test_the_library_imports_nothing_of_the_suite():
+    graph = import_graph()
+    leaks = {n: sorted(m for m in ms if m.startswith("experiments")) for n, ms in graph.items() if n.startswith("dopr")}
+    assert not {n: m for n, m in leaks.items() if m}
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
