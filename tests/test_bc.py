@@ -256,7 +256,10 @@ def test_report_writes_tables_and_figure(tmp_path):
                                             "num_trajectories": n, "seed": seed, "returns": {"1000": rets},
                                             "train_loss": 0.1, "val_loss": 0.2, "lr": 1e-3, "weight_decay": 0.0,
                                             "damping": None, "expert_return": 5000.0, "train_time_s": 1.0,
-                                            "eval_time_s": 2.0, "wall_time_s": 3.5}})
+                                            "eval_time_s": 2.0, "wall_time_s": 3.5,
+                                            **({"damping": 1e-4, "conventions": {"damping_mode": "trace"},
+                                                "dopr": {"cholesky_retries": 2, "eigh_fallbacks": 0}}
+                                               if opt_name.startswith("dopr_") else {})}})
     bc_report.bc(records, tmp_path, "stamp `x`")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted([f"halfcheetah{s}{e}" for s in ("", "_dopr_vs_gp", "_timing") for e in (".csv", ".md")]
@@ -271,3 +274,7 @@ def test_report_writes_tables_and_figure(tmp_path):
                   if r["summary"]["optim"] == "adamw" and r["summary"]["num_trajectories"] == 10]
     assert float(table[("adamw", "10")]["seed_return_min"]) == pytest.approx(min(seed_means), rel=1e-3)
     assert float(table[("adamw", "10")]["seed_return_max"]) == pytest.approx(max(seed_means), rel=1e-3)
+    assert float(table[("adamw", "10")]["seed_return_median"]) == pytest.approx(np.median(seed_means), rel=1e-3)
+    # the effective damping differs from the table's where Cholesky retried: the table shows it
+    assert table[("dopr_adamw", "10")]["cholesky_retries"] == "4" and table[("adamw", "10")]["cholesky_retries"] == ""
+    assert table[("dopr_adamw", "10")]["damping_mode"] == "trace"

@@ -18,9 +18,12 @@ DELTA_COLUMNS = ["gp", "num_trajectories", "gp_return", "dopr_return", "delta", 
 
 
 def _setting(s: dict) -> tuple:
-    """One cell per optimizer, trajectory count and hyperparameter setting (AP EMA rates: 0 when absent)."""
+    """One cell per optimizer, trajectory count, hyperparameter setting and convention (summaries written
+    before the EMA rates and conventions were recorded have none: EMA 0, conventions "")."""
+    conv = s.get("conventions", {})
     return (s["optim"], s["num_trajectories"], s["lr"], s["weight_decay"], s["damping"] or 0.0,
-            s.get("grad_ema", 0.0), s.get("precond_ema", 0.0))
+            s.get("grad_ema", 0.0), s.get("precond_ema", 0.0),
+            *(conv.get(k, "") for k in ("damping_mode", "adjust_lr_fn", "input_layer")))
 
 
 def cell_rows(records) -> list:

@@ -94,9 +94,21 @@ def make_stamp(records: list, report_command: str) -> str:
 
 
 def report_function(cfg):
+    """The task's report function: the job config's task.report, or, for jobs made before task configs
+    named one, that of the task config of the same name in conf/task/."""
     import hydra
 
-    return hydra.utils.get_method(cfg.task.report)
+    name = cfg.task.report if "report" in cfg.task else _task_config(cfg.task.name).report
+    return hydra.utils.get_method(name)
+
+
+def _task_config(task: str):
+    from hydra import compose, initialize_config_dir
+
+    from .provenance import ROOT
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"task={task}"]).task
 
 
 def main(argv=None) -> None:
