@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SOLVERS = ("cholesky", "eigh", "rank1_diag", "rankk_diag")
-#: the statistic each solver consumes (embeddings always use the exact diagonal one)
-STATISTIC_KIND = {"cholesky": "dense", "eigh": "dense", "rank1_diag": "moments", "rankk_diag": "dense"}
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 CHOLESKY_RETRIES = 3
 
 
@@ -202,3 +202,28 @@ def factor_rank1(mean: Tensor, second: Tensor, lam: Tensor) -> Rank1Diagonal:
 
 def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
     return DiagonalInverse(1.0 / (diag + lam))
+
+
+# ------------------------------------------------------------------------------ the registry
+@dataclass(frozen=True)
+class Solver:
+    """A solver by name: the kind of statistic it consumes ("dense" or "moments", see
+    dopr.statistics.STATISTICS; embeddings always use the exact diagonal one) and, for dense
+    statistics, its batched factorisation ``factor(sigma, lam, options, counts) -> operators``."""
+
+    name: str
+    statistic: str
+    factor: Optional[Callable] = None
+
+
+SOLVERS: dict = {}
+
+
+def register_solver(name: str, statistic: str, factor: Optional[Callable] = None) -> None:
+    SOLVERS[name] = Solver(name, statistic, factor)
+
+
+register_solver("cholesky", "dense", lambda sigma, lam, o, counts: factor_cholesky(sigma, lam, o["eigh_rcond"], counts))
+register_solver("eigh", "dense", lambda sigma, lam, o, counts: factor_eigh(sigma, lam, o["eigh_rcond"]))
+register_solver("rank1_diag", "moments")
+register_solver("rankk_diag", "dense", lambda sigma, lam, o, counts: factor_rankk(sigma, lam, o["rank"]))

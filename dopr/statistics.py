@@ -1,27 +1,33 @@
 """Activation statistics: the sums behind Sigma = mean over samples (and positions) of z z^T.
 
-Three kinds, chosen by the solver and the layer type:
+Three kinds, one type each, chosen by the solver and the layer type; each knows its diagonal (for
+the trace damping) and how to factor itself:
 
-* ``dense``: the (d, d) sum of z z^T (every dense solver);
-* ``moments``: the sums of z and of z*z, all that the rank-1 + diagonal solver needs (O(d));
-* ``diagonal``: the diagonal of the sum of z z^T, exact for one-hot inputs (embeddings).
+* :class:`DenseCovariance`: the (d, d) sum of z z^T (every dense solver);
+* :class:`Moments`: the sums of z and of z*z, all that the rank-1 + diagonal solver needs (O(d));
+* :class:`Diagonal`: the diagonal of the sum of z z^T, exact for one-hot inputs (embeddings).
 
 Sums are float32 for float32 and half-precision activations (float64 for float64), and are kept with their sample count so that
 micro-batches, checkpoint recomputation and data-parallel ranks combine by plain addition.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from .solvers import factor_diagonal, factor_rank1
 
-@dataclass
+
 class ActivationStatistics:
-    kind: str
-    sums: tuple  # tensors, float32
-    count: float
+    """The sums behind one input's Sigma and their sample count. A subclass is one kind of statistic:
+    it knows how to gather itself from activation vectors, the diagonal of its Sigma (what the trace
+    damping reads), and how to factor a batch of its kind into operators that apply the AP."""
+
+    kind = "?"
+    symmetric = False  # a dense symmetric matrix: its EMA stores the upper triangle only
+
+    def __init__(self, sums: tuple, count: float) -> None:
+        self.sums, self.count = tuple(sums), float(count)
 
     def add_(self, other: "ActivationStatistics") -> "ActivationStatistics":
         for a, b in zip(self.sums, other.sums):
@@ -30,11 +36,99 @@ class ActivationStatistics:
         return self
 
     def clone(self) -> "ActivationStatistics":
-        return ActivationStatistics(self.kind, tuple(s.clone() for s in self.sums), self.count)
+        return type(self)(tuple(s.clone() for s in self.sums), self.count)
 
     def mean(self) -> tuple:
         """The normalised statistics: Sigma (dense), (mu, E[z*z]) (moments) or diag(Sigma)."""
         return tuple(s / self.count for s in self.sums)
+
+    @staticmethod
+    def diagonal(mean: tuple) -> Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
+        """Operators M = G (Sigma + lam I)^-1 for a batch of this kind's means (same shape and device);
+        `solver` is the dopr.solvers.Solver chosen, retries and fallbacks are added to `counts`."""
+        raise NotImplementedError
+
+
+class DenseCovariance(ActivationStatistics):
+    """The (d, d) sum of z z^T: what every dense solver factors (one batched call per size)."""
+
+    kind = "dense"
+    symmetric = True
+
+    @classmethod
+    def from_activations(cls, z: Tensor, homogeneous: bool) -> "DenseCovariance":
+        """Sum of [z; 1][z; 1]^T without materialising the column of ones."""
+        z = z.to(statistics_dtype(z.dtype))
+        n, d = z.shape
+        if not homogeneous:
+            return cls((gram(z),), n)
+        s = torch.empty(d + 1, d + 1, dtype=z.dtype, device=z.device)
+        s[:d, :d] = gram(z)
+        colsum = z.sum(0)
+        s[:d, d] = colsum
+        s[d, :d] = colsum
+        s[d, d] = n
+        return cls((s,), n)
+
+    @staticmethod
+    def diagonal(mean: tuple) -> Tensor:
+        return mean[0].diagonal()
+
+    @classmethod
+    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
+        sigma = torch.stack([m[0] for m in means])
+        lam = torch.stack([lam.reshape(()) for lam in lams]).to(sigma.dtype)
+        return solver.factor(sigma, lam, options, counts)
+
+
+class Moments(ActivationStatistics):
+    """The sums of z and of z*z: all that the rank-1 + diagonal solver needs (O(d))."""
+
+    kind = "moments"
+
+    @classmethod
+    def from_activations(cls, z: Tensor, homogeneous: bool) -> "Moments":
+        z = z.to(statistics_dtype(z.dtype))
+        n = z.shape[0]
+        s1, s2 = z.sum(0), (z * z).sum(0)
+        if homogeneous:
+            one = torch.full((1,), float(n), dtype=z.dtype, device=z.device)
+            s1, s2 = torch.cat([s1, one]), torch.cat([s2, one])
+        return cls((s1, s2), n)
+
+    @staticmethod
+    def diagonal(mean: tuple) -> Tensor:
+        return mean[1]
+
+    @classmethod
+    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
+        return [factor_rank1(m[0], m[1], lam) for m, lam in zip(means, lams)]
+
+
+class Diagonal(ActivationStatistics):
+    """The diagonal of the sum of z z^T, exact for one-hot inputs (embeddings: token counts)."""
+
+    kind = "diagonal"
+
+    @classmethod
+    def from_counts(cls, counts: Tensor, n: int, dtype: torch.dtype) -> "Diagonal":
+        return cls((counts.to(statistics_dtype(dtype)),), n)
+
+    @staticmethod
+    def diagonal(mean: tuple) -> Tensor:
+        return mean[0]
+
+    @classmethod
+    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
+        return [factor_diagonal(m[0], lam) for m, lam in zip(means, lams)]
+
+
+#: the statistic kinds by the name a solver gives (dopr.solvers.Solver.statistic)
+STATISTICS = {cls.kind: cls for cls in (DenseCovariance, Moments, Diagonal)}
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,30 +154,13 @@ def gram(z: Tensor) -> Tensor:
     return out
 
 
-def dense_statistics(z: Tensor, homogeneous: bool) -> ActivationStatistics:
-    """Sum of [z; 1][z; 1]^T without materialising the column of ones."""
-    z = z.to(statistics_dtype(z.dtype))
-    n, d = z.shape
-    if not homogeneous:
-        return ActivationStatistics("dense", (gram(z),), float(n))
-    s = torch.empty(d + 1, d + 1, dtype=z.dtype, device=z.device)
-    s[:d, :d] = gram(z)
-    colsum = z.sum(0)
-    s[:d, d] = colsum
-    s[d, :d] = colsum
-    s[d, d] = n
-    return ActivationStatistics("dense", (s,), float(n))
+def dense_statistics(z: Tensor, homogeneous: bool) -> DenseCovariance:
+    return DenseCovariance.from_activations(z, homogeneous)
 
 
-def moment_statistics(z: Tensor, homogeneous: bool) -> ActivationStatistics:
-    z = z.to(statistics_dtype(z.dtype))
-    n = z.shape[0]
-    s1, s2 = z.sum(0), (z * z).sum(0)
-    if homogeneous:
-        one = torch.full((1,), float(n), dtype=z.dtype, device=z.device)
-        s1, s2 = torch.cat([s1, one]), torch.cat([s2, one])
-    return ActivationStatistics("moments", (s1, s2), float(n))
+def moment_statistics(z: Tensor, homogeneous: bool) -> Moments:
+    return Moments.from_activations(z, homogeneous)
 
 
-def diagonal_statistics(counts: Tensor, n: int, dtype: torch.dtype) -> ActivationStatistics:
-    return ActivationStatistics("diagonal", (counts.to(statistics_dtype(dtype)),), float(n))
+def diagonal_statistics(counts: Tensor, n: int, dtype: torch.dtype) -> Diagonal:
+    return Diagonal.from_counts(counts, n, dtype)

@@ -2,6 +2,7 @@
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,6 +45,7 @@ def _worker(rank, world, init_file, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_with_half_batches_match_one_process_with_the_whole_batch():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")

@@ -319,3 +319,24 @@ def test_muon_matches_torch_muon_up_to_newton_schulz_precision():
     # torch orthogonalises in bfloat16, we in float32: equal to bf16 precision
     torch.testing.assert_close(p1.detach(), p2.detach(), rtol=0, atol=0.02 * 0.2 * 32**0.5 * 0.05)
     assert torch.equal(ours.state[p1]["momentum_buffer"], ref.state[p2]["momentum_buffer"])
+
+
+def test_muon_takes_its_newton_schulz_coefficients_and_eps():
+    from dopr.gp import Muon
+
+    torch.manual_seed(0)
+    g = torch.randn(8, 16)
+
+    def step(**kw):
+        p = nn.Parameter(torch.zeros(8, 16))
+        opt = Muon([p], lr=1.0, momentum=0.0, nesterov=False, adjust_lr_fn="original", **kw)
+        p.grad = g.clone()
+        opt.step()
+        return -p.detach()
+
+    # coefficients (1, 0, 0): every step is X -> X, so the update is G / ||G||_F, not the orthogonal factor
+    torch.testing.assert_close(step(ns_coefficients=(1.0, 0.0, 0.0)), g / g.norm())
+    assert not torch.allclose(step(), g / g.norm(), atol=1e-2)
+    # eps bounds the normalisation: with eps far above ||G||_F the first iterate is G / eps
+    tiny = step(ns_coefficients=(1.0, 0.0, 0.0), eps=1e3)
+    torch.testing.assert_close(tiny, g / 1e3)

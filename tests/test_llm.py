@@ -2,7 +2,6 @@
 lm-eval invocation, missing inputs, sharding, and a tiny pretrain -> SFT -> generation run on CPU."""
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """DoPr as a torch optimizer: state, resume, errors, fallbacks, hooks, amortisation, EMA, every GP."""
 import copy
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -182,7 +181,9 @@ def test_bad_hyperparameters_raise_value_error_naming_them():
     for kw, msg in [({"damping": -1.0}, "damping: -1.0"), ({"solver": "lu"}, "solver: 'lu'"),
                     ({"damping_mode": "rel"}, "damping_mode"), ({"conv2d": "kfc"}, "conv2d mode"),
                     ({"precond_every": 0}, "precond_every"), ({"grad_ema": 1.0}, "grad_ema"),
-                    ({"on_nonfinite": "ignore"}, "on_nonfinite")]:
+                    ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"rank": 2.5}, r"rank: 2.5 \(must be an integer"),
+                    ({"rank": 0}, "rank: 0"), ({"eigh_rcond": -1e-3}, "eigh_rcond: -0.001"),
+                    ({"eigh_rcond": 1.5}, "eigh_rcond: 1.5"), ({"homogeneous": "yes"}, "homogeneous: 'yes'")]:
         with pytest.raises(ValueError, match=msg):
             DoPr(model, base, **kw)
 
@@ -224,7 +225,7 @@ def test_layer_without_forward_passes_its_gradient_through_and_is_reported():
     ((model(x) - y) ** 2).mean().backward()
     opt.precondition()  # consumes the statistics of that forward
     ((model(x) - y) ** 2).mean().backward()  # the gradient of a forward...
-    opt._layers[1].reset()  # ...whose statistics for the middle layer went missing
+    opt._capture.layers[1].reset()  # ...whose statistics for the middle layer went missing
     raw = model[2].weight.grad.clone()
     with pytest.warns(RuntimeWarning, match="no training forward"):
         opt.precondition()
@@ -340,3 +341,27 @@ def test_same_size_covariances_are_factored_in_one_batched_call(monkeypatch):
     model(torch.randn(32, 8)).pow(2).sum().backward()
     opt.precondition()
     assert calls == [(3, 9, 9)]  # three layers with d = 8 + 1, one call
+
+
+def test_a_new_solver_is_a_registry_entry_not_a_change_to_the_step():
+    from dopr import solvers
+
+    calls = []
+
+    def counted(sigma, lam, options, counts):
+        calls.append(sigma.shape)
+        return solvers.factor_cholesky(sigma, lam, options["eigh_rcond"], counts)
+
+    solvers.register_solver("counted_cholesky", "dense", counted)
+    try:
+        out = {}
+        for name in ("cholesky", "counted_cholesky"):
+            torch.manual_seed(0)
+            model = _mlp()
+            opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), solver=name)
+            _train(model, opt, 3)
+            out[name] = [p.detach().clone() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(out["cholesky"], out["counted_cholesky"]))
+        assert len(calls) == 3 * 2  # every step one batched call per covariance size: d = 6+1 and 16+1 (two layers)
+    finally:
+        del solvers.SOLVERS["counted_cholesky"]

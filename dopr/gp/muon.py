@@ -1,6 +1,5 @@
 """Parameter routing for Muon-style optimizers, and an optimizer that drives several as one."""
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 import math
@@ -9,13 +8,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .._optimizer_surface import init_hook_registries
 from .newton_schulz import newton_schulz5
 
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with the orthogonalisation in float32 off CUDA.
 
-    Same hyperparameters, state (``momentum_buffer``) and update as torch's Muon:
+    Same hyperparameters (``ns_coefficients`` and ``eps`` included), state (``momentum_buffer``)
+    and update as torch's Muon:
     B <- mu B + (1 - mu) G (torch's lerp form), U = NS5(G + mu (B - G) if nesterov else B),
     W <- (1 - lr wd) W - lr' U with lr' from ``adjust_lr_fn``. torch runs Newton-Schulz in
     bfloat16 everywhere, which on a CPU without bf16 matrix units is ~50x slower than float32;
@@ -39,7 +40,8 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz5(update, steps=group["ns_steps"]).to(p.dtype)
+                update = newton_schulz5(update, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                                        eps=group["eps"]).to(p.dtype)
                 p.mul_(1 - lr * wd)
                 p.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
         return loss
@@ -131,15 +133,7 @@ class HybridOptimizer(Optimizer):
                     seen.add(id(p))
         self.optimizers = dict(optimizers)
         self.defaults = {}
-        # Optimizer.__init__ is not called (it would copy the members' groups into new dicts),
-        # so set up the hook registries it would create and wrap step() for the step hooks.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        init_hook_registries(self)  # Optimizer.__init__ would copy the members' groups into new dicts
 
     @property
     def param_groups(self):

@@ -13,8 +13,10 @@ import torch
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate U V^T for a 2-D ``G = U S V^T`` with ``steps`` quintic Newton-Schulz steps.
+def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                   coefficients: tuple = NS_COEFFICIENTS) -> torch.Tensor:
+    """Approximate U V^T for a 2-D ``G = U S V^T`` with ``steps`` quintic Newton-Schulz steps of
+    ``coefficients`` (a, b, c); ``eps`` guards the normalisation ``G / max(||G||_F, eps)``.
 
     Computed in float32, or in bfloat16 when ``G`` is on a CUDA device; returned as float32.
     """
@@ -22,7 +24,7 @@ def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.
         raise ValueError(f"Newton-Schulz needs a 2-D matrix, got shape {tuple(G.shape)}")
     if steps < 1:
         raise ValueError(f"Invalid number of Newton-Schulz steps: {steps}")
-    a, b, c = NS_COEFFICIENTS
+    a, b, c = coefficients
     X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
     # Iterate on the wide orientation so that the Gram matrix X X^T is the smaller one.
     transposed = X.size(0) > X.size(1)

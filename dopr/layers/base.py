@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..statistics import ActivationStatistics, dense_statistics, moment_statistics
+from ..statistics import ActivationStatistics
 
 
 class LayerHelper:
@@ -52,12 +52,10 @@ class LayerHelper:
         """The activation vectors z as rows of an (n, input_dim) matrix."""
         raise NotImplementedError
 
-    def statistics(self, x: Tensor, kind: str) -> ActivationStatistics:
-        """Sums over the n vectors z of this input: z z^T ("dense") or z and z*z ("moments")."""
-        z = self.activations(x.detach())
-        if kind == "moments":
-            return moment_statistics(z, self.homogeneous)
-        return dense_statistics(z, self.homogeneous)
+    def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
+        """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes
+        (DenseCovariance: z z^T, Moments: z and z*z)."""
+        return kind.from_activations(self.activations(x.detach()), self.homogeneous)
 
     # --- gradient in matrix form ------------------------------------------------------------
     def grad_matrix(self) -> Optional[Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..statistics import ActivationStatistics, diagonal_statistics
+from ..statistics import ActivationStatistics, Diagonal
 from .base import LayerHelper
 
 
@@ -23,10 +23,11 @@ class EmbeddingHelper(LayerHelper):
     def input_dim(self) -> int:
         return self.module.num_embeddings
 
-    def statistics(self, x: Tensor, kind: str) -> ActivationStatistics:
+    def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
+        """Always the exact diagonal (token counts), whatever the solver's `kind`."""
         idx = x.reshape(-1)
         counts = torch.bincount(idx, minlength=self.module.num_embeddings)
-        return diagonal_statistics(counts, idx.numel(), self.module.weight.dtype)
+        return Diagonal.from_counts(counts, idx.numel(), self.module.weight.dtype)
 
     def grad_matrix(self):
         g = self.module.weight.grad

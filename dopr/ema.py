@@ -1,0 +1,72 @@
+"""The EMAs of Algorithm 2: Gbar = EMA_{beta_g}(G) per layer and Sigmabar = EMA_{beta_Sigma}(Sigma)
+per statistics group, zero-initialised and bias-corrected (divided by 1 - beta^t) as Adam's moments
+are; beta = 0 passes the batch value through. A dense Sigma is symmetric: its EMA keeps the upper
+triangle only, d(d+1)/2 floats."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def pack_upper(m: Tensor) -> Tensor:
+    """Upper triangle of a symmetric matrix: d(d+1)/2 floats."""
+    i, j = torch.triu_indices(m.shape[0], m.shape[0], device=m.device)
+    return m[i, j]
+
+
+def unpack_upper(p: Tensor, d: int) -> Tensor:
+    i, j = torch.triu_indices(d, d, device=p.device)
+    m = torch.zeros(d, d, dtype=p.dtype, device=p.device)
+    m[i, j] = p
+    m[j, i] = p
+    return m
+
+
+class GradientEMA:
+    """Gbar per layer name. ``buffers`` is what DoPr's state_dict saves: {name: {"t", "g"}}."""
+
+    def __init__(self, beta: float) -> None:
+        self.beta, self.buffers = beta, {}
+
+    def __call__(self, name: str, g: Tensor) -> Tensor:
+        if self.beta == 0.0:
+            return g
+        entry = self.buffers.setdefault(name, {"t": 0, "g": torch.zeros_like(g)})
+        entry["t"] += 1
+        entry["g"].mul_(self.beta).add_(g, alpha=1.0 - self.beta)
+        return entry["g"] / (1.0 - self.beta ** entry["t"])
+
+    def state_dict(self) -> dict:
+        return {k: {"t": v["t"], "g": v["g"].clone()} for k, v in self.buffers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {k: {"t": v["t"], "g": v["g"].clone()} for k, v in state.items()}
+
+
+class CovarianceEMA:
+    """Sigmabar per statistics group (its member names joined by "|"). ``buffers``: {name: {"t", "sums"}}."""
+
+    def __init__(self, beta: float) -> None:
+        self.beta, self.buffers = beta, {}
+
+    def __call__(self, key: tuple, stat) -> tuple:
+        """The EMA of `stat`'s mean (an ActivationStatistics of any kind)."""
+        mean = stat.mean()
+        if self.beta == 0.0:
+            return mean
+        entry = self.buffers.setdefault("|".join(key), {"t": 0, "sums": None})
+        packed = [pack_upper(t) if stat.symmetric else t for t in mean]
+        if entry["sums"] is None:
+            entry["sums"] = [torch.zeros_like(p) for p in packed]
+        entry["t"] += 1
+        for buf, p in zip(entry["sums"], packed):
+            buf.mul_(self.beta).add_(p, alpha=1.0 - self.beta)
+        corr = 1.0 - self.beta ** entry["t"]
+        out = [b / corr for b in entry["sums"]]
+        return tuple(unpack_upper(o, t.shape[0]) if stat.symmetric else o for o, t in zip(out, mean))
+
+    def state_dict(self) -> dict:
+        return {k: {"t": v["t"], "sums": [s.clone() for s in v["sums"]]} for k, v in self.buffers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {k: {"t": v["t"], "sums": [s.clone() for s in v["sums"]]} for k, v in state.items()}
