@@ -229,6 +229,10 @@ def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path)
     assert res.stdout.count("finished already") == 1
     assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     assert (tmp_path / "1" / "summary.json").exists()
+    # resumed on another launcher: the same jobs, still skipped
+    res = _run_py(*args, "launcher=local_parallel")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     other = _run_py("-m", "task=feature_learning", "optim=signum", "debug=default", "skip_finished=true",
                     f"hydra.sweep.dir={tmp_path}")
     assert other.returncode != 0 and "not ['task=feature_learning', 'optim=signum'" in other.stderr

@@ -62,11 +62,20 @@ def finished_summary(cfg: DictConfig, out_dir: Path):
     from .run import _overrides
 
     summary = json.loads(path.read_text())
-    if summary["overrides"] != _overrides():
+    if _job_identity(summary["overrides"]) != _job_identity(_overrides()):
         raise ValueError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
                          f"{_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
     print(f"skip_finished: {out_dir} finished already", flush=True)
     return summary
+
+
+#: overrides that change how a job runs, not what it computes: a sweep resumed on another launcher
+#: (or with W&B on) skips the jobs that finished
+EXECUTION_KEYS = ("launcher", "logger", "skip_finished")
+
+
+def _job_identity(overrides: list) -> list:
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in EXECUTION_KEYS]
 
 
 def run_job(cfg: DictConfig, out_dir: Path) -> dict:
