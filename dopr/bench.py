@@ -126,19 +126,43 @@ class UNet1d(nn.Module):
         return self.final(x)
 
 
+def _mlp():
+    return ResMLP(), torch.randn(256, 348), torch.randn(256, 17), F.mse_loss
+
+
+def _transformer():
+    loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    return Transformer(), torch.randint(0, 512, (8, 512)), torch.randint(0, 512, (8, 512)), loss
+
+
+def _unet():
+    return UNet1d(), torch.randn(256, 16, 16), torch.randn(256, 16, 16), F.mse_loss
+
+
+#: name -> (make() -> (model, inputs, targets, loss_fn), DoPr options of the task's rows)
+TASKS = {"mlp": (_mlp, {}), "transformer": (_transformer, {}), "unet": (_unet, {})}
+
+
+def register_task(name: str, make, dopr_options: dict | None = None) -> None:
+    """Add a model to the benchmark: ``make()`` returns (model, inputs, targets, loss_fn) with
+    ``loss_fn(model(inputs), targets)`` the training loss; ``dopr_options`` go to the DoPr rows
+    (e.g. ``{"conv2d": "sua"}``). A family's own benchmark registers its model and calls ``main``."""
+    TASKS[name] = (make, dict(dopr_options or {}))
+
+
+def _to(x, device):
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x.to(device)
+
+
 def make_task(name, device):
     """(model, inputs, targets, loss_fn), seeded: every row sees the same weights and batch."""
+    if name not in TASKS:
+        raise ValueError(f"unknown model {name!r} (choose from {sorted(TASKS)})")
     torch.manual_seed(0)
-    if name == "mlp":
-        model, x, y, loss = ResMLP(), torch.randn(256, 348), torch.randn(256, 17), F.mse_loss
-    elif name == "transformer":
-        model, x, y = Transformer(), torch.randint(0, 512, (8, 512)), torch.randint(0, 512, (8, 512))
-        loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
-    elif name == "unet":
-        model, x, y, loss = UNet1d(), torch.randn(256, 16, 16), torch.randn(256, 16, 16), F.mse_loss
-    else:
-        raise ValueError(f"unknown model {name!r}")
-    return model.to(device), x.to(device), y.to(device), loss
+    model, x, y, loss = TASKS[name][0]()
+    return model.to(device), _to(x, device), _to(y, device), loss
 
 
 # ---------------------------------------------------------------------------- measurements
@@ -155,7 +179,7 @@ def step_flops_and_vectors(model, x, y, loss_fn):
     """FLOPs of one forward + backward, and N (activation vectors per step) of each layer."""
     vectors, hooks = {}, []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.ConvTranspose1d)):  # N = outputs / out features
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.ConvTranspose1d, nn.Conv2d)):  # N = outputs / out features
             rows = m.out_features if isinstance(m, nn.Linear) else m.out_channels
             hooks.append(m.register_forward_hook(
                 lambda m, i, o, name=name, rows=rows: vectors.__setitem__(name, o.numel() // rows)))
@@ -171,7 +195,7 @@ def overhead_flops(opt, model, vectors, k):
     """The paper's per-step AP FLOPs over the dense (linear / im2col) preconditioned layers."""
     modules, total = dict(model.named_modules()), 0.0
     for e in opt.coverage():
-        if e.status == "preconditioned" and e.mode != "embedding-diagonal":
+        if e.status == "preconditioned" and e.mode not in ("embedding-diagonal", "conv2d-sua"):
             m, d = modules[e.name], e.dim
             d_out = m.out_channels if isinstance(m, nn.ConvTranspose1d) else m.weight.shape[0]
             total += (vectors[e.name] * d * d + d ** 3 / 3) / k + 2 * d * d * d_out
@@ -194,7 +218,7 @@ class Row:
         self.k, self.cuda = max(k, 1), device == "cuda"
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
         self.model, self.x, self.y, self.loss_fn = make_task(task, device)
-        kw = {"damping": 1e-4, "precond_every": k} if k else {}
+        kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1]} if k else {}
         self.opt = dopr.build(self.model, f"dopr_{gp}" if k else gp, lr=1e-3, **kw)
         self.refresh, self.other, self.spent, self.transient = [], [], 0.0, 0
         for _ in range(WARMUP):
@@ -329,7 +353,8 @@ def target_checks(rows):
     return out
 
 
-def main(argv=None):
+def main(argv=None, command=None):
+    """``command``: how the caller was invoked, for the report's first line (default: this module's)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,transformer,unet")
     p.add_argument("--gps", default="adamw,muon")
@@ -344,7 +369,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
-    lines = [f"`python -m dopr.bench {shlex.join(sys.argv[1:] if argv is None else argv)}`", "",
+    command = command or f"python -m dopr.bench {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    lines = [f"`{command}`", "",
              f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, "
              f"torch {torch.__version__}, "
              f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, "

@@ -129,7 +129,8 @@ def test_slurm_launcher_without_partition_names_the_missing_field(tmp_path):
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
 TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.yaml"))
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
-              "invariance": "invariance", "sft": "sft_arith"}
+              "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
+              "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift"}
 
 
 def _values(spec) -> list:

@@ -1,0 +1,139 @@
+"""One training step of the robomimic flow policy at the paper's size, GP vs DoPr (``dopr.bench``'s
+rows and columns), and the evaluation loop's throughput (rendering + policy) in the real simulator.
+
+    python -m experiments.robomimic.bench step [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
+        [--repeats 3] [--device cpu|cuda] [--out results/robomimic/bench_step_cpu.md]
+    python -m experiments.robomimic.bench rollout --dataset data/robomimic/lift/image_abs.hdf5
+        [--envs 1,4] [--steps 1,9] [--max-steps 48] [--out results/robomimic/bench_rollout_cpu.md]
+
+``step``: the policy of task=robomimic_toolhang (ChiUNet 128 x [1, 2, 2] + two GroupNorm ResNet-18
+encoders, two 84x84 cameras, obs_steps 2, horizon 16, 10 action dimensions) on one fixed random batch;
+the DoPr rows precondition every layer with Conv2d by SUA (the paper's setting); R = t_dopr / t_gp.
+``rollout``: env steps/s of ``env.rollout`` with a randomly initialised policy of task=robomimic_lift's
+size (the policy's seconds and the simulator's seconds reported apart).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from dopr import bench as dopr_bench
+
+from ..common.provenance import ROOT, git_revision
+
+
+def task_config(task: str, overrides=()):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"task={task}", *overrides]).task
+
+
+class _LossModule(torch.nn.Module):
+    """model(batch) -> the flow loss, with the same flow times, noise and crops every call."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch):
+        gen = torch.Generator(device=batch["actions"].device).manual_seed(0)
+        return self.policy.loss(batch, gen)
+
+
+def synthetic_batch(t, batch: int, action_dim: int = 10, image_size: int = 84, low_dim=None) -> dict:
+    low_dim = low_dim or {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2}
+    obs = {k: torch.randint(0, 256, (batch, t.obs_steps, 3, image_size, image_size), dtype=torch.uint8)
+           for k in t.cameras}
+    obs.update({k: torch.randn(batch, t.obs_steps, d) for k, d in low_dim.items()})
+    return {"obs": obs, "actions": torch.randn(batch, t.horizon, action_dim)}
+
+
+def paper_policy(t, action_dim: int = 10):
+    from omegaconf import OmegaConf
+
+    from .policy import FlowPolicy
+
+    low_dim = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2}
+    return FlowPolicy(list(t.cameras), low_dim, action_dim, t.horizon, t.obs_steps, t.action_steps,
+                      encoder=OmegaConf.to_container(t.encoder), unet=OmegaConf.to_container(t.unet),
+                      loss_scale=t.loss_scale)
+
+
+def step(argv) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--task", default="robomimic_toolhang")
+    args, rest = p.parse_known_args(argv)
+    t = task_config(args.task)
+
+    def make():
+        return _LossModule(paper_policy(t)), synthetic_batch(t, args.batch), None, lambda loss, _: loss
+
+    name = f"{args.task}_policy_b{args.batch}"
+    dopr_bench.register_task(name, make, {"conv2d": "sua"})
+    dopr_bench.main(["--models", name, *rest], command=f"python -m experiments.robomimic.bench step {' '.join(argv)}")
+
+
+def rollout_bench(argv) -> None:
+    from .data import read_env_args
+    from .env import rollout
+    from .policy import PolicyRunner
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--task", default="robomimic_lift")
+    p.add_argument("--envs", default="1,4")
+    p.add_argument("--steps", default="1,9", help="Euler steps of the sampler")
+    p.add_argument("--max-steps", type=int, default=48)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t = task_config(args.task, [f"task.dataset={args.dataset}"])
+    from .data import RobomimicDataset
+
+    data = RobomimicDataset(t.dataset, list(t.cameras), list(t.low_dim), t.horizon, t.obs_steps, t.action_steps,
+                            max_demos=4)
+    torch.manual_seed(0)
+    from .train import build_policy
+
+    policy = build_policy(t, data).eval()
+    env_args = read_env_args(t.dataset)
+    lines = [f"`python -m experiments.robomimic.bench rollout {' '.join(argv)}`", "",
+             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} torch threads, task {args.task} "
+             f"policy ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M params), cameras "
+             f"{list(t.cameras)}, episodes of {args.max_steps} env steps (a random policy does not finish early)", "",
+             "| envs side by side | sampler steps | env steps/s | policy s per call | env s per env step |",
+             "|---|---|---|---|---|"]
+    for n in [int(x) for x in args.envs.split(",")]:
+        for k in [int(x) for x in args.steps.split(",")]:
+            runner = PolicyRunner(policy, data.normalizer, k, "cpu", t.rotation_6d)
+            tic = time.perf_counter()
+            r = rollout(runner, env_args, list(t.cameras), list(t.low_dim), episodes=n, max_steps=args.max_steps,
+                        obs_steps=t.obs_steps, action_steps=t.action_steps, n_envs=n, seed=0)
+            wall = time.perf_counter() - tic
+            env_steps = sum(r["episode_lengths"])
+            lines.append(f"| {n} | {k} | {env_steps / wall:.1f} | {r['policy_seconds'] / max(runner.calls, 1):.3f} | "
+                         f"{r['env_seconds'] / max(env_steps, 1):.3f} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in ("step", "rollout"):
+        raise SystemExit(__doc__)
+    (step if argv[0] == "step" else rollout_bench)(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Report of the image-policy family, as the paper's robomimic figures: success rate vs training
+steps per optimizer (median over seeds as the line, min and max as the band), the best checkpoint's
+success rate with the paper's bootstrap, the training loss, and the table behind them."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from experiments.common.report import save_figure, write_table
+from experiments.common.stats import bootstrap, group_runs, overlap
+
+COLUMNS = ["task", "optimizer", "seeds", "best_success_mean", "best_q10", "best_q50", "best_q90",
+           "seed_best_min", "seed_best_median", "seed_best_max", "best_steps", "final_success_median",
+           "train_loss_median", "val_loss_median", "lr", "weight_decay", "grad_clip_norm", "steps", "damping",
+           "grad_ema", "precond_ema", "damping_mode", "adjust_lr_fn", "cholesky_retries", "step_time_s"]
+DELTA_COLUMNS = ["task", "gp", "gp_best_median", "dopr_best_median", "delta", "dopr_better", "seed_ranges_overlap",
+                 "gp_train_loss", "dopr_train_loss"]
+
+
+def _setting(s: dict) -> tuple:
+    conv = s.get("conventions", {})
+    return (s["task"], s["optim"], s["lr"], s["weight_decay"], s["damping"] or 0.0, s.get("grad_ema", 0.0),
+            conv.get("damping_mode", ""), conv.get("adjust_lr_fn", ""))
+
+
+def rows(records) -> list:
+    out = []
+    for (task, name, *_), ss in group_runs((r["summary"] for r in records if r["summary"]["evals"]),
+                                           _setting).items():
+        pooled = [x for s in ss for x in s["best_successes"]]  # each seed's best checkpoint, its episodes
+        b = bootstrap(pooled, trials=1000, seed=0) if len(pooled) > 1 else {k: float(np.mean(pooled)) for k in
+                                                                              ("mean", "q10", "q50", "q90")}
+        best = [s["best_success"] for s in ss]
+        final = [s["success_curve"][max(s["success_curve"], key=int)] for s in ss]
+        counts = [s["dopr"] for s in ss if "dopr" in s]
+        conv = ss[0].get("conventions", {})
+        out.append({"task": task, "optimizer": name, "seeds": len(ss), "best_success_mean": b["mean"],
+                    "best_q10": b["q10"], "best_q50": b["q50"], "best_q90": b["q90"],
+                    "seed_best_min": min(best), "seed_best_median": float(np.median(best)),
+                    "seed_best_max": max(best), "best_steps": " ".join(str(s["best_step"]) for s in ss),
+                    "final_success_median": float(np.median(final)),
+                    "train_loss_median": float(np.median([s["train_loss"] for s in ss])),
+                    "val_loss_median": (float(np.median([s["val_loss"] for s in ss]))
+                                        if all(s["val_loss"] is not None for s in ss) else ""),
+                    "lr": ss[0]["lr"], "weight_decay": ss[0]["weight_decay"],
+                    "grad_clip_norm": ss[0]["grad_clip_norm"], "steps": ss[0]["steps"],
+                    "damping": "" if ss[0]["damping"] is None else ss[0]["damping"],
+                    **{k: "" if ss[0]["damping"] is None else ss[0][k] for k in ("grad_ema", "precond_ema")},
+                    "damping_mode": conv.get("damping_mode", ""), "adjust_lr_fn": conv.get("adjust_lr_fn", ""),
+                    "cholesky_retries": sum(c["cholesky_retries"] for c in counts) if counts else "",
+                    "step_time_s": float(np.median([s["step_time_s"] for s in ss]))})
+    return out
+
+
+def deltas(table: list) -> list:
+    by = {(r["task"], r["optimizer"]): r for r in table}
+    out = []
+    for (task, name), gp in sorted(by.items()):
+        dopr = by.get((task, f"dopr_{name}"))
+        if name.startswith("dopr_") or dopr is None:
+            continue
+        out.append({"task": task, "gp": name, "gp_best_median": gp["seed_best_median"],
+                    "dopr_best_median": dopr["seed_best_median"],
+                    "delta": dopr["seed_best_median"] - gp["seed_best_median"],
+                    "dopr_better": "yes" if dopr["seed_best_median"] > gp["seed_best_median"] else "no",
+                    "seed_ranges_overlap": overlap(gp["seed_best_min"], gp["seed_best_max"],
+                                                   dopr["seed_best_min"], dopr["seed_best_max"]),
+                    "gp_train_loss": gp["train_loss_median"], "dopr_train_loss": dopr["train_loss_median"]})
+    return out
+
+
+def _band(ax, curves: list, label: str, color) -> None:
+    """Median over seeds as the line, min..max as the band, on the steps every seed has."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    y = np.array([[c[s] for s in steps] for c in curves])
+    ax.plot(steps, np.median(y, 0), label=label, color=color)
+    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+
+
+def success(records, out_dir, stamp) -> None:
+    """robomimic_success.{md,csv}, robomimic_deltas.{md,csv}, robomimic_success.png (best success so far
+    and success vs steps, min/median/max over seeds) and robomimic_train_loss.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = rows(records)
+    write_table(table, COLUMNS, out_dir / "robomimic_success", stamp,
+                "Best-checkpoint success rate (bootstrap over the best checkpoints' episodes, and per seed)")
+    write_table(deltas(table), DELTA_COLUMNS, out_dir / "robomimic_deltas", stamp,
+                "DoPr vs its GP: median over seeds of the best success rate")
+    by_opt = defaultdict(list)
+    for r in records:
+        s = r["summary"]
+        if s["evals"]:
+            by_opt[(s["task"], s["optim"])].append(r)
+    tasks = sorted({k[0] for k in by_opt})
+    colors = {n: f"C{i}" for i, n in enumerate(sorted({k[1] for k in by_opt}))}
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7.5), squeeze=False)
+    for j, task in enumerate(tasks):
+        for (t, name), rs in sorted(by_opt.items()):
+            if t != task:
+                continue
+            curves = [{int(k): v for k, v in r["summary"]["success_curve"].items()} for r in rs]
+            best_so_far = [dict(zip(sorted(c), np.maximum.accumulate([c[k] for k in sorted(c)]))) for c in curves]
+            _band(axes[0, j], best_so_far, f"{name} ({len(rs)} seeds)", colors[name])
+            _band(axes[1, j], curves, name, colors[name])
+        axes[0, j].set(title=f"{task}: best success rate so far", xlabel="training step", ylabel="success rate")
+        axes[1, j].set(title=f"{task}: success rate at each checkpoint", xlabel="training step",
+                       ylabel="success rate")
+        axes[0, j].legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save_figure(fig, out_dir / "robomimic_success.png", stamp)
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for j, task in enumerate(tasks):
+        for (t, name), rs in sorted(by_opt.items()):
+            if t == task:
+                curves = [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs]
+                _band(axes[0, j], curves, name, colors[name])
+        axes[0, j].set(title=f"{task}: training loss (min/median/max over seeds)", xlabel="training step",
+                       ylabel="flow loss", yscale="log")
+        axes[0, j].legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    save_figure(fig, out_dir / "robomimic_train_loss.png", stamp)
