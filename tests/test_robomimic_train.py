@@ -220,3 +220,22 @@ def test_paper_presets(task, optim, lr, wd, clip, steps, ema, compose):
     if ema is not None:
         assert (cfg.ap.damping, cfg.ap.damping_mode, cfg.ap.conv2d) == (1e-4, "trace", "sua")
         assert cfg.ap.grad_ema == cfg.ap.precond_ema == ema
+
+
+def test_the_step_benchmark_times_a_registered_model(tmp_path):
+    """dopr.bench with a task registered from outside the library (as experiments.robomimic.bench does)."""
+    from dopr import bench
+
+    def make():
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+        return model, torch.randn(16, 3, 8, 8), torch.randn(16, 2), torch.nn.functional.mse_loss
+
+    bench.register_task("tiny_conv", make, {"conv2d": "sua"})
+    out = tmp_path / "bench.md"
+    bench.main(["--models", "tiny_conv", "--gps", "adamw", "--repeats", "3", "--budget", "1", "--threads", "1",
+                "--precond-every", "1", "--out", str(out)], command="python -m tiny")
+    text = out.read_text()
+    assert text.startswith("`python -m tiny`")
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "optimizer" not in line]
+    assert rows == ["adamw", "dopr_adamw"]
+    assert "2/2 parametrised modules preconditioned" in text  # the Conv2d (SUA) and the Linear
