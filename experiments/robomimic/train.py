@@ -82,7 +82,8 @@ def evaluate(t, policy, normalizer, device, seed: int, step: int, out_dir: Path)
         video_dir = out_dir / "videos" / f"step{step}_sample{steps}" if t.video_episodes else None
         r = rollout(runner, env_args, list(t.cameras), list(t.low_dim), episodes=t.eval_episodes,
                     max_steps=t.eval_max_steps, obs_steps=t.obs_steps, action_steps=t.action_steps,
-                    n_envs=t.eval_envs, seed=seed, video_dir=video_dir, video_episodes=t.video_episodes)
+                    n_envs=t.eval_envs, seed=seed, video_dir=video_dir, video_episodes=t.video_episodes,
+                    fast_render=t.fast_render)
         out[f"success_{steps}"] = float(r["success_rate"])
         out[f"successes_{steps}"] = [bool(s) for s in r["successes"]]
         out[f"env_steps_per_s_{steps}"] = float(r["steps_per_second"])
