@@ -153,7 +153,7 @@ def register_task(name: str, make, dopr_options: dict | None = None) -> None:
 def _to(x, device):
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
-    return x.to(device)
+    return x if x is None else x.to(device)
 
 
 def make_task(name, device):
