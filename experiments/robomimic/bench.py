@@ -119,6 +119,9 @@ def rollout_bench(argv) -> None:
             lines.append(f"| {n} | {k} | {env_steps / wall:.1f} | {r['policy_seconds'] / max(runner.calls, 1):.3f} | "
                          f"{r['env_seconds'] / max(env_steps, 1):.3f} |")
             print(lines[-1], file=sys.stderr, flush=True)
+    lines += ["", "env steps/s is wall-clock over the whole rollout call, building the environments included; "
+              "the last two columns split the time spent stepping between the batched policy calls and the "
+              "simulator with its rendering."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
