@@ -169,3 +169,17 @@ def test_mean_and_error_grouping_best_and_dopr_vs_gp():
                              carry=("lr",))
     assert table == [{"gp": "adamw", "n": 10, "gp_s": 5.0, "dopr_s": 4.0, "delta": -1.0, "delta_pct": -20.0,
                       "dopr_better": "no", "overlap": "yes", "gp_lr": 1e-2, "dopr_lr": 1e-3}]
+
+
+def test_debug_keeps_the_task_keys_set_on_the_command_line(compose, tmp_path):
+    """`debug=default task.eval_episodes=0`: the debug block shrinks everything else, not what the user set."""
+    from experiments.common.launch import apply_debug
+
+    cfg = compose("task=robomimic_lift", "debug=default", "task.eval_episodes=0", "task.steps=7")
+    apply_debug(cfg, tmp_path, overrides=["task=robomimic_lift", "debug=default", "task.eval_episodes=0",
+                                          "task.steps=7"])
+    assert (cfg.task.eval_episodes, cfg.task.steps) == (0, 7)
+    assert cfg.task.batch_size == cfg.task.debug.batch_size == 4  # not set: the debug value
+    cfg = compose("task=robomimic_lift", "debug=default", "task.eval_episodes=0")
+    apply_debug(cfg, tmp_path, overrides=[])  # nothing on the command line: the debug block wins
+    assert cfg.task.eval_episodes == 1

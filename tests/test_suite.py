@@ -14,7 +14,7 @@ from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc"}  # shared settings of the BC tasks, not a task of its own
+BASES = {"bc", "robomimic"}  # shared settings of the BC / image-policy tasks, not tasks of their own
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
@@ -35,11 +35,36 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
     if task in BC_ENVS:  # small demonstration files instead of the committed experts' 60 episodes
         extra = [f"task.demos={demo_file(BC_ENVS[task])}", "task.num_trajectories=2", "task.max_trajectories=2",
                  "task.val_trajectories=1"]
+    if task.startswith("robomimic_"):  # a small file in the task's schema (cameras, arms), a tiny policy, no simulator
+        extra = [f"task.dataset={_robomimic_file(compose(f'task={task}').task, tmp_path)}", "task.debug.eval_episodes=0",
+                 "task.valid_split=null", "task.encoder.width=4", "task.encoder.crop=[12,12]", "task.unet.model_dim=8"]
     for optim in OPTIMS if task != "expert" else ["adamw"]:  # the SAC expert has its own optimizers
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
         assert json.loads((tmp_path / optim / "summary.json").read_text())["optim"] == optim
+
+
+def _robomimic_file(t, tmp_path):
+    """A 3-demo file with the task's cameras (16x16) and low-dim keys, absolute actions for each arm."""
+    import numpy as np
+
+    from experiments.robomimic.data import write_demo_file
+
+    rng, arms = np.random.default_rng(0), sum(k.endswith("eef_pos") for k in t.low_dim)
+    dims = {"eef_pos": 3, "eef_quat": 4, "gripper_qpos": 2}
+
+    def demo(n):
+        obs = {k: rng.integers(0, 256, (n, 16, 16, 3), dtype=np.uint8) for k in t.cameras}
+        obs.update({k: rng.normal(size=(n, next(d for s, d in dims.items() if k.endswith(s)))) for k in t.low_dim})
+        arm = lambda: np.concatenate([rng.normal(size=(n, 3)), 0.5 * rng.normal(size=(n, 3)),  # noqa: E731
+                                      np.sign(rng.normal(size=(n, 1)))], -1)
+        return {"obs": obs, "actions": np.concatenate([arm() for _ in range(arms)], -1), "states": np.zeros((n, 2)),
+                "rewards": np.zeros(n), "dones": np.zeros(n)}
+
+    env_args = {"env_name": "Lift", "type": 1,
+                "env_kwargs": {"controller_configs": {"type": "OSC_POSE", "control_delta": False}}}
+    return write_demo_file(tmp_path / "data.hdf5", [demo(20) for _ in range(3)], env_args)
 
 
 @pytest.mark.slow
@@ -189,9 +214,10 @@ def test_every_task_names_a_report_function(task):
     import hydra
 
     cfg = OmegaConf.load(CONF / "task" / f"{task}.yaml")
-    if "report" not in cfg:  # a BC task inherits it from bc.yaml
-        assert "bc" in [d if isinstance(d, str) else "" for d in cfg.defaults], task
-        return
+    if "report" not in cfg:  # a BC or image-policy task inherits it from its family's base (bc.yaml, robomimic.yaml)
+        bases = [d for d in cfg.defaults if isinstance(d, str) and d in BASES]
+        assert bases, task
+        cfg = OmegaConf.load(CONF / "task" / f"{bases[0]}.yaml")
     fn = hydra.utils.get_method(cfg.report)
     assert callable(fn) and fn.__module__.endswith(".report")
 

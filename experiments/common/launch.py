@@ -9,16 +9,22 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .provenance import atomic_write
-from .run import Run, seed_everything
+from .run import Run, command_line_overrides, seed_everything
 
 
-def apply_debug(cfg: DictConfig, out_dir: Path) -> None:
-    """`debug=default` shrinks the task with the `debug:` block its own config defines. The job's
+def apply_debug(cfg: DictConfig, out_dir: Path, overrides: list | None = None) -> None:
+    """`debug=default` shrinks the task with the `debug:` block its own config defines, except the
+    task keys set on the command line (`debug=default task.eval_episodes=0` evaluates nothing;
+    ``overrides``: the job's command-line overrides, by default Hydra's). The job's
     .hydra/config.yaml (written by Hydra before the job starts) is rewritten with the values that run."""
     if not (cfg.debug_run and "debug" in cfg.task):
         return
+    overrides = command_line_overrides() if overrides is None else overrides
+    explicit = {o.split("=", 1)[0].lstrip("+~").removeprefix("task.") for o in overrides
+                if o.lstrip("+~").startswith("task.") and "=" in o}
+    debug = OmegaConf.masked_copy(cfg.task.debug, [k for k in cfg.task.debug if k not in explicit])
     with open_dict(cfg):
-        cfg.task = OmegaConf.merge(cfg.task, cfg.task.debug)
+        cfg.task = OmegaConf.merge(cfg.task, debug)
     saved = Path(out_dir) / ".hydra" / "config.yaml"
     if saved.exists():
         atomic_write(saved, lambda p: OmegaConf.save(cfg, p))
@@ -59,12 +65,10 @@ def finished_summary(cfg: DictConfig, out_dir: Path):
         return None
     import json
 
-    from .run import _overrides
-
     summary = json.loads(path.read_text())
-    if _job_identity(summary["overrides"]) != _job_identity(_overrides()):
+    if _job_identity(summary["overrides"]) != _job_identity(command_line_overrides()):
         raise ValueError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
-                         f"{_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
+                         f"{command_line_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
     print(f"skip_finished: {out_dir} finished already", flush=True)
     return summary
 

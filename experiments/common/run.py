@@ -145,7 +145,7 @@ class Run:
             **{k: _plain(v) for k, v in summary.items()},
             "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
             "world_size": world()[1],
-            "packages": package_versions(), "overrides": _overrides(),
+            "packages": package_versions(), "overrides": command_line_overrides(),
             **optimizer_record(self.cfg, self.optimizers),
         }
         if not self.is_main:
@@ -180,7 +180,7 @@ def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:
     return out
 
 
-def _overrides() -> list:
+def command_line_overrides() -> list:
     try:
         from hydra.core.hydra_config import HydraConfig
 
