@@ -110,10 +110,10 @@ def success(records, out_dir, stamp) -> None:
         axes[1, j].set(title=f"{task}: success rate at each checkpoint", xlabel="training step",
                        ylabel="success rate")
         axes[0, j].legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     save_figure(fig, out_dir / "robomimic_success.png", stamp)
 
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.5), squeeze=False)
     for j, task in enumerate(tasks):
         for (t, name), rs in sorted(by_opt.items()):
             if t == task:
@@ -122,5 +122,5 @@ def success(records, out_dir, stamp) -> None:
         axes[0, j].set(title=f"{task}: training loss (min/median/max over seeds)", xlabel="training step",
                        ylabel="flow loss", yscale="log")
         axes[0, j].legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     save_figure(fig, out_dir / "robomimic_train_loss.png", stamp)
