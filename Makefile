@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(CONSTRAINTS),$(PY) -m pip install -q $(PIP_C) torch,)
 	$(PY) -m pip install -q $(PIP_C) -e '.[dev]'
+	$(PY) -m pip install -q $(PIP_C) --no-deps clean-fid==0.1.35  # FID's Inception (pyproject: extra sit)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -72,6 +72,9 @@ class DoPr(torch.optim.Optimizer):
         eigh_rcond: relative eigenvalue cutoff of the pseudo-inverse (``eigh`` and fallbacks).
         on_nonfinite: ``"skip"`` (raw gradient to the GP for that layer and step, counted, warned
             once) or ``"raise"``.
+        warmup_steps: the first ``warmup_steps`` steps are the GP's alone (raw gradients, no
+            statistics gathered); the AP starts on the step after. The paper's advice for models
+            whose zero-initialised modules (adaLN-Zero) make the early AP ill-conditioned.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class DoPr(torch.optim.Optimizer):
         rank: int = 8,
         eigh_rcond: float = 1e-6,
         on_nonfinite: str = "skip",
+        warmup_steps: int = 0,
     ) -> None:
         if not damping >= 0.0:
             raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
@@ -101,6 +105,8 @@ class DoPr(torch.optim.Optimizer):
             raise ValueError(f"Invalid solver: {solver!r} (choose from {tuple(solvers.SOLVERS)})")
         if not (isinstance(precond_every, int) and precond_every >= 1):
             raise ValueError(f"Invalid precond_every: {precond_every} (must be an integer >= 1)")
+        if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
+            raise ValueError(f"Invalid warmup_steps: {warmup_steps} (must be an integer >= 0)")
         if conv2d not in CONV2D_MODES:
             raise ValueError(f"Invalid conv2d mode: {conv2d!r} (choose from {CONV2D_MODES})")
         if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
@@ -135,18 +141,20 @@ class DoPr(torch.optim.Optimizer):
         self.options = dict(
             damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
             solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
-            rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite,
+            rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
         )
         self._solver = solvers.SOLVERS[solver]
         self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
         # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
         self._step = 0
+        self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
         self._grad_ema = GradientEMA(grad_ema)
         self._precond_ema = CovarianceEMA(precond_ema)
         self._cache: dict = {}
         self._counts = defaultdict(int)
         self._no_forward: list = []
         self._warned: set = set()
+        self._capture.collecting = self.collecting
         init_hook_registries(self)  # param_groups and state are the base's: Optimizer.__init__ is not called
 
     # ----------------------------------------------------------- torch.optim.Optimizer surface
@@ -190,15 +198,27 @@ class DoPr(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.precondition()
+        if self.warming_up:                   # the base GP alone: raw gradients
+            self._warmed += 1
+            self._counts["warmup_steps"] += 1
+            self._capture.reset()
+            self._capture.collecting = self.collecting
+        else:
+            self.precondition()
         self.base.step()
         return loss
 
     # ------------------------------------------------------------------ statistics collection
     @property
+    def warming_up(self) -> bool:
+        """Whether the next step is one of the first ``warmup_steps`` (the GP alone)."""
+        return self._warmed < self.options["warmup_steps"]
+
+    @property
     def collecting(self) -> bool:
-        """Whether forwards now gather statistics (refresh steps only when precond_every > 1)."""
-        return self._step % self.options["precond_every"] == 0
+        """Whether forwards now gather statistics: not while warming up; refresh steps only when
+        precond_every > 1."""
+        return not self.warming_up and self._step % self.options["precond_every"] == 0
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -299,7 +319,7 @@ class DoPr(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         out = dict(self._counts)
-        for k in ("steps", "preconditioned", "refreshes", "factorizations", "nonfinite_skips",
+        for k in ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "nonfinite_skips",
                   "cholesky_retries", "eigh_fallbacks"):
             out.setdefault(k, 0)
         out["no_forward"] = list(self._no_forward)
@@ -310,6 +330,7 @@ class DoPr(torch.optim.Optimizer):
         sd = self.base.state_dict()
         sd["dopr"] = {
             "step": self._step,
+            "warmed": self._warmed,
             "grad_ema": self._grad_ema.state_dict(),
             "precond_ema": self._precond_ema.state_dict(),
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
@@ -325,6 +346,7 @@ class DoPr(torch.optim.Optimizer):
             raise ValueError("state_dict has no 'dopr' entry: it was not saved from a DoPr optimizer")
         self.base.load_state_dict(state_dict)
         self._step = ours["step"]
+        self._warmed = ours.get("warmed", self.options["warmup_steps"])  # older checkpoints: past any warm-up
         self._grad_ema.load_state_dict(ours["grad_ema"])
         self._precond_ema.load_state_dict(ours["precond_ema"])
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}

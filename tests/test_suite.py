@@ -14,7 +14,7 @@ from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc", "robomimic"}  # shared settings of the BC / image-policy tasks, not tasks of their own
+BASES = {"bc", "robomimic", "sit"}  # shared settings of the BC / image-policy tasks, not tasks of their own
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
@@ -38,11 +38,29 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
     if task.startswith("robomimic_"):  # a small file in the task's schema (cameras, arms), a tiny policy, no simulator
         extra = [f"task.dataset={_robomimic_file(compose(f'task={task}').task, tmp_path)}", "task.debug.eval_episodes=0",
                  "task.valid_split=null", "task.encoder.width=4", "task.encoder.crop=[12,12]", "task.unet.model_dim=8"]
+    if task == "sit_imagenet":  # stored latents of 6 images (no VAE, no ImageNet), a tiny SiT, no FID
+        extra = [f"task.data_path={_latent_dir(tmp_path)}", "task.model=custom", "task.input_size=8",
+                 "task.num_classes=2", "task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}",
+                 "task.debug.fid.every=0"]
     for optim in OPTIMS if task != "expert" else ["adamw"]:  # the SAC expert has its own optimizers
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
         assert json.loads((tmp_path / optim / "summary.json").read_text())["optim"] == optim
+
+
+def _latent_dir(tmp_path):
+    """What experiments.sit.data encode writes, for 6 images of 2 classes (4-channel 8x8 latents)."""
+    import numpy as np
+
+    out = tmp_path / "latents"
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    moments = np.concatenate([rng.normal(size=(6, 2, 4, 8, 8)), np.full((6, 2, 4, 8, 8), 0.1)], axis=2)
+    np.save(out / "moments.npy", moments.astype(np.float16))
+    np.save(out / "labels.npy", np.array([0, 0, 0, 1, 1, 1]))
+    (out / "meta.json").write_text(json.dumps({"images": 6, "image_size": 64, "vae": "ema"}))
+    return out
 
 
 def _robomimic_file(t, tmp_path):
@@ -155,7 +173,8 @@ SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
 TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.yaml"))
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
               "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
-              "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift"}
+              "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift",
+              "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet"}
 
 
 def _values(spec) -> list:

@@ -1,0 +1,129 @@
+"""Report of the SiT family, as the paper's figures ``sit_imagenet256*``: sample quality (FID, or the
+analogue's FD-digits) vs training steps per optimizer and the training loss beside it (median over
+seeds as the line, min and max as the band), the sample grids at an early step side by side, and the
+table behind them with the DoPr-vs-GP verdict."""
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+
+import numpy as np
+
+from experiments.common.report import save_figure, write_table
+from experiments.common.stats import group_runs, overlap
+
+COLUMNS = ["task", "optimizer", "seeds", "metric", "final_min", "final_median", "final_max", "best_median",
+           "label_accuracy_median", "train_loss_median", "lr", "steps", "batch_size", "damping", "warmup_steps",
+           "damping_mode", "adjust_lr_fn", "cholesky_retries", "step_time_s"]
+DELTA_COLUMNS = ["task", "gp", "metric", "gp_final_median", "dopr_final_median", "delta", "dopr_better",
+                 "seed_ranges_overlap", "gp_train_loss", "dopr_train_loss", "dopr_lower_loss"]
+
+
+def _setting(s: dict) -> tuple:
+    conv = s.get("conventions", {})
+    return (s["task"], s["optim"], s["lr"], s["damping"] or 0.0, s.get("warmup_steps") or 0,
+            conv.get("damping_mode", ""), conv.get("adjust_lr_fn", ""))
+
+
+def rows(records) -> list:
+    out = []
+    for (task, name, *_), ss in group_runs((r["summary"] for r in records if r["summary"]["quality_curve"]),
+                                           _setting).items():
+        final = [s["quality"] for s in ss]
+        acc = [s["label_accuracy"] for s in ss if s.get("label_accuracy") is not None]
+        counts = [s["dopr"] for s in ss if "dopr" in s]
+        conv = ss[0].get("conventions", {})
+        out.append({"task": task, "optimizer": name, "seeds": len(ss), "metric": ss[0]["quality_metric"],
+                    "final_min": min(final), "final_median": float(np.median(final)), "final_max": max(final),
+                    "best_median": float(np.median([s["best_quality"] for s in ss])),
+                    "label_accuracy_median": float(np.median(acc)) if acc else "",
+                    "train_loss_median": float(np.median([s["train_loss"] for s in ss])),
+                    "lr": ss[0]["lr"], "steps": ss[0]["steps"], "batch_size": ss[0]["batch_size"],
+                    "damping": "" if ss[0]["damping"] is None else ss[0]["damping"],
+                    "warmup_steps": "" if ss[0]["warmup_steps"] is None else ss[0]["warmup_steps"],
+                    "damping_mode": conv.get("damping_mode", ""), "adjust_lr_fn": conv.get("adjust_lr_fn", ""),
+                    "cholesky_retries": sum(c["cholesky_retries"] for c in counts) if counts else "",
+                    "step_time_s": float(np.median([s["step_time_s"] for s in ss]))})
+    return out
+
+
+def deltas(table: list) -> list:
+    """DoPr vs its GP on the final quality (lower is better) and the final training loss."""
+    by = {(r["task"], r["optimizer"]): r for r in table}
+    out = []
+    for (task, name), gp in sorted(by.items()):
+        dopr = by.get((task, f"dopr_{name}"))
+        if name.startswith("dopr_") or dopr is None:
+            continue
+        out.append({"task": task, "gp": name, "metric": gp["metric"], "gp_final_median": gp["final_median"],
+                    "dopr_final_median": dopr["final_median"], "delta": dopr["final_median"] - gp["final_median"],
+                    "dopr_better": "yes" if dopr["final_median"] < gp["final_median"] else "no",
+                    "seed_ranges_overlap": overlap(gp["final_min"], gp["final_max"], dopr["final_min"],
+                                                   dopr["final_max"]),
+                    "gp_train_loss": gp["train_loss_median"], "dopr_train_loss": dopr["train_loss_median"],
+                    "dopr_lower_loss": "yes" if dopr["train_loss_median"] < gp["train_loss_median"] else "no"})
+    return out
+
+
+def _band(ax, curves: list, label: str, color) -> None:
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    y = np.array([[c[s] for s in steps] for c in curves])
+    ax.plot(steps, np.median(y, 0), label=label, color=color)
+    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+
+
+def quality(records, out_dir, stamp) -> None:
+    """sit_quality.{md,csv}, sit_deltas.{md,csv}, sit_quality.png (quality vs steps over loss vs steps,
+    one column per GP pair, as the paper's figure) and sit_samples.png (each optimizer's grid, seed 0,
+    at the earliest step with a grid)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    table = rows(records)
+    metric = table[0]["metric"] if table else "quality"
+    write_table(table, COLUMNS, out_dir / "sit_quality", stamp,
+                f"Sample quality ({metric}, lower is better) at the last step, min/median/max over seeds")
+    write_table(deltas(table), DELTA_COLUMNS, out_dir / "sit_deltas", stamp,
+                f"DoPr vs its GP: median over seeds of the final {metric} and training loss")
+    by_opt = defaultdict(list)
+    for r in records:
+        if r["summary"]["quality_curve"]:
+            by_opt[r["summary"]["optim"]].append(r)
+    gps = sorted({n.removeprefix("dopr_") for n in by_opt})
+    fig, axes = plt.subplots(2, len(gps), figsize=(5.5 * len(gps), 7.5), squeeze=False)
+    for j, gp in enumerate(gps):
+        for k, name in enumerate((gp, f"dopr_{gp}")):
+            rs = by_opt.get(name, [])
+            if not rs:
+                continue
+            color = f"C{k}"
+            _band(axes[0, j], [{int(s): v for s, v in r["summary"]["quality_curve"].items()} for r in rs],
+                  f"{name} ({len(rs)} seeds)", color)
+            _band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
+                  name, color)
+        axes[0, j].set(title=f"{gp} vs dopr_{gp}: sample quality", xlabel="training step", ylabel=metric,
+                       yscale="log")
+        axes[1, j].set(title="training loss (min/median/max over seeds)", xlabel="training step",
+                       ylabel="velocity loss", yscale="log")
+        axes[0, j].legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    save_figure(fig, out_dir / "sit_quality.png", stamp)
+
+    grids = {}
+    for name, rs in sorted(by_opt.items()):
+        r = min(rs, key=lambda r: r["summary"]["seed"])
+        found = sorted(r["dir"].glob("samples_step*.png"), key=lambda p: int(p.stem.removeprefix("samples_step")))
+        if found:
+            grids[name] = found[0]
+    if grids:
+        fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids), 3.9), squeeze=False)
+        for ax, (name, path) in zip(axes[0], grids.items()):
+            ax.imshow(mpimg.imread(path))
+            ax.set_title(f"{name}\n{path.stem.removeprefix('samples_')}", fontsize=9)
+            ax.axis("off")
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
+        save_figure(fig, out_dir / "sit_samples.png", stamp)
+        for name, path in grids.items():
+            shutil.copyfile(path, out_dir / f"sit_samples_{name}.png")

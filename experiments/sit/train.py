@@ -1,0 +1,295 @@
+"""Train a SiT with velocity matching; every ``fid.every`` steps sample from the EMA model and measure
+sample quality; sample grids at ``grid_at`` steps.
+
+    python run.py task=sit_imagenet +tuned/sit_imagenet=dopr_adamw task.data_path=<latents or ImageNet train>
+    python run.py task=sit_digits +tuned/sit_digits=dopr_adamw        # the CPU analogue
+
+The loop is SiT's ``train.py``: global batch ``batch_size`` (split over ranks and ``grad_accum``
+micro-batches), the transport loss, the optimizer at a constant rate (no clipping, no warm-up: SiT's
+defaults), EMA of the weights (0.9999) after every step, bf16 autocast on GPU. Data: ``imagenet_latents``
+(stored VAE moments, ``experiments.sit.data encode``), ``imagenet_images`` (an ImageFolder encoded by
+the VAE on the fly, as SiT does), ``digits`` (the analogue: 8x8 digits in pixel space). Quality:
+FID in Inception features of VAE-decoded samples against reference statistics (ImageNet), or FD-digits,
+the Frechet distance in a digit classifier's features against all 1797 real digits (the analogue).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from ..common.checkpoint import TrainingState
+from ..common.distributed import data_loader, gradient_sync, unwrap, world, wrap_ddp
+from ..common.ema import WeightEMA
+from ..common.provenance import atomic_write
+from ..common.schedules import build_schedule
+from . import data as sit_data
+from .fid import frechet_distance, to_uint8
+from .model import build_model
+from .transport import Sampler, Transport, sample
+
+DATA = ("imagenet_latents", "imagenet_images", "digits")
+
+
+class Quality:
+    """Sample quality of a model: FID (ImageNet) or FD-digits (the analogue), plus grids."""
+
+    def __init__(self, t, device) -> None:
+        self.t, self.device = t, device
+        self.name = "fd_digits" if t.data == "digits" else "fid"
+        if t.data == "digits":
+            images, labels = sit_data.digits()
+            self.net, self.classifier_accuracy = digit_classifier()
+            with torch.no_grad():
+                feats = self.net.features(images).numpy()
+            self.ref = (feats.mean(0), np.cov(feats, rowvar=False))
+            # the generated labels follow the data's class balance: a fixed permutation of its labels
+            perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+            self.labels = labels[perm].repeat(math.ceil(t.fid.samples / len(labels)))[: t.fid.samples]
+            self.vae = None
+        else:
+            from .fid import InceptionFeatures, load_reference
+
+            self.ref = load_reference(t.fid.reference)
+            self.net = InceptionFeatures(t.fid.inception_dir).to(device)
+            self.vae = sit_data.load_vae(t.vae, device)
+            self.labels = torch.randint(t.num_classes, (t.fid.samples,), generator=torch.Generator().manual_seed(0))
+            self.classifier_accuracy = None
+        self.sampler = Sampler(t.sampler.method, int(t.sampler.steps), t.sampler.atol, t.sampler.rtol)
+
+    def images(self, model, labels, seed: int) -> torch.Tensor:
+        """Samples for ``labels`` as images in [-1, 1]."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        shape = (model.in_channels, self.t.input_size, self.t.input_size)
+        with autocast(self.t, self.device):
+            x = sample(model, self.sampler, labels.to(self.device), shape, self.t.sampler.cfg_scale, gen)
+            if self.vae is not None:
+                x = self.vae.decode(x / sit_data.VAE_SCALE).sample
+        return x.float().clamp(-1, 1)
+
+    def features(self, images: torch.Tensor) -> np.ndarray:
+        with torch.no_grad():
+            if self.vae is None:
+                return self.net.features(images.cpu()).numpy()
+            return self.net(to_uint8(images)).double().cpu().numpy()
+
+    @torch.no_grad()
+    def measure(self, model, seed: int) -> dict:
+        """Quality of ``model`` on this rank's share of the samples; sums over ranks give the statistics."""
+        rank, size = world()
+        labels = self.labels[rank::size]
+        s, ss, n, hits, nfe = 0.0, 0.0, 0, 0, 0
+        was = model.training
+        model.eval()
+        for i, chunk in enumerate(labels.split(int(self.t.fid.batch))):
+            x = self.images(model, chunk, seed=seed + 7919 * rank + i)
+            nfe = self.sampler.nfe
+            f = self.features(x).astype(np.float64)
+            s, ss, n = s + f.sum(0), ss + f.T @ f, n + len(f)
+            if self.vae is None:
+                hits += int((self.net(x.cpu()).argmax(1) == chunk).sum())
+        model.train(was)
+        s, ss, n, hits = (sum_over_ranks(v, self.device) for v in (s, ss, n, hits))
+        mu = s / n
+        sigma = (ss - n * np.outer(mu, mu)) / (n - 1)
+        out = {self.name: frechet_distance(mu, sigma, *self.ref), "nfe": nfe}
+        if self.vae is None:
+            out["label_accuracy"] = float(hits) / float(n)   # samples the classifier assigns their label
+        return out
+
+    def grid(self, model, path: Path, seed: int, per_class: int = 8) -> None:
+        """A sample grid: ``per_class`` samples of each of the first ten classes, one row per class."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        classes = min(10, self.t.num_classes)
+        labels = torch.arange(classes).repeat_interleave(per_class)
+        was = model.training
+        model.eval()
+        x = self.images(model, labels, seed=seed).cpu()
+        model.train(was)
+        x = ((x + 1) / 2).permute(0, 2, 3, 1).numpy()
+        fig, axes = plt.subplots(classes, per_class, figsize=(per_class * 0.6, classes * 0.6))
+        for ax, img in zip(axes.flat, x):
+            ax.imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray", vmin=0, vmax=1)
+            ax.axis("off")
+        fig.subplots_adjust(wspace=0.05, hspace=0.05, left=0, right=1, top=1, bottom=0)
+        atomic_write(path, lambda p: fig.savefig(p, dpi=100, format="png"))
+        plt.close(fig)
+
+
+@functools.lru_cache(maxsize=1)
+def digit_classifier():
+    """The analogue's feature network (deterministic: seed 0), trained once per process."""
+    from .fid import train_digit_classifier
+
+    return train_digit_classifier(*sit_data.digits(), seed=0)
+
+
+def sum_over_ranks(x, device):
+    """Sum of a number or an array over ranks (itself in one process)."""
+    import torch.distributed as dist
+
+    if world()[1] == 1:
+        return x
+    t = torch.as_tensor(np.asarray(x, dtype=np.float64), device=device)
+    dist.all_reduce(t)
+    out = t.cpu().numpy()
+    return out if out.ndim else out.item()
+
+
+def autocast(t, device):
+    if device.type == "cuda" and t.bf16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def training_data(t):
+    """(dataset, x1 from a batch): what the loop trains on, checked before any model is built."""
+    if t.data not in DATA:
+        raise ValueError(f"task.data={t.data!r}; choose from {DATA}")
+    if t.data == "digits":
+        images, labels = sit_data.digits()
+        return torch.utils.data.TensorDataset(images, labels), lambda x, gen, device: x.to(device)
+    if t.data_path is None:
+        raise ValueError(f"task.data_path is not set: the latent directory (data=imagenet_latents) or the ImageNet "
+                         f"train ImageFolder (data=imagenet_images); task.data={t.data}")
+    if t.data == "imagenet_latents":
+        dataset = sit_data.LatentDataset(t.data_path)
+        dataset.check(int(t.in_channels), int(t.input_size))
+        return dataset, lambda m, gen, device: sit_data.sample_latents(m.to(device), gen)
+    dataset = sit_data.ImageFolder(t.data_path, t.image_size, flip=True)
+    vae = sit_data.load_vae(t.vae, "cuda" if torch.cuda.is_available() else "cpu")
+
+    def encode(x, gen, device):
+        with torch.no_grad():
+            return vae.encode(x.to(device)).latent_dist.sample(gen) * sit_data.VAE_SCALE
+    return dataset, encode
+
+
+def build(t, device):
+    kwargs = dict(input_size=int(t.input_size), in_channels=int(t.in_channels), num_classes=int(t.num_classes),
+                  class_dropout_prob=float(t.class_dropout_prob), learn_sigma=bool(t.learn_sigma),
+                  **{k: v for k, v in OmegaConf.to_container(t.model_kwargs, resolve=True).items() if v is not None})
+    return build_model(t.model, **kwargs).to(device)
+
+
+def run(cfg, run) -> dict:
+    t = cfg.task
+    if t.threads:
+        torch.set_num_threads(int(t.threads))
+    rank, size = world()
+    if t.batch_size % (size * t.grad_accum):
+        raise ValueError(f"task.batch_size={t.batch_size} is not divisible by ranks x grad_accum = {size} x {t.grad_accum}")
+    micro = t.batch_size // (size * t.grad_accum)
+    device = run.device
+    dataset, to_x1 = training_data(t)          # a missing dataset or VAE fails here, before training
+    quality = Quality(t, device) if t.fid.every else None   # and missing Inception weights / reference
+    torch.manual_seed(int(cfg.seed))
+    model = build(t, device)
+    ema = WeightEMA(model, t.ema_decay)          # copied before the optimizer hooks the model
+    opt = run.build_optimizer(model)
+    ddp = wrap_ddp(model, device)
+    sched = build_schedule(opt, t.schedule, t.steps, t.warmup_frac, t.min_lr_factor)
+    transport = Transport(t.path)
+    gen = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1000 + rank)
+    loader = data_loader(dataset, micro, seed=int(cfg.seed), workers=t.workers, pin_memory=device.type == "cuda")
+    # the loader's own generator: creating an iterator must not draw from the global RNG, which label
+    # dropout and flips use (a resumed job then draws them as an unbroken one does; with workers > 0
+    # the workers' flips are reseeded on resume)
+    loader.generator = torch.Generator().manual_seed(int(cfg.seed))
+    per_epoch = len(loader) // t.grad_accum
+    if per_epoch == 0:
+        raise ValueError(f"task.batch_size={t.batch_size} is larger than the {len(dataset)} training examples")
+
+    state = TrainingState(model=model, ema=ema, optimizer=opt, scheduler=sched, generators={"transport": gen})
+    start, extra = state.resume(run)
+    evals = extra.get("evals", {})
+    train_time, eval_time = extra.get("train_time", 0.0), extra.get("eval_time", 0.0)
+    losses = extra.get("losses", {})
+    running, n_running, last_loss = 0.0, 0, extra.get("train_loss")
+    eval_at = set(range(int(t.fid.every), t.steps + 1, int(t.fid.every))) | {int(t.steps)} if t.fid.every else set()
+    grid_at = {int(s) for s in t.grid_at} if quality else set()
+    if quality and start == 0 and t.fid.at_init:
+        evals[0] = quality.measure(ema.module, seed=int(cfg.seed))
+    bar = run.progress(t.steps, initial=start)
+    epoch = start // per_epoch
+    loader.sampler.set_epoch(epoch)
+    batches = itertools.islice(iter(loader), (start % per_epoch) * t.grad_accum, None)
+    step = start
+    while step < t.steps:
+        micro_batches = list(itertools.islice(batches, t.grad_accum))
+        if len(micro_batches) < t.grad_accum:
+            epoch += 1
+            loader.sampler.set_epoch(epoch)
+            batches = iter(loader)
+            continue
+        step += 1
+        tic = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            x1 = to_x1(x, gen, device)
+            with gradient_sync(ddp, i == t.grad_accum - 1):   # DDP all-reduces on the last micro-batch
+                with autocast(t, device):
+                    loss = transport.loss(ddp, x1, y.to(device), gen) / t.grad_accum
+                loss.backward()
+            total += loss.item()
+        if t.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+        opt.step()
+        sched.step()
+        ema.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        train_time += time.perf_counter() - tic
+        running, n_running = running + total, n_running + 1
+        if step % t.log_every == 0 or step in eval_at or step == t.steps:
+            row = {"train_loss": running / n_running, "lr": sched.get_last_lr()[0], "step_time_s": train_time / step}
+            last_loss, running, n_running = row["train_loss"], 0.0, 0
+            losses[step] = last_loss
+            if step in eval_at:
+                tic = time.perf_counter()
+                evals[step] = quality.measure(ema.module, seed=int(cfg.seed))
+                eval_time += time.perf_counter() - tic
+                row.update(evals[step])
+                bar.set_postfix({quality.name: f"{evals[step][quality.name]:.2f}"})
+            run.log(row, step)
+            bar.update(step - bar.n)
+        if step in grid_at and run.is_main:
+            quality.grid(ema.module, run.dir / f"samples_step{step}.png", seed=int(cfg.seed))
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+            state.save(run, step, evals=evals, losses=losses, train_time=train_time, eval_time=eval_time,
+                       train_loss=last_loss)
+    bar.close()
+    if hasattr(opt, "close"):
+        opt.close()
+    if run.is_main:
+        atomic_write(run.dir / "ema.pt", lambda p: torch.save(unwrap(ema.module).state_dict(), p))
+        if quality and t.grid_at:
+            quality.grid(ema.module, run.dir / f"samples_step{step}.png", seed=int(cfg.seed))
+    name = quality.name if quality else None
+    final = evals.get(step, {})
+    return {
+        "model": t.model, "parameters": sum(p.numel() for p in model.parameters()), "data": t.data,
+        "lr": float(cfg.optim.lr), "weight_decay": float(cfg.optim.weight_decay), "batch_size": int(t.batch_size),
+        "steps": int(t.steps), "damping": float(cfg.ap.damping) if cfg.optim.name.startswith("dopr_") else None,
+        "warmup_steps": int(cfg.ap.warmup_steps) if cfg.optim.name.startswith("dopr_") else None,
+        "train_loss": last_loss, "loss_curve": {str(s): v for s, v in sorted(losses.items())},
+        "quality_metric": name, "quality": final.get(name), "label_accuracy": final.get("label_accuracy"),
+        "best_quality": min((e[name] for e in evals.values()), default=None) if name else None,
+        "quality_curve": {str(s): e[name] for s, e in sorted(evals.items())} if name else {},
+        "evals": {str(s): e for s, e in sorted(evals.items())},
+        "classifier_accuracy": quality.classifier_accuracy if quality else None,
+        "sampler": OmegaConf.to_container(t.sampler, resolve=True),
+        "train_time_s": train_time, "eval_time_s": eval_time, "step_time_s": train_time / max(step, 1),
+    }

@@ -1,0 +1,355 @@
+"""The SiT family: model registry and adaLN-Zero, the transport and its samplers on a problem with a
+closed-form velocity, the Frechet distance, the data paths (ImageFolder, VAE latents with a real
+diffusers VAE of random weights), the errors a user sees, training per GP and the coverage report."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchdiffeq")
+
+from experiments.common.launch import run_job  # noqa: E402
+from experiments.common.report import load_records  # noqa: E402
+from experiments.sit import data as sit_data  # noqa: E402
+from experiments.sit import report as sit_report  # noqa: E402
+from experiments.sit.fid import InceptionFeatures, feature_statistics, frechet_distance, frechet_distance_of  # noqa: E402
+from experiments.sit.model import SiT, SiT_models, SiTBlock, build_model  # noqa: E402
+from experiments.sit.transport import Sampler, Transport, path_coefficients, sample  # noqa: E402
+
+TINY = ["task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}", "task.batch_size=16",
+        "task.fid.samples=20", "task.fid.batch=20", "task.sampler.steps=2", "task.log_every=10",
+        "task.checkpoint_every=0"]
+
+
+# ------------------------------------------------------------------------------------ the model
+@pytest.mark.parametrize("name,published", [("SiT-S/2", 33.0), ("SiT-B/2", 130.5), ("SiT-L/2", 458.1),
+                                            ("SiT-XL/2", 675.1)])
+def test_registry_has_the_published_sizes(name, published):
+    """SiT / DiT Table 1: S 33M, B 130M, L 458M, XL 675M parameters (patch 2, 256x256 -> 32x32 latents)."""
+    with torch.device("meta"):
+        model = SiT_models[name](input_size=32)
+    n = sum(p.numel() for p in model.parameters())
+    assert round(n / 1e6, 1) == published
+    depth, hidden, heads = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}[
+        name.split("-")[1].split("/")[0]]
+    assert len(model.blocks) == depth and model.blocks[0].attn.num_heads == heads
+    assert model.x_embedder.out_channels == hidden and model.pos_embed.shape == (1, 256, hidden)
+
+
+def test_sit_s2_shapes_and_patch_sizes():
+    torch.manual_seed(0)
+    model = SiT_models["SiT-S/2"](input_size=32).eval()
+    assert sum(p.numel() for p in model.parameters()) == 32_963_360
+    x, t, y = torch.randn(2, 4, 32, 32), torch.rand(2), torch.tensor([3, 999])
+    assert model(x, t, y).shape == (2, 4, 32, 32)
+    for patch, tokens in ((4, 64), (8, 16)):
+        m = SiT_models[f"SiT-S/{patch}"](input_size=32)
+        assert m.pos_embed.shape[1] == tokens and m(x, t, y).shape == (2, 4, 32, 32)
+    with pytest.raises(ValueError, match="SiT-S/2 fixes"):
+        build_model("SiT-S/2", depth=3)
+    with pytest.raises(ValueError, match="unknown SiT model 'SiT-M/2'"):
+        build_model("SiT-M/2")
+
+
+def test_adaln_zero_blocks_start_as_the_identity_and_the_model_outputs_zero():
+    torch.manual_seed(0)
+    model = build_model("custom", input_size=8, in_channels=3, num_classes=5, depth=2, hidden_size=32, num_heads=4,
+                        patch_size=2)
+    block = model.blocks[0]
+    x, c = torch.randn(3, 16, 32), torch.randn(3, 32)
+    assert torch.equal(block(x, c), x)
+    assert torch.equal(model(torch.randn(3, 3, 8, 8), torch.rand(3), torch.tensor([0, 1, 4])), torch.zeros(3, 3, 8, 8))
+    # a non-zero modulation changes the output: the identity is the initialisation, not the architecture
+    torch.nn.init.normal_(block.adaLN_modulation[-1].weight)
+    assert not torch.allclose(block(x, c), x)
+
+
+def test_label_dropout_uses_the_null_class_and_cfg_combines_the_two_fields():
+    torch.manual_seed(0)
+    model = build_model("custom", input_size=4, in_channels=1, num_classes=3, depth=1, hidden_size=16, num_heads=2,
+                        patch_size=2, class_dropout_prob=1.0)
+    assert model.y_embedder.embedding_table.num_embeddings == 4          # 3 classes + the null class
+    y = torch.tensor([0, 1, 2])
+    assert torch.equal(model.y_embedder(y, train=True), model.y_embedder.embedding_table.weight[[3, 3, 3]])
+    assert torch.equal(model.y_embedder(y, train=False), model.y_embedder.embedding_table.weight[[0, 1, 2]])
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3) if p.requires_grad else None
+    model.eval()
+    x, t = torch.randn(3, 1, 4, 4), torch.rand(3)
+    cond, null = model(x, t, y), model(x, t, torch.full_like(y, 3))
+    torch.testing.assert_close(model.forward_with_cfg(x, t, y, 4.0), null + 4.0 * (cond - null))
+
+
+# ---------------------------------------------------------------------------------- transport
+def _gaussian_velocity(m, s):
+    """The exact velocity of the linear path from N(0, 1) to N(m, s^2) (per coordinate):
+    E[x1 - x0 | x_t = x] = m + (t s^2 - (1 - t)) (x - t m) / (t^2 s^2 + (1 - t)^2)."""
+    def v(x, t):
+        t = t.view(-1, *([1] * (x.dim() - 1)))
+        return m + (t * s ** 2 - (1 - t)) * (x - t * m) / (t ** 2 * s ** 2 + (1 - t) ** 2)
+    return v
+
+
+@pytest.mark.parametrize("method,steps", [("euler", 200), ("heun2", 20), ("rk4", 10), ("dopri5", 250)])
+def test_samplers_land_on_the_target_gaussian(method, steps):
+    m, s = torch.tensor([2.0, -1.0]), torch.tensor([0.5, 3.0])
+    sampler = Sampler(method, steps)
+    x = sampler(_gaussian_velocity(m, s), torch.randn(20000, 2, generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(x.mean(0), m, atol=0.06, rtol=0)
+    torch.testing.assert_close(x.std(0), s, atol=0.05, rtol=0.02)
+    if method in ("euler", "heun2", "rk4"):
+        assert sampler.nfe == steps * {"euler": 1, "heun2": 2, "rk4": 4}[method]
+
+
+def test_the_transport_loss_is_smallest_at_the_true_velocity_and_paths_are_consistent():
+    m, s = torch.tensor([2.0, -1.0]), torch.tensor([0.5, 3.0])
+    v = _gaussian_velocity(m, s)
+    x1 = m + s * torch.randn(50000, 2, generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for shift in (0.0, 0.3):
+        gen = torch.Generator().manual_seed(2)
+        losses[shift] = Transport("linear").loss(lambda x, t, y: v(x, t) + shift, x1, None, gen).item()
+    # E|v* + d - u|^2 = E|v* - u|^2 + d^2 (v* is the conditional mean of u)
+    assert losses[0.3] - losses[0.0] == pytest.approx(0.09, abs=0.01)
+    for path in ("linear", "gvp"):   # u_t is d x_t / dt, and the ends are noise and data
+        t, h = torch.tensor([0.3]), 1e-4
+        x0, x1s = torch.randn(1, 3), torch.randn(1, 3)
+        tr = Transport(path)
+        (xa, _), (xb, _), (_, u) = tr.interpolate(x0, x1s, t - h), tr.interpolate(x0, x1s, t + h), tr.interpolate(x0, x1s, t)
+        torch.testing.assert_close((xb - xa) / (2 * h), u, atol=1e-2, rtol=0)
+        a0, s0, *_ = path_coefficients(path, torch.tensor(0.0))
+        a1, s1, *_ = path_coefficients(path, torch.tensor(1.0))
+        assert (float(a0), float(s0)) == (0.0, 1.0) and float(a1) == 1.0 and abs(float(s1)) < 1e-6
+    with pytest.raises(ValueError, match="unknown path 'vp'"):
+        Transport("vp")
+    with pytest.raises(ValueError, match="unknown ODE method 'ddim'"):
+        Sampler("ddim")
+
+
+def test_sample_draws_class_conditional_batches():
+    torch.manual_seed(0)
+    model = build_model("custom", input_size=4, in_channels=2, num_classes=3, depth=1, hidden_size=16, num_heads=2,
+                        patch_size=2).eval()
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    a = sample(model, Sampler("euler", 3), torch.tensor([0, 1, 2, 0]), (2, 4, 4), generator=gen())
+    b = sample(model, Sampler("euler", 3), torch.tensor([0, 1, 2, 0]), (2, 4, 4), cfg_scale=2.0, generator=gen())
+    assert a.shape == (4, 2, 4, 4)
+    # a zero-initialised SiT predicts zero velocity: the samples are the starting noise, guided or not
+    torch.testing.assert_close(a, torch.randn((4, 2, 4, 4), generator=gen()))
+    torch.testing.assert_close(a, b)
+
+
+# -------------------------------------------------------------------------------- the metric
+def test_frechet_distance_is_zero_on_identical_sets_and_matches_the_closed_form():
+    rng = np.random.default_rng(0)
+    f = rng.normal(size=(500, 6))
+    assert abs(frechet_distance_of(f, f)) < 1e-8
+    # diagonal Gaussians: |mu1 - mu2|^2 + sum (sqrt(a) - sqrt(b))^2
+    mu1, mu2, a, b = np.arange(4.0), np.ones(4), np.array([1.0, 4.0, 9.0, 0.25]), np.array([4.0, 1.0, 9.0, 1.0])
+    expect = np.sum((mu1 - mu2) ** 2) + np.sum((np.sqrt(a) - np.sqrt(b)) ** 2)
+    assert frechet_distance(mu1, np.diag(a), mu2, np.diag(b)) == pytest.approx(expect, rel=1e-9)
+    # a rotated pair (non-commuting covariances): FD is invariant to rotating both sets alike
+    q, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+    s1, s2 = q @ np.diag(a) @ q.T, q @ np.diag(b) @ q.T
+    assert frechet_distance(q @ mu1, s1, q @ mu2, s2) == pytest.approx(expect, rel=1e-6)
+    # samples: the estimate approaches the population value
+    x = rng.normal(size=(200000, 4)) * np.sqrt(a) + mu1
+    y = rng.normal(size=(200000, 4)) * np.sqrt(b) + mu2
+    assert frechet_distance_of(x, y) == pytest.approx(expect, rel=0.02)
+    with pytest.raises(ValueError, match="differ in shape"):
+        frechet_distance(mu1, np.diag(a), mu2[:3], np.diag(b[:3]))
+    with pytest.raises(ValueError, match="at least 2 feature vectors"):
+        feature_statistics(f[:1])
+
+
+def test_missing_inception_weights_name_the_file_and_the_url(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"inception-2015-12-05\.pt.*nvlabs-fi-cdn"):
+        InceptionFeatures(tmp_path)
+
+
+# ------------------------------------------------------------------------------------- data
+def _image_folder(root, n_per_class=3, sizes=((40, 30), (64, 50), (30, 30))):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("n001", "n002"):
+        (root / c).mkdir(parents=True)
+        for i in range(n_per_class):
+            w, h = sizes[i % len(sizes)]
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    (root / "n002" / "notes.txt").write_text("not an image")
+    return root
+
+
+def test_image_folder_crops_to_the_size_and_labels_by_sorted_class(tmp_path):
+    from PIL import Image
+
+    data = sit_data.ImageFolder(_image_folder(tmp_path / "train"), image_size=16, flip=False)
+    assert data.classes == ["n001", "n002"] and len(data) == 6
+    x, y = data[4]
+    assert x.shape == (3, 16, 16) and y == 1 and -1 <= float(x.min()) and float(x.max()) <= 1
+    # center_crop_arr: box-halving while the short side is >= 2x, then bicubic to the short side, center crop
+    im = Image.fromarray(np.arange(80 * 120 * 3, dtype=np.uint8).reshape(80, 120, 3))
+    assert sit_data.center_crop_arr(im, 32).size == (32, 32)
+    flipped = data.load(0, True)
+    torch.testing.assert_close(flipped, data.load(0, False).flip(-1))
+    with pytest.raises(FileNotFoundError, match="ILSVRC2012 train split"):
+        sit_data.ImageFolder(tmp_path / "missing")
+
+
+def test_missing_vae_names_the_model_and_the_download_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match=r"stabilityai/sd-vae-ft-ema.*huggingface-cli download"):
+        sit_data.load_vae("ema")
+
+
+def test_latents_encoded_with_a_real_diffusers_vae_train_the_model(tmp_path):
+    from diffusers.models import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                        layers_per_block=1, sample_size=16)
+    vae.save_pretrained(tmp_path / "vae")
+    out = sit_data.encode_latents(_image_folder(tmp_path / "train"), tmp_path / "latents", vae=str(tmp_path / "vae"),
+                                  image_size=16, batch_size=4, workers=0)
+    assert not (tmp_path / "latents.tmp").exists()
+    data = sit_data.LatentDataset(out)
+    assert data.moments.shape == (6, 2, 8, 8, 8) and list(data.labels) == [0, 0, 0, 1, 1, 1]
+    # the stored moments are the VAE posterior's, for the image and for its mirror image
+    img = sit_data.ImageFolder(tmp_path / "train", 16, flip=False)
+    with torch.no_grad():
+        dist = vae.encode(torch.stack([img.load(2, False), img.load(2, True)])).latent_dist
+    torch.testing.assert_close(torch.from_numpy(data.moments[2].astype(np.float32)),
+                               torch.cat([dist.mean, dist.std], 1), atol=2e-3, rtol=2e-3)
+    z = sit_data.sample_latents(torch.from_numpy(data.moments[:, 0].astype(np.float32)))
+    assert z.shape == (6, 4, 8, 8)
+    with pytest.raises(FileExistsError, match="remove it to encode again"):
+        sit_data.encode_latents(tmp_path / "train", out, vae=str(tmp_path / "vae"), image_size=16, workers=0)
+    data.check(4, 8)
+    with pytest.raises(ValueError, match="in_channels=4, input_size=32"):
+        data.check(4, 32)
+    # the suite trains from them: task=sit_imagenet on these latents, a tiny SiT, no FID
+    from conftest import _compose
+    cfg = _compose("task=sit_imagenet", f"task.data_path={out}", "task.model=custom", "task.input_size=8",
+                   "task.num_classes=2", "task.fid.every=0", "task.grid_at=[]", "task.steps=3", "task.workers=0",
+                   "task.batch_size=2", *TINY[:1])
+    summary = run_job(cfg, tmp_path / "run")
+    assert summary["steps"] == 3 and math.isfinite(summary["train_loss"]) and summary["quality"] is None
+
+
+def test_missing_latents_fail_before_training_with_the_encode_command(tmp_path):
+    from conftest import _compose
+    cfg = _compose("task=sit_imagenet", f"task.data_path={tmp_path / 'nope'}", "task.fid.every=0")
+    with pytest.raises(FileNotFoundError, match="experiments.sit.data encode"):
+        run_job(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "summary.json").exists() and not (tmp_path / "run" / "checkpoint.pt").exists()
+    cfg = _compose("task=sit_imagenet", "task.data_path=null")
+    with pytest.raises(ValueError, match="task.data_path is not set"):
+        run_job(cfg, tmp_path / "run2")
+
+
+def test_digits_are_the_scikit_learn_set_in_range():
+    x, y = sit_data.digits()
+    assert x.shape == (1797, 1, 8, 8) and float(x.min()) == -1.0 and float(x.max()) == 1.0
+    assert sorted(set(y.tolist())) == list(range(10))
+
+
+# --------------------------------------------------------------------------------- training
+def _train(out, *overrides):
+    from conftest import _compose
+    cfg = _compose("task=sit_digits", "task.steps=20", "task.fid.every=10", "task.grid_at=[10]", *TINY, *overrides)
+    return run_job(cfg, out)
+
+
+@pytest.mark.parametrize("gp", ["adamw", "muon", "signum", "adamuon", "sgd"])
+def test_twenty_steps_per_gp_plain_and_dopr(gp, tmp_path):
+    for name in (gp, f"dopr_{gp}"):
+        s = _train(tmp_path / name, f"optim={name}")
+        assert s["optim"] == name and s["steps"] == 20 and math.isfinite(s["train_loss"])
+        assert sorted(s["quality_curve"]) == ["10", "20"] and all(math.isfinite(v) for v in s["quality_curve"].values())
+        assert 0.0 <= s["label_accuracy"] <= 1.0 and s["evals"]["20"]["nfe"] == 2
+        assert (tmp_path / name / "samples_step10.png").exists() and (tmp_path / name / "ema.pt").exists()
+        if name.startswith("dopr_"):
+            assert s["dopr"]["steps"] == 20 and s["dopr"]["preconditioned"] > 0
+
+
+def test_training_moves_the_loss_and_resume_is_exact(tmp_path):
+    a = _train(tmp_path / "a", "optim=dopr_adamw", "task.checkpoint_every=10", "task.fid.every=0",
+               "ap.warmup_steps=5", "optim.lr=3e-3")
+    losses = [float(v) for _, v in sorted(a["loss_curve"].items(), key=lambda kv: int(kv[0]))]
+    assert losses[-1] < losses[0]
+    assert a["dopr"]["warmup_steps"] == 5 and a["dopr"]["steps"] == 15
+    # a job stopped right after its step-10 checkpoint resumes from it to the same weights
+    c_dir = tmp_path / "c"
+    from conftest import _compose
+    cfg = _compose("task=sit_digits", "task.steps=20", "task.fid.every=0", "task.grid_at=[]", *TINY, "optim=dopr_adamw",
+                   "task.checkpoint_every=10", "ap.warmup_steps=5", "optim.lr=3e-3")
+    state = {}
+
+    class Stop(Exception):
+        pass
+
+    import experiments.common.checkpoint as ck
+    original = ck.TrainingState.save
+
+    def save_then_stop(self, run, step, **extra):
+        original(self, run, step, **extra)
+        state["step"] = step
+        raise Stop
+
+    ck.TrainingState.save = save_then_stop
+    try:
+        with pytest.raises(Stop):
+            run_job(cfg, c_dir)
+    finally:
+        ck.TrainingState.save = original
+    assert state["step"] == 10
+    resumed = run_job(cfg, c_dir)
+    final_a = torch.load(tmp_path / "a" / "ema.pt")
+    final_c = torch.load(c_dir / "ema.pt")
+    for k in final_a:
+        torch.testing.assert_close(final_a[k], final_c[k], rtol=0, atol=0)
+    assert resumed["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
+
+
+def test_coverage_of_sit_s2_lists_every_layer_kind():
+    import dopr
+
+    torch.manual_seed(0)
+    model = SiT_models["SiT-S/2"](input_size=32)
+    opt = dopr.build(model, "dopr_adamw", lr=1e-4)
+    cov = {e.name: e for e in opt.coverage()}
+    pre = {n for n, e in cov.items() if e.status == "preconditioned"}
+    for name in ("x_embedder", "t_embedder.mlp.0", "t_embedder.mlp.2", "y_embedder.embedding_table",
+                 "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2",
+                 "blocks.11.adaLN_modulation.1", "final_layer.linear", "final_layer.adaLN_modulation.1"):
+        assert name in pre, (name, cov.get(name))
+    assert len(pre) == 3 + 1 + 12 * 5 + 2
+    assert cov["x_embedder"].mode.startswith("conv2d") and cov["y_embedder.embedding_table"].mode.startswith("embedding")
+    # pos_embed is fixed (requires_grad=False): not trained, not preconditioned
+    assert all("pos_embed" not in n for n in pre)
+    opt.close()
+
+
+def test_report_writes_the_tables_figures_and_grids(tmp_path):
+    sweep = tmp_path / "sweep"
+    for i, name in enumerate(("adamw", "dopr_adamw")):
+        s = _train(sweep / str(i), f"optim={name}")
+        (sweep / str(i) / ".hydra").mkdir(exist_ok=True)
+    records = load_records([sweep])
+    out = tmp_path / "out"
+    out.mkdir()
+    sit_report.quality(records, out, "stamp")
+    rows = {r["optimizer"]: r for r in sit_report.rows(records)}
+    assert rows["adamw"]["final_median"] == pytest.approx(records[0]["summary"]["quality"])
+    delta = sit_report.deltas(list(rows.values()))[0]
+    assert delta["dopr_better"] == ("yes" if rows["dopr_adamw"]["final_median"] < rows["adamw"]["final_median"] else "no")
+    for f in ("sit_quality.md", "sit_quality.csv", "sit_deltas.md", "sit_quality.png", "sit_samples.png",
+              "sit_samples_adamw.png", "sit_samples_dopr_adamw.png"):
+        assert (out / f).exists(), f
+    assert "fd_digits" in (out / "sit_quality.md").read_text()
+    assert json.loads((sweep / "0" / "summary.json").read_text())["quality_metric"] == "fd_digits"
