@@ -95,6 +95,8 @@ class ActivationCapture:
         self._captures: dict = {}
         self._cid = itertools.count()
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
+        # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
+        self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
@@ -155,6 +157,21 @@ class ActivationCapture:
         self._captures = {}
 
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+        _remove_handles(self.handles)
         self.handles = []
+        self._finalizer.detach()
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def remove_inert_hooks(model: nn.Module) -> int:
+    """Drop the inert hook copies a deep-copied or unpickled model carries; returns how many."""
+    n = 0
+    for module in model.modules():
+        for key in [k for k, h in module._forward_hooks.items() if isinstance(h, _ForwardHook) and h.capture is None]:
+            del module._forward_hooks[key]
+            n += 1
+    return n

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from . import solvers
 from ._optimizer_surface import init_hook_registries
-from .capture import ActivationCapture
+from .capture import ActivationCapture, remove_inert_hooks
 from .distributed import all_reduce_statistics
 from .ema import CovarianceEMA, GradientEMA
 from .layers import find_layers
@@ -75,6 +76,17 @@ class DoPr(torch.optim.Optimizer):
         warmup_steps: the first ``warmup_steps`` steps are the GP's alone (raw gradients, no
             statistics gathered); the AP starts on the step after. The paper's advice for models
             whose zero-initialised modules (adaLN-Zero) make the early AP ill-conditioned.
+        clip_precond_norm: clip the global norm of what the GP receives (M on the preconditioned
+            layers, G on the others) to this value after the AP; ``None`` (default) does not clip.
+            ``torch.nn.utils.clip_grad_norm_`` before ``step()`` clips G, before the AP, and the
+            applied M can then be far larger than the clip.
+
+    Behaviours by design: the global optimizer step hooks of torch.optim fire twice per step (for
+    DoPr and for its base); a model left in ``eval()`` gathers no statistics, so its layers get raw
+    gradients (warned); a plain optimizer's checkpoint cannot be loaded into DoPr (no ``"dopr"``
+    entry); ``zero_grad()`` also drops the statistics gathered since the last step (their gradients
+    are gone), so a step that ``GradScaler`` skips leaves nothing behind; layers that become
+    trainable later (unfrozen, ``add_param_group``) are preconditioned from the step after the change.
     """
 
     def __init__(
@@ -93,6 +105,7 @@ class DoPr(torch.optim.Optimizer):
         eigh_rcond: float = 1e-6,
         on_nonfinite: str = "skip",
         warmup_steps: int = 0,
+        clip_precond_norm: Optional[float] = None,
     ) -> None:
         if not damping >= 0.0:
             raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
@@ -107,6 +120,8 @@ class DoPr(torch.optim.Optimizer):
             raise ValueError(f"Invalid precond_every: {precond_every} (must be an integer >= 1)")
         if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
             raise ValueError(f"Invalid warmup_steps: {warmup_steps} (must be an integer >= 0)")
+        if clip_precond_norm is not None and not (isinstance(clip_precond_norm, (int, float)) and clip_precond_norm > 0):
+            raise ValueError(f"Invalid clip_precond_norm: {clip_precond_norm} (must be > 0 or None)")
         if conv2d not in CONV2D_MODES:
             raise ValueError(f"Invalid conv2d mode: {conv2d!r} (choose from {CONV2D_MODES})")
         if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
@@ -129,22 +144,15 @@ class DoPr(torch.optim.Optimizer):
                 f"the base optimizer holds {len(foreign)} parameter(s) that are not in the model "
                 f"(shapes {foreign[:5]}); build it from model.parameters()"
             )
-        helpers, self._coverage = find_layers(
-            module, {id(p) for p in base_params}, {"homogeneous": homogeneous, "conv2d": conv2d}
-        )
-        if not helpers:
-            lines = "\n  ".join(str(e) for e in self._coverage) or "(no module has trainable parameters)"
-            raise ValueError(f"the model has no preconditionable layer:\n  {lines}")
-
         self.base = base
         self.model = module
         self.options = dict(
             damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
             solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
             rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
+            clip_precond_norm=clip_precond_norm,
         )
         self._solver = solvers.SOLVERS[solver]
-        self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
         # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
         self._step = 0
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
@@ -154,7 +162,12 @@ class DoPr(torch.optim.Optimizer):
         self._counts = defaultdict(int)
         self._no_forward: list = []
         self._warned: set = set()
-        self._capture.collecting = self.collecting
+        self._capture = None
+        self._attach()
+        if not self._capture.layers:
+            self.close()
+            lines = "\n  ".join(str(e) for e in self._coverage) or "(no module has trainable parameters)"
+            raise ValueError(f"the model has no preconditionable layer:\n  {lines}")
         init_hook_registries(self)  # param_groups and state are the base's: Optimizer.__init__ is not called
 
     # ----------------------------------------------------------- torch.optim.Optimizer surface
@@ -183,7 +196,11 @@ class DoPr(torch.optim.Optimizer):
         self.base.defaults = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The base's zero_grad, and the statistics committed since the last step go with the
+        gradients they belong to (a step skipped by GradScaler leaves nothing pending)."""
         self.base.zero_grad(set_to_none=set_to_none)
+        if self._capture is not None:
+            self._capture.reset()
 
     def add_param_group(self, param_group: dict) -> None:
         self.base.add_param_group(param_group)
@@ -198,6 +215,8 @@ class DoPr(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._signature() != self._layers_signature:   # a layer was (un)frozen or a param group added
+            self._attach()
         if self.warming_up:                   # the base GP alone: raw gradients
             self._warmed += 1
             self._counts["warmup_steps"] += 1
@@ -205,8 +224,39 @@ class DoPr(torch.optim.Optimizer):
             self._capture.collecting = self.collecting
         else:
             self.precondition()
+        if self.options["clip_precond_norm"] is not None:
+            params = [p for g in self.base.param_groups for p in g["params"] if p.grad is not None]
+            self._last_clip_norm = float(torch.nn.utils.clip_grad_norm_(params, self.options["clip_precond_norm"]))
         self.base.step()
         return loss
+
+    # ------------------------------------------------------------------ which layers
+    def _signature(self) -> tuple:
+        """What decides the preconditioned set: the base's parameters and which model parameters train."""
+        return (tuple(id(p) for g in self.base.param_groups for p in g["params"]),
+                tuple(p.requires_grad for p in self.model.parameters()))
+
+    def _attach(self) -> None:
+        """(Re)build the layer helpers and their hooks from what trains now; layers kept across a
+        rebuild keep the statistics they gathered."""
+        helpers, self._coverage = find_layers(
+            self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
+            {"homogeneous": self.options["homogeneous"], "conv2d": self.options["conv2d"]})
+        old = self._capture
+        self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
+        if old is not None:
+            before = {l.helper.name: l for l in old.layers}
+            for layer in self._capture.layers:
+                prev = before.get(layer.helper.name)
+                if prev is not None and prev.stat is not None:
+                    layer.stat, layer.owned, layer.sig = prev.stat, prev.owned, prev.sig
+            added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
+            if added:
+                self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
+                                "(this step's gradient for them is raw; see DoPr.coverage())")
+            old.close()
+        self._capture.collecting = self.collecting
+        self._layers_signature = self._signature()
 
     # ------------------------------------------------------------------ statistics collection
     @property
@@ -266,7 +316,8 @@ class DoPr(torch.optim.Optimizer):
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
         if self._no_forward:
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
-                            "their gradients go to the GP unpreconditioned (see DoPr.stats())")
+                            "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is a model "
+                            "left in eval() mode, whose forwards gather no statistics: call model.train()")
         bad = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
         members = defaultdict(list)
         for layer in self._capture.layers:
@@ -320,13 +371,15 @@ class DoPr(torch.optim.Optimizer):
     def stats(self) -> dict:
         out = dict(self._counts)
         for k in ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "nonfinite_skips",
-                  "cholesky_retries", "eigh_fallbacks"):
+                  "cholesky_retries", "unreliable_factors", "eigh_fallbacks"):
             out.setdefault(k, 0)
         out["no_forward"] = list(self._no_forward)
         return out
 
     # ------------------------------------------------------------------ state and hooks
     def state_dict(self) -> dict:
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         sd = self.base.state_dict()
         sd["dopr"] = {
             "step": self._step,
@@ -337,13 +390,26 @@ class DoPr(torch.optim.Optimizer):
             "counts": dict(self._counts),
             "options": dict(self.options),
         }
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            sd = sd if out is None else out
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            state_dict = state_dict if out is None else out
         state_dict = dict(state_dict)
         ours = state_dict.pop("dopr", None)
         if ours is None:
             raise ValueError("state_dict has no 'dopr' entry: it was not saved from a DoPr optimizer")
+        differ = {k: (v, self.options.get(k)) for k, v in ours.get("options", {}).items()
+                  if k in self.options and self.options[k] != v}
+        if differ:
+            warnings.warn("DoPr.load_state_dict: the checkpoint was saved with other AP options: "
+                          + ", ".join(f"{k}={a!r} (this optimizer: {b!r})" for k, (a, b) in sorted(differ.items()))
+                          + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
+                          stacklevel=2)
         self.base.load_state_dict(state_dict)
         self._step = ours["step"]
         self._warmed = ours.get("warmed", self.options["warmup_steps"])  # older checkpoints: past any warm-up
@@ -352,10 +418,31 @@ class DoPr(torch.optim.Optimizer):
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
         self._counts = defaultdict(int, ours["counts"])
         self._capture.collecting = self.collecting
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def close(self) -> None:
         """Remove the forward hooks; the model is left as it was before DoPr."""
-        self._capture.close()
+        if self._capture is not None:
+            self._capture.close()
+
+    # ------------------------------------------------------------------ copy and pickle
+    _TRANSIENT = ("_capture", "_solver", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+    def __getstate__(self) -> dict:
+        """Everything but the hooks (as torch.optim drops its hook registries) and the statistics
+        gathered since the last step; copy or pickle between steps. The copy's model is a copy too."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._solver = solvers.SOLVERS[self.options["solver"]]
+        self._capture = None
+        remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
+        self._attach()
+        init_hook_registries(self)
 
     def __enter__(self) -> "DoPr":
         return self

@@ -3,7 +3,8 @@
 ``lam`` is the absolute damping (the optimizer turns the trace-relative gamma * tr(Sigma) / d into
 it). Every solver takes a batch of same-size covariances and factors them in one call.
 
-* ``cholesky``: cholesky_ex, then cholesky_solve. A failed factor is retried with 10x, 100x,
+* ``cholesky``: cholesky_ex, then cholesky_solve. A failed factor, or one whose smallest pivot is
+  under half the damping (``unreliable``: rounding ate the damping), is retried with 10x, 100x,
   1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
   eigendecomposition pseudo-inverse. Every retry and fallback is counted.
 * ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
@@ -129,10 +130,21 @@ def pseudo_inverse(sigma: Tensor, lam: Tensor, rcond: float) -> Tensor:
     return (v * inv[:, None, :]) @ v.transpose(-1, -2)
 
 
+def unreliable(l: Tensor, lam: Tensor) -> Tensor:
+    """Factors Cholesky returned whose smallest pivot L_ii^2 is under half the damping: in exact
+    arithmetic every pivot of Sigma + lam I is at least lam, so such a factor has lost lam to
+    rounding (a near-singular Sigma whose entries dwarf lam) and its solve is not reliable."""
+    pivots = l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+    return (lam > 0) & (pivots < 0.5 * lam)
+
+
 def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
     d = sigma.shape[-1]
     l, info = torch.linalg.cholesky_ex(_damped(sigma, lam))
-    bad = info > 0
+    weak = (info == 0) & unreliable(l, lam)
+    if bool(weak.any()):
+        counts["unreliable_factors"] += int(weak.sum())
+    bad = (info > 0) | weak
     if not bool(bad.any()):
         return [CholeskyFactor(l[i]) for i in range(len(l))]
     floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
@@ -144,7 +156,7 @@ def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> l
         lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
         l_r, info_r = torch.linalg.cholesky_ex(_damped(sigma[idx], lam_r))
         l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
-        bad = bad.index_copy(0, idx, info_r > 0)
+        bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(l_r, lam_r))
     ops = [CholeskyFactor(l[i]) for i in range(len(l))]
     idx = bad.nonzero().flatten()
     if idx.numel():

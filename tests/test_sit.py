@@ -353,3 +353,14 @@ def test_report_writes_the_tables_figures_and_grids(tmp_path):
         assert (out / f).exists(), f
     assert "fd_digits" in (out / "sit_quality.md").read_text()
     assert json.loads((sweep / "0" / "summary.json").read_text())["quality_metric"] == "fd_digits"
+
+
+def test_coverage_report_command_writes_the_table(tmp_path):
+    from experiments.sit import bench
+
+    out = tmp_path / "coverage.md"
+    bench.coverage(["--out", str(out)])
+    text = out.read_text()
+    assert "66/67 modules with trainable parameters preconditioned" in text
+    assert "blocks.11.adaLN_modulation.1 (Linear): preconditioned: linear d=385" in text
+    assert "x_embedder (Conv2d): preconditioned: conv2d-full d=17" in text and "`pos_embed`" in text

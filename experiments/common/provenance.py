@@ -63,3 +63,13 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def emit_report(lines, out=None) -> str:
+    """Print a plain-text report (a list of lines) and, with ``out``, write it there atomically."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(Path(out), lambda p: p.write_text(text))
+    return text

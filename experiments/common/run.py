@@ -162,7 +162,7 @@ class Run:
             self._wandb = None
 
 
-DOPR_COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries", "eigh_fallbacks",
+DOPR_COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries", "unreliable_factors", "eigh_fallbacks",
                  "nonfinite_skips")
 
 

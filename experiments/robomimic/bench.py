@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 
 from dopr import bench as dopr_bench
 
-from ..common.provenance import ROOT, git_revision
+from ..common.provenance import ROOT, emit_report, git_revision
 
 
 def task_config(task: str, overrides=()):
@@ -122,13 +122,7 @@ def rollout_bench(argv) -> None:
     lines += ["", "env steps/s is wall-clock over the whole rollout call, building the environments included; "
               "the last two columns split the time spent stepping between the batched policy calls and the "
               "simulator with its rendering."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        from pathlib import Path
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit_report(lines, args.out)
 
 
 def main(argv=None) -> None:
