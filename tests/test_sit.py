@@ -364,3 +364,30 @@ def test_coverage_report_command_writes_the_table(tmp_path):
     assert "66/67 modules with trainable parameters preconditioned" in text
     assert "blocks.11.adaLN_modulation.1 (Linear): preconditioned: linear d=385" in text
     assert "x_embedder (Conv2d): preconditioned: conv2d-full d=17" in text and "`pos_embed`" in text
+
+
+def test_data_parallel_with_accumulation_matches_the_single_process_run(tmp_path):
+    """The loop under torch.distributed (a gloo group of one rank: DDP wrapping, no_sync over the
+    micro-batches, the quality statistics summed over ranks) gives the single process's numbers."""
+    import torch.distributed as dist
+
+    from conftest import _compose
+    from experiments.common.launch import apply_debug
+    from experiments.common.run import Run
+    from experiments.sit import train
+
+    overrides = ["task=sit_digits", "optim=dopr_adamw", "task.steps=6", "task.fid.every=6", "task.grid_at=[]",
+                 "task.grad_accum=2", *TINY]
+    single = run_job(_compose(*overrides), tmp_path / "single")
+    cfg = _compose(*overrides)
+    apply_debug(cfg, tmp_path / "ddp")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        run = Run(cfg, tmp_path / "ddp")
+        ddp = run.finish(train.run(cfg, run))
+        run.close(False)
+    finally:
+        dist.destroy_process_group()
+    assert ddp["dopr"]["preconditioned"] == single["dopr"]["preconditioned"] > 0
+    assert ddp["train_loss"] == pytest.approx(single["train_loss"], rel=1e-6)
+    assert ddp["quality"] == pytest.approx(single["quality"], rel=1e-6)

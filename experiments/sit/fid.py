@@ -13,6 +13,7 @@ training images, as SiT/ADM's reference batch does).
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
     s1, s2 = np.atleast_2d(sigma1).astype(np.float64), np.atleast_2d(sigma2).astype(np.float64)
     if mu1.shape != mu2.shape or s1.shape != s2.shape:
         raise ValueError(f"feature statistics differ in shape: {mu1.shape}/{s1.shape} vs {mu2.shape}/{s2.shape}")
-    covmean = linalg.sqrtm(s1 @ s2)
+    with warnings.catch_warnings():   # singular products (dead ReLU features) are usual; the result is checked
+        warnings.simplefilter("ignore", linalg.LinAlgWarning)
+        covmean = linalg.sqrtm(s1 @ s2)
     if not np.isfinite(covmean).all():
         offset = np.eye(s1.shape[0]) * eps
         covmean = linalg.sqrtm((s1 + offset) @ (s2 + offset))
