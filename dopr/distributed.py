@@ -33,3 +33,9 @@ def all_reduce_statistics(stats: list) -> None:
         st.sums = tuple(sums)
     for i, st in enumerate(stats):
         st.count = float(flat[offset + i])
+
+
+def all_reduce_flags(t) -> None:
+    """Sum a small tensor over ranks in place (non-finite checks under sharding: any rank's NaN counts)."""
+    if is_distributed():
+        dist.all_reduce(t)

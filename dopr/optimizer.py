@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import solvers
+from . import sharding, solvers
 from ._optimizer_surface import init_hook_registries
 from .capture import ActivationCapture, remove_inert_hooks
-from .distributed import all_reduce_statistics
+from .distributed import all_reduce_flags, all_reduce_statistics
 from .ema import CovarianceEMA, GradientEMA
 from .layers import find_layers
 from .statistics import STATISTICS, statistics_dtype
@@ -44,12 +44,7 @@ NONFINITE = ("skip", "raise")
 def _unwrap(model: nn.Module) -> nn.Module:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.module
-    for p in model.parameters():
-        if type(p).__name__ in ("FlatParameter", "DTensor"):
-            raise ValueError(
-                "DoPr does not support parameter sharding (FSDP / ZeRO-3): it needs each layer's full "
-                "weight gradient and input covariance on every rank. Use DistributedDataParallel."
-            )
+    sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
 
 
@@ -146,6 +141,7 @@ class DoPr(torch.optim.Optimizer):
             )
         self.base = base
         self.model = module
+        self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
         self.options = dict(
             damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
             solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
@@ -293,7 +289,7 @@ class DoPr(torch.optim.Optimizer):
     def _factor(self, groups: dict) -> tuple:
         """({group: operator}, groups skipped for a non-finite Sigma). Same-kind, same-size groups
         are factored in one batched call."""
-        bad = self._nonfinite({k: s.sums[0] for k, s in groups.items()}, what="activation covariance")
+        bad = self._nonfinite({k: s.sums[0] for k, s in groups.items()}, what="activation covariance", replicated=True)
         batches = defaultdict(list)
         for key, stat in groups.items():
             if key in bad:
@@ -327,20 +323,31 @@ class DoPr(torch.optim.Optimizer):
         for key, layers in members.items():
             gs = [self._grad_ema(l.helper.name, grads[l.helper.name].to(statistics_dtype(grads[l.helper.name].dtype)))
                   for l in layers]
-            ms = ops[key].apply(torch.cat(gs)) if len(gs) > 1 else ops[key].apply(gs[0])
+            op, cols = ops[key], layers[0].helper.local_columns()
+            if cols is not None:                              # a sharded embedding: its token columns
+                op = op.restrict(cols)
+            ms = op.apply(torch.cat(gs)) if len(gs) > 1 else op.apply(gs[0])
             for l, m in zip(layers, ms.split([g.shape[0] for g in gs])):
                 l.helper.set_grad(m)
             self._counts["preconditioned"] += len(layers)
 
-    def _nonfinite(self, tensors: dict, what: str = "gradient") -> set:
-        """Keys whose tensor has a non-finite entry (one device sync for all of them)."""
+    def _nonfinite(self, tensors: dict, what: str = "gradient", replicated: bool = False) -> set:
+        """Keys whose tensor has a non-finite entry (one device sync for all of them). Under sharding a
+        gradient's rows are spread over ranks: unless `replicated`, the ranks agree by one all-reduce."""
         if not tensors:
             return set()
         # one pass per tensor: a sum is finite unless an entry is non-finite (or it overflows,
         # which the exact per-tensor check below then clears)
-        if bool(torch.stack([t.sum() for t in tensors.values()]).isfinite().all()):
+        sums = torch.stack([t.sum() for t in tensors.values()])
+        if self._sharded and not replicated:  # each rank holds other rows: all decide on the whole gradient
+            all_reduce_flags(sums)
+        if bool(sums.isfinite().all()):
             return set()
         bad = {k for k, t in tensors.items() if not bool(torch.isfinite(t).all())}
+        if self._sharded and not replicated:
+            flags = torch.tensor([float(k in bad) for k in tensors], device=sums.device)
+            all_reduce_flags(flags)
+            bad = {k for k, f in zip(tensors, flags.tolist()) if f > 0}
         if not bad:
             return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
@@ -438,6 +445,7 @@ class DoPr(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_sharded", False)
         self._solver = solvers.SOLVERS[self.options["solver"]]
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer

@@ -69,6 +69,10 @@ class DiagonalInverse:
     def apply(self, g: Tensor) -> Tensor:
         return g * self.inv
 
+    def restrict(self, columns: slice) -> "DiagonalInverse":
+        """The operator on a slice of the columns (a rank's shard of a sharded embedding)."""
+        return DiagonalInverse(self.inv[columns])
+
     def cached(self):
         return self
 

@@ -5,6 +5,7 @@ import math
 import torch
 from torch.optim import Optimizer
 
+from .. import sharding
 from .newton_schulz import newton_schulz5
 
 
@@ -112,18 +113,21 @@ class AdaMuon(Optimizer):
                 M.mul_(mu).add_(grad)
                 N = grad.add(M, alpha=mu) if group["nesterov"] else M
 
-                # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA)
-                O = newton_schulz5(torch.sign(N), steps=group["ns_steps"])
+                # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
+                # on the gathered matrix, then this rank's rows
+                O = sharding.local_rows(newton_schulz5(torch.sign(sharding.gather(N)), steps=group["ns_steps"]), p)
 
                 # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
+                V = sharding.local(V)
                 V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
                 U = O / (V.sqrt() + eps)
 
                 # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
-                U.mul_(_target_norm(group["adjust_lr_fn"], p.shape) / U.norm().clamp_min(eps))
+                U.mul_(_target_norm(group["adjust_lr_fn"], p.shape) / sharding.norm(U, p).clamp_min(eps))
 
                 # W_t = (1 - lr wd) W_{t-1} - lr U_t
-                p.mul_(1.0 - lr * wd)
-                p.add_(U.to(p.dtype), alpha=-lr)
+                w = sharding.local(p)
+                w.mul_(1.0 - lr * wd)
+                w.add_(U.to(p.dtype), alpha=-lr)
 
         return loss

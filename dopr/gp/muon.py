@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .. import sharding
 from .._optimizer_surface import init_hook_registries
 from .newton_schulz import newton_schulz5
 
@@ -20,7 +21,8 @@ class Muon(torch.optim.Muon):
     B <- mu B + (1 - mu) G (torch's lerp form), U = NS5(G + mu (B - G) if nesterov else B),
     W <- (1 - lr wd) W - lr' U with lr' from ``adjust_lr_fn``. torch runs Newton-Schulz in
     bfloat16 everywhere, which on a CPU without bf16 matrix units is ~50x slower than float32;
-    on CUDA this class also uses bfloat16.
+    on CUDA this class also uses bfloat16. Under FSDP2 each weight is gathered (one all-gather per
+    layer), orthogonalised whole on every rank, and each rank applies its own rows.
     """
 
     @torch.no_grad()
@@ -40,10 +42,13 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = newton_schulz5(update, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                                        eps=group["eps"]).to(p.dtype)
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
+                # sharded (FSDP2): gather the whole matrix, orthogonalise it, keep this rank's rows
+                update = newton_schulz5(sharding.gather(update), steps=group["ns_steps"],
+                                        coefficients=group["ns_coefficients"], eps=group["eps"])
+                update = sharding.local_rows(update, p).to(p.dtype)
+                w = sharding.local(p)
+                w.mul_(1 - lr * wd)
+                w.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
         return loss
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .. import sharding
 from ..statistics import ActivationStatistics
 
 
@@ -66,11 +67,20 @@ class LayerHelper:
         """Write the preconditioned matrix M (same layout as :meth:`grad_matrix`) back."""
         raise NotImplementedError
 
+    def local_columns(self) -> Optional[slice]:
+        """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
+        return None
+
     # shared by the weight-plus-bias layers -------------------------------------------------
+    @staticmethod
+    def _grad(p: nn.Parameter) -> Optional[Tensor]:
+        """p's gradient, or this rank's rows of it when p is sharded (FSDP2): a view that writes through."""
+        return sharding.local(p.grad)
+
     def _with_bias_column(self, g_weight: Tensor) -> Tensor:
         if not self.homogeneous:
             return g_weight
-        gb = self.module.bias.grad
+        gb = self._grad(self.module.bias)
         if gb is None:
             gb = torch.zeros(g_weight.shape[0], dtype=g_weight.dtype, device=g_weight.device)
         return torch.cat([g_weight, gb.reshape(-1, 1).to(g_weight.dtype)], dim=1)
@@ -79,9 +89,9 @@ class LayerHelper:
         """Write the bias column (if any) into bias.grad; return the weight part."""
         if not self.homogeneous:
             return m
-        bias = self.module.bias
-        if bias.grad is not None:
-            bias.grad.copy_(m[:, -1].reshape(bias.shape))
+        gb = self._grad(self.module.bias)
+        if gb is not None:
+            gb.copy_(m[:, -1].reshape(gb.shape))
         return m[:, :-1]
 
     def parameters(self) -> list:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import sharding
 from .base import LayerHelper
 
 _PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
@@ -57,12 +58,12 @@ class ConvHelper(LayerHelper):
         return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
     def grad_matrix(self):
-        g = self.module.weight.grad
+        g = self._grad(self.module.weight)
         return None if g is None else self._with_bias_column(g.reshape(g.shape[0], -1))
 
     def set_grad(self, m: Tensor) -> None:
-        w = self.module.weight
-        w.grad.copy_(self._split_bias_column(m).reshape(w.shape))
+        g = self._grad(self.module.weight)
+        g.copy_(self._split_bias_column(m).reshape(g.shape))
 
 
 class ConvTranspose1dHelper(LayerHelper):
@@ -75,6 +76,13 @@ class ConvTranspose1dHelper(LayerHelper):
     """
 
     mode = "convtranspose1d-full"
+
+    def __init__(self, module, name, homogeneous=True):
+        super().__init__(module, name, homogeneous)
+        if sharding.is_sharded(module.weight):
+            raise ValueError(f"{name}: a sharded ConvTranspose1d cannot be preconditioned shard by shard (FSDP2 "
+                             "shards its weight's dim 0, the input channels, which are the columns the AP mixes); "
+                             "leave it out of fully_shard (ignored_params) or train it with DDP")
 
     def input_dim(self) -> int:
         return self.module.in_channels * self.module.kernel_size[0]
@@ -138,10 +146,10 @@ class Conv2dSUAHelper(LayerHelper):
         return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
 
     def grad_matrix(self):
-        g = self.module.weight.grad  # (C_out, C_in, kh, kw) -> rows (C_out, kh, kw), columns C_in
+        g = self._grad(self.module.weight)  # (C_out, C_in, kh, kw) -> rows (C_out, kh, kw), columns C_in
         return None if g is None else g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
 
     def set_grad(self, m: Tensor) -> None:
-        w = self.module.weight
-        c_out, c_in, kh, kw = w.shape
-        w.grad.copy_(m.reshape(c_out, kh, kw, c_in).permute(0, 3, 1, 2))
+        g = self._grad(self.module.weight)
+        c_out, c_in, kh, kw = g.shape
+        g.copy_(m.reshape(c_out, kh, kw, c_in).permute(0, 3, 1, 2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import sharding
 from ..statistics import ActivationStatistics, Diagonal
 from .base import LayerHelper
 
@@ -30,8 +31,13 @@ class EmbeddingHelper(LayerHelper):
         return Diagonal.from_counts(counts, idx.numel(), self.module.weight.dtype)
 
     def grad_matrix(self):
-        g = self.module.weight.grad
+        g = self._grad(self.module.weight)
         return None if g is None else g.T  # the linear form (dim x vocab), a view
 
     def set_grad(self, m: Tensor) -> None:
-        self.module.weight.grad.copy_(m.T)
+        self._grad(self.module.weight).copy_(m.T)
+
+    def local_columns(self):
+        """Sharded (FSDP2 splits the vocabulary rows): this rank's token columns of the diagonal Sigma."""
+        w = self.module.weight
+        return slice(*sharding.row_range(w)) if sharding.is_sharded(w) else None

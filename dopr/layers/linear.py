@@ -23,8 +23,8 @@ class LinearHelper(LayerHelper):
         return x.reshape(-1, x.shape[-1])
 
     def grad_matrix(self):
-        g = self.module.weight.grad
+        g = self._grad(self.module.weight)
         return None if g is None else self._with_bias_column(g)
 
     def set_grad(self, m: Tensor) -> None:
-        self.module.weight.grad.copy_(self._split_bias_column(m))
+        self._grad(self.module.weight).copy_(self._split_bias_column(m))

@@ -6,7 +6,7 @@ CPU analogue (task=sft_arith: the small Llama that task=pretrain_arith trained, 
 word problems, greedy exact match). The same loop also pretrains that small Llama
 (experiments/llm/pretrain.py): packed micro-batches, gradient accumulation (a token-weighted mean
 over the accumulated batch and all ranks), clipping, a Hugging Face LR schedule, checkpoint and
-resume, data parallel over torch.distributed (parameter sharding for the plain element-wise GPs).
+resume, data parallel over torch.distributed, or FSDP2 parameter sharding (task.sharding=fsdp).
 """
 from __future__ import annotations
 
@@ -28,23 +28,15 @@ from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer,
 from .sources import locate_inputs
 
 SHARDINGS = ("none", "fsdp")
-ELEMENTWISE_GPS = ("sgd", "adamw", "signum")  # a shard of the weight is all their update needs
 
 
 # ------------------------------------------------------------------------- before any work
 def check_sharding(cfg) -> None:
-    """Parameter sharding keeps a slice of each weight per rank. DoPr needs every layer's full
-    gradient and input covariance, and Muon/AdaMuon orthogonalise whole matrices: stop at once."""
-    sharding, name = cfg.task.sharding, cfg.optim.name
+    """FSDP2 keeps a block of each weight's rows per rank: every GP and DoPr handle that (DoPr and the
+    element-wise GPs act on the rows, Muon/AdaMuon gather each matrix); rank-0-only decoding does not."""
+    sharding = cfg.task.sharding
     if sharding not in SHARDINGS:
         raise ValueError(f"Invalid task.sharding: {sharding!r} (choose from {SHARDINGS})")
-    if sharding == "fsdp" and name.startswith("dopr_"):
-        raise ValueError(f"task.sharding=fsdp with optim={name}: DoPr does not support parameter sharding "
-                         "(FSDP / ZeRO-3): it needs each layer's full weight gradient and input covariance on "
-                         "every rank. Use task.sharding=none (data parallel; the bf16 base is replicated).")
-    if sharding == "fsdp" and name not in ELEMENTWISE_GPS:
-        raise ValueError(f"task.sharding=fsdp with optim={name}: only the element-wise GPs {ELEMENTWISE_GPS} "
-                         "update a weight shard correctly; use task.sharding=none")
     if sharding == "fsdp" and cfg.task.eval.generation is not None:
         raise ValueError("task.sharding=fsdp: eval.generation decodes on rank 0 alone; use task.sharding=none")
 

@@ -1,0 +1,85 @@
+"""Parameter sharding (FSDP2): the AP acts on each rank's shard of the weight's rows.
+
+The AP multiplies the gradient on the right, M = [G | g_b] (Sigma + lambda I)^-1, so each row of M
+needs only the same row of G and the (replicated) Sigma. FSDP2 (``torch.distributed.fsdp.fully_shard``)
+shards every parameter on dim 0 as ``torch.chunk`` does, so a weight and its bias are split at the
+same rows, evenly or not; every rank already has the global batch's Sigma after the one all-reduce
+of the statistics (dopr/distributed.py). No gradient is gathered: each rank preconditions its rows.
+
+Whole-matrix GPs (Muon, AdaMuon: Newton-Schulz) gather the matrix once per layer with
+``full_tensor()``, orthogonalise it on every rank, and keep their own rows (:func:`gather` and
+:func:`local_rows`).
+
+FSDP1's ``FlatParameter`` (a flattened concatenation of many weights) and DeepSpeed ZeRO-3
+(partitioned flat buffers) do not keep a weight's rows together: :func:`check_supported` refuses
+them with a message naming FSDP2 and DDP.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+try:  # torch built without distributed support has no DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover
+    DTensor = Replicate = Shard = None
+
+
+def is_sharded(t: Optional[Tensor]) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Optional[Tensor]) -> Optional[Tensor]:
+    """This rank's shard of a DTensor (a view: writing to it writes the DTensor), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise for sharding schemes whose shards are not row blocks of each weight."""
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "FlatParameter":
+            raise ValueError(
+                f"DoPr does not support FSDP1 (parameter {name!r} is a FlatParameter, which flattens many "
+                "weights into one buffer): shard with FSDP2 (torch.distributed.fsdp.fully_shard), whose "
+                "row shards DoPr preconditions shard by shard, or use DistributedDataParallel")
+        if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
+            raise ValueError(
+                f"DoPr does not support DeepSpeed ZeRO-3 (parameter {name!r} is partitioned by DeepSpeed): shard "
+                "with FSDP2 (torch.distributed.fsdp.fully_shard), or use ZeRO stage 0-2 / DistributedDataParallel")
+        if is_sharded(p):
+            bad = [pl for pl in p.placements if not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0))]
+            if bad:
+                raise ValueError(f"DoPr supports parameters sharded on dim 0 (FSDP2) or replicated; {name!r} has "
+                                 f"placements {p.placements}")
+
+
+def row_range(t: Tensor) -> tuple:
+    """(first, stop) of the global rows this rank holds of a dim-0-sharded DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], offset[0] + shape[0]
+
+
+def gather(t: Tensor) -> Tensor:
+    """The whole tensor on every rank (one all-gather), or ``t`` itself when not sharded."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def local_rows(full: Tensor, like: Tensor) -> Tensor:
+    """The rows of ``full`` that this rank holds of ``like`` (a DTensor), or ``full`` when not sharded."""
+    if not is_sharded(like):
+        return full
+    first, stop = row_range(like)
+    return full[first:stop]
+
+
+def norm(local_t: Tensor, like: Tensor) -> Tensor:
+    """The Frobenius norm of the whole matrix whose rows ``local_t`` are (sharded like ``like``)."""
+    if not is_sharded(like):
+        return local_t.norm()
+    whole = DTensor.from_local(local_t, like.device_mesh, like.placements, run_check=False,
+                               shape=like.shape, stride=like.stride())
+    return whole.norm().full_tensor()

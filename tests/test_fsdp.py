@@ -1,0 +1,95 @@
+"""Parameter sharding (FSDP2): 2 gloo processes, each holding its rows of every weight and half the
+batch, give the 1-process whole-batch update, for DoPr over every GP. Uneven row splits (7 rows over
+2 ranks: 4 + 3; 3 rows: 2 + 1; an 11-token embedding: 6 + 5) and biases sharded with their rows."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import dopr
+from dopr import DoPr
+
+NAMES = ("dopr_sgd", "dopr_adamw", "dopr_signum", "dopr_muon", "dopr_adamuon", "muon")
+KWARGS = {"dopr_sgd": dict(lr=0.1, momentum=0.9), "dopr_adamw": dict(lr=1e-2), "dopr_signum": dict(lr=1e-2),
+          "dopr_muon": dict(lr=2e-2), "dopr_adamuon": dict(lr=2e-2), "muon": dict(lr=2e-2)}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(),
+                         nn.Linear(7, 3)).double()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 11, (40,), generator=g), torch.randn(40, 3, generator=g).double()
+
+
+def _optimizer(model, name):
+    ap = dict(damping=1e-3) if name.startswith("dopr_") else {}
+    return dopr.build(model, name, weight_decay=0.01, **KWARGS[name], **ap)
+
+
+def _train(model, opt, x, y, steps=3):
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def _worker(rank, world, init_file, out):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    x, y = _data()
+    half = slice(rank * 20, (rank + 1) * 20)
+    result = {}
+    for name in NAMES:
+        model = _model()
+        for i in (0, 1, 3):
+            fully_shard(model[i])
+        fully_shard(model)
+        opt = _optimizer(model, name)
+        _train(model, opt, x[half], y[half])
+        params = [p.full_tensor().detach().clone() for p in model.parameters()]
+        result[name] = {"params": params, "local_rows": [p.to_local().shape[0] for p in model.parameters()],
+                        "preconditioned": opt.stats()["preconditioned"] if isinstance(opt, DoPr) else None}
+    if rank == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_fsdp2_two_ranks_equal_one_process_with_the_whole_batch(sharded, name):
+    got = sharded[name]
+    # rank 0's shards: the embedding 6 of 11 rows, Linear(6, 7) 4 of 7 (and its bias), Linear(7, 3) 2 of 3
+    assert got["local_rows"] == [6, 4, 4, 4, 4, 2, 2]
+    if name.startswith("dopr_"):
+        assert got["preconditioned"] == 3 * 4  # every layer, every step
+    model = _model()
+    opt = _optimizer(model, name)
+    x, y = _data()
+    _train(model, opt, x, y)
+    for p, q in zip(model.parameters(), got["params"]):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_fsdp1_and_deepspeed_zero3_are_refused_with_what_to_use():
+    model = nn.Sequential(nn.Linear(4, 3))
+    model[0].weight.ds_id = 7  # how DeepSpeed ZeRO-3 marks a partitioned parameter
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3.*FSDP2"):
+        DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
