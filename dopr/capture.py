@@ -2,7 +2,7 @@
 step, the statistics of exactly the forwards whose gradients that step receives.
 
 Statistics come from forward hooks but are committed only when the gradient reaches the layer's
-output in backward: a forward counts iff it is backpropagated. Eval-mode and no-grad forwards never
+operation in backward (a pre-hook on its autograd node): a forward counts iff it is backpropagated. Eval-mode and no-grad forwards never
 count, micro-batches accumulate, and under activation checkpointing the recomputed forward is not
 counted again (non-reentrant: its output is never backpropagated; reentrant: the first forward runs
 without grad). Layers that read the very same input tensor (q, k, v projections) share one
@@ -10,6 +10,16 @@ statistics computation, and then one factorisation.
 
 The hooks hold the capture weakly: a deleted optimizer leaves inert hooks, and a deep-copied or
 pickled model gets inert copies of them.
+
+Under ``torch.compile`` the hook is traced into the graph, where Python side effects (the commit
+hook, the dict of shared captures) would break it. There the statistics travel through autograd
+instead: the hook returns ``_Tap(output, probes, sums)``, the identity on the output, whose backward
+hands the sums to per-layer *probe* leaves as their gradient. Autograd accumulates them into
+``probe.grad`` exactly when the output is backpropagated (micro-batches add up, a forward that is
+never backpropagated adds nothing) with no Python in the graph: no graph break, no guard that changes
+from step to step, ``fullgraph=True`` works. A probe is a one-element leaf strided to the sums'
+shape, so it costs no memory between steps. Compiled layers that read one input each keep their
+own copy of its statistics (same values, factored separately).
 """
 from __future__ import annotations
 
@@ -21,7 +31,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .statistics import ActivationStatistics
+from . import sharding
+from .statistics import ActivationStatistics, statistics_dtype
 
 
 def _in_backward() -> bool:
@@ -50,7 +61,8 @@ class _ForwardHook:
     def __call__(self, module, inputs, output):
         capture = self.capture() if self.capture is not None else None
         if capture is not None:
-            capture.on_forward(self.index, module, inputs, output)
+            return capture.on_forward(self.index, module, inputs, output)
+        return None
 
     def __deepcopy__(self, memo):
         return _ForwardHook(None, self.index)
@@ -59,15 +71,53 @@ class _ForwardHook:
         return (_ForwardHook, (None, self.index))
 
 
+#: autograd nodes that only reshape their input: the layer's own node is the first one below them
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+                         "AsStridedBackward0", "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+                         "TransposeBackward0", "PermuteBackward0", "TBackward0", "ExpandBackward0"})
+
+
+def _producer(output: Tensor):
+    """The autograd node of the layer's own operation (addmm, convolution, embedding) below any views
+    of its result. It runs iff the output is backpropagated, even when the output is then modified in
+    place (ReLU(inplace=True) rebases a view's history and its hooks would not fire)."""
+    node = output.grad_fn
+    while node.name() in _VIEW_NODES and node.next_functions and node.next_functions[0][0] is not None:
+        node = node.next_functions[0][0]
+    return node
+
+
 def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved: Optional[Tensor]):
     ref = weakref.ref(capture)
 
-    def hook(grad):
+    def hook(grad_outputs):
         c = ref()
         if c is not None:
             c.commit(index, cap, saved)
 
     return hook
+
+
+class _Tap(torch.autograd.Function):
+    """out -> out; in backward, each probe's gradient is its statistic (the sums and the count)."""
+
+    @staticmethod
+    def forward(ctx, out, *probes_and_values):
+        k = len(probes_and_values) // 2
+        ctx.save_for_backward(*probes_and_values[k:])
+        # a copy, not a view: a view returned by a custom Function may not be modified in place
+        # (ReLU(inplace=True) after a Linear); in a compiled graph the copy fuses into its consumer
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        values = ctx.saved_tensors
+        return (grad, *values, *(None,) * len(values))
+
+
+def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
+    """A leaf of `shape` whose gradient collects a statistic: one element of storage, strides 0."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
 
 
 class LayerRecord:
@@ -94,9 +144,11 @@ class ActivationCapture:
         self.collecting = True
         self._captures: dict = {}
         self._cid = itertools.count()
+        self.probes = [self._probes(h) for h in helpers]  # compiled forwards (see the module docstring)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
         # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
         self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
+        self.retraced = _retrace_compiled()
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
@@ -104,13 +156,17 @@ class ActivationCapture:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         layer, x = self.layers[index], inputs[0]
+        if torch.compiler.is_compiling():
+            stat = self._statistics(layer.helper, x)
+            count = torch.full((), stat.count, dtype=stat.sums[0].dtype, device=stat.sums[0].device)
+            return _Tap.apply(output, *self.probes[index], *stat.sums, count)
         if _in_backward():
             # a checkpoint recomputation: its output is backpropagated (and the statistics needed)
             # only under the reentrant variant, so compute them lazily, when that happens
             cap, saved = _Capture(None, None, next(self._cid)), x
         else:
             cap, saved = self._capture(layer.helper, x), None
-        output.register_hook(_commit_hook(self, index, cap, saved))
+        _producer(output).register_prehook(_commit_hook(self, index, cap, saved))
 
     def _capture(self, helper, x: Tensor) -> _Capture:
         share = helper.share_key
@@ -131,17 +187,40 @@ class ActivationCapture:
         layer = self.layers[index]
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
+        self.commit_stat(layer, cap.stat, cap.cid)
+
+    def _probes(self, helper) -> tuple:
+        w = helper.module.weight
+        dtype, device = statistics_dtype(w.dtype), sharding.local(w).device
+        shapes = helper.statistic_type(self.statistic).sum_shapes(helper.dim) + ((),)
+        return tuple(_probe(shape, dtype, device) for shape in shapes)
+
+    def _collect_probes(self) -> None:
+        """Move what compiled forwards handed the probes into the layers' statistics."""
+        found = [(layer, probes) for layer, probes in zip(self.layers, self.probes) if probes[-1].grad is not None]
+        if not found:
+            return
+        counts = torch.stack([probes[-1].grad.reshape(()).to(torch.float64) for _, probes in found]).tolist()
+        for (layer, probes), count in zip(found, counts):
+            kind = layer.helper.statistic_type(self.statistic)
+            stat = kind(tuple(p.grad for p in probes[:-1]), count)
+            for p in probes:
+                p.grad = None
+            self.commit_stat(layer, stat, next(self._cid))
+
+    def commit_stat(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
         if layer.stat is None:
-            layer.stat, layer.owned = cap.stat, False
+            layer.stat, layer.owned = stat, False
         else:
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
-            layer.stat.add_(cap.stat)
-        layer.sig.append(cap.cid)
+            layer.stat.add_(stat)
+        layer.sig.append(cid)
 
     def groups(self, names) -> OrderedDict:
         """{tuple of member names: statistics} for the layers in `names` that gathered any; layers
         whose committed captures are the same (they read the same inputs) form one group."""
+        self._collect_probes()
         by_sig = OrderedDict()
         for layer in self.layers:
             if layer.helper.name in names and layer.stat is not None:
@@ -149,17 +228,36 @@ class ActivationCapture:
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
 
     def pending_samples(self) -> dict:
+        self._collect_probes()
         return {l.helper.name: (l.stat.count if l.stat is not None else 0) for l in self.layers}
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        for probes in self.probes:
+            for p in probes:
+                p.grad = None
         self._captures = {}
 
     def close(self) -> None:
         _remove_handles(self.handles)
         self.handles = []
         self._finalizer.detach()
+
+
+def _retrace_compiled() -> bool:
+    """torch.compile does not guard on module hooks, so a model compiled and run before these hooks
+    existed would go on running graphs without them. When dynamo has compiled anything in this
+    process, drop its compiled code: every compiled function retraces once, on its next call (the
+    graphs are not lost, only rebuilt). Returns whether it did."""
+    try:
+        from torch._dynamo import convert_frame
+    except Exception:  # pragma: no cover - a torch without dynamo
+        return False
+    if not any(ref() is not None for ref in convert_frame.input_codes.seen):
+        return False
+    torch._dynamo.reset_code_caches()
+    return True
 
 
 def _remove_handles(handles) -> None:

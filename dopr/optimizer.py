@@ -42,8 +42,9 @@ NONFINITE = ("skip", "raise")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module
+    """The module whose layers are hooked: inside DistributedDataParallel and torch.compile's wrapper."""
+    while isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
 

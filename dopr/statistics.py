@@ -35,6 +35,11 @@ class ActivationStatistics:
         self.count += other.count
         return self
 
+    @staticmethod
+    def sum_shapes(dim: int) -> tuple:
+        """The shapes of ``sums`` for activation vectors of dimension ``dim``."""
+        raise NotImplementedError
+
     def clone(self) -> "ActivationStatistics":
         return type(self)(tuple(s.clone() for s in self.sums), self.count)
 
@@ -58,6 +63,10 @@ class DenseCovariance(ActivationStatistics):
 
     kind = "dense"
     symmetric = True
+
+    @staticmethod
+    def sum_shapes(dim: int) -> tuple:
+        return ((dim, dim),)
 
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool) -> "DenseCovariance":
@@ -90,6 +99,10 @@ class Moments(ActivationStatistics):
 
     kind = "moments"
 
+    @staticmethod
+    def sum_shapes(dim: int) -> tuple:
+        return ((dim,), (dim,))
+
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool) -> "Moments":
         z = z.to(statistics_dtype(z.dtype))
@@ -113,6 +126,10 @@ class Diagonal(ActivationStatistics):
     """The diagonal of the sum of z z^T, exact for one-hot inputs (embeddings: token counts)."""
 
     kind = "diagonal"
+
+    @staticmethod
+    def sum_shapes(dim: int) -> tuple:
+        return ((dim,),)
 
     @classmethod
     def from_counts(cls, counts: Tensor, n: int, dtype: torch.dtype) -> "Diagonal":

@@ -236,3 +236,23 @@ def test_a_model_left_in_eval_mode_is_named_as_the_likely_cause():
     assert opt.stats()["preconditioned"] == 0 and opt.stats()["no_forward"] == ["0", "2"]
     with pytest.raises(ValueError, match="not saved from a DoPr optimizer"):
         opt.load_state_dict(torch.optim.SGD(m.parameters(), lr=0.1).state_dict())
+
+
+def test_an_in_place_op_after_a_layer_keeps_its_statistics():
+    """Linear on (batch, seq, d) returns a view; ReLU(inplace=True) rebases the view's history, and a
+    hook on the output tensor never fired: the layer got raw gradients. The commit now hangs on the
+    layer's own autograd node, so the step equals the out-of-place model's."""
+    def train(inplace):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 3))
+        opt = dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=1e-3)
+        x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(1))
+        model(x).square().mean().backward()
+        pending = opt.pending_samples()
+        opt.step()
+        return pending, opt.stats()["no_forward"], [p.detach().clone() for p in model.parameters()]
+
+    pending, no_forward, params = train(inplace=True)
+    assert pending == {"0": 20.0, "2": 20.0} and no_forward == []
+    for p, q in zip(params, train(inplace=False)[2]):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

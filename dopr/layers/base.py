@@ -53,6 +53,10 @@ class LayerHelper:
         """The activation vectors z as rows of an (n, input_dim) matrix."""
         raise NotImplementedError
 
+    def statistic_type(self, kind: type) -> type:
+        """The statistic type this layer gathers when the solver asks for `kind`."""
+        return kind
+
     def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
         """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes
         (DenseCovariance: z z^T, Moments: z and z*z)."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import sharding
-from ..statistics import ActivationStatistics, Diagonal
+from ..statistics import ActivationStatistics, Diagonal, statistics_dtype
 from .base import LayerHelper
 
 
@@ -24,10 +24,16 @@ class EmbeddingHelper(LayerHelper):
     def input_dim(self) -> int:
         return self.module.num_embeddings
 
+    def statistic_type(self, kind: type) -> type:
+        return Diagonal
+
     def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
-        """Always the exact diagonal (token counts), whatever the solver's `kind`."""
+        """Always the exact diagonal (token counts), whatever the solver's `kind`. A scatter-add, not
+        bincount: its output size is static, so a compiled forward does not break its graph."""
         idx = x.reshape(-1)
-        counts = torch.bincount(idx, minlength=self.module.num_embeddings)
+        dtype = statistics_dtype(self.module.weight.dtype)
+        counts = torch.zeros(self.module.num_embeddings, dtype=dtype, device=idx.device)
+        counts.index_add_(0, idx, torch.ones(idx.shape, dtype=dtype, device=idx.device))
         return Diagonal.from_counts(counts, idx.numel(), self.module.weight.dtype)
 
     def grad_matrix(self):

@@ -1,0 +1,92 @@
+"""torch.compile: DoPr's capture traces into the model's graph (no graph break, no recompilation from
+step to step, fullgraph=True trains) and gives the eager result."""
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from dopr import DoPr
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16),
+                         nn.Tanh(), nn.Linear(16, 4))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 10, (6, 12), generator=g), torch.randn(6, 12, 4, generator=g)
+
+
+def _train(forward, opt, steps=4):
+    x, y = _data()
+    for _ in range(steps):
+        opt.zero_grad()
+        for mb in (slice(0, 3), slice(3, 6)):  # two micro-batches per step
+            ((forward(x[mb]) - y[mb]) ** 2).mean().backward()
+        opt.step()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_capture_breaks_no_graph():
+    model = _model()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    explained = torch._dynamo.explain(model)(_data()[0])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert opt.pending_samples() == {"0": 0, "1": 0, "3": 0, "5": 0}  # traced, not backpropagated
+
+
+@pytest.mark.parametrize("base", ["sgd", "adamw"])
+def test_compiled_fullgraph_training_equals_eager(base):
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[base]
+    eager = _model()
+    opt = DoPr(eager, make(eager.parameters()), damping=1e-3)
+    _train(eager, opt)
+    model = _model()
+    copt = DoPr(model, make(model.parameters()), damping=1e-3)
+    _train(torch.compile(model, fullgraph=True), copt)
+    assert copt.stats()["preconditioned"] == opt.stats()["preconditioned"] == 4 * 4
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once, never again
+
+
+def test_refresh_and_reuse_steps_compile_one_graph_each():
+    model = _model()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), precond_every=2)
+    _train(torch.compile(model, backend="aot_eager", fullgraph=True), opt, steps=6)
+    assert opt.stats()["refreshes"] == 3 and opt.stats()["preconditioned"] == 6 * 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # collecting or not
+
+
+def test_a_compiled_forward_counts_only_when_backpropagated():
+    model = _model()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, _ = _data()
+    compiled(x[:3])                          # grad enabled, train mode, never backpropagated
+    assert set(opt.pending_samples().values()) == {0}
+    compiled(x[:3]).sum().backward()
+    assert opt.pending_samples() == {"0": 36.0, "1": 36.0, "3": 36.0, "5": 36.0}
+    opt.zero_grad()
+    assert set(opt.pending_samples().values()) == {0}
+
+
+def test_dopr_built_after_the_model_was_compiled_and_run_still_captures():
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, _ = _data()
+    compiled(x).sum().backward()              # traced before any DoPr hook existed
+    opt = DoPr(compiled, torch.optim.SGD(model.parameters(), lr=0.1))   # the wrapper is unwrapped
+    opt.zero_grad()
+    compiled(x).sum().backward()
+    assert opt.pending_samples() == {"0": 72.0, "1": 72.0, "3": 72.0, "5": 72.0}
