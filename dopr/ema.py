@@ -50,8 +50,9 @@ class CovarianceEMA:
         self.beta, self.buffers = beta, {}
 
     def __call__(self, key: tuple, stat) -> tuple:
-        """The EMA of `stat`'s mean (an ActivationStatistics of any kind)."""
-        mean = stat.mean()
+        """The EMA of `stat`'s mean (an ActivationStatistics of any kind); `stat` is used up (its sums
+        become the batch mean in place)."""
+        mean = stat.mean_()
         if self.beta == 0.0:
             return mean
         entry = self.buffers.setdefault("|".join(key), {"t": 0, "sums": None})

@@ -290,7 +290,10 @@ class DoPr(torch.optim.Optimizer):
     def _factor(self, groups: dict) -> tuple:
         """({group: operator}, groups skipped for a non-finite Sigma). Same-kind, same-size groups
         are factored in one batched call."""
-        bad = self._nonfinite({k: s.sums[0] for k, s in groups.items()}, what="activation covariance", replicated=True)
+        # a non-finite activation makes its own diagonal entry of Sigma non-finite (and a finite
+        # diagonal bounds every entry): checking the diagonals costs O(d), not O(d^2), per group
+        bad = self._nonfinite({k: s.diagonal(s.sums) for k, s in groups.items()}, what="activation covariance",
+                              replicated=True)
         batches = defaultdict(list)
         for key, stat in groups.items():
             if key in bad:

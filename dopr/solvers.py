@@ -148,14 +148,17 @@ def unreliable(l: Tensor, lam: Tensor) -> Tensor:
 
 
 def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
+    """Damps ``sigma`` in place (the batch is the caller's own copy) and restores it only on the rare
+    path that retries; one host sync when every factor is sound."""
     d = sigma.shape[-1]
-    l, info = torch.linalg.cholesky_ex(_damped(sigma, lam))
+    sigma.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
+    l, info = torch.linalg.cholesky_ex(sigma)
     weak = (info == 0) & unreliable(l, lam)
-    if bool(weak.any()):
-        counts["unreliable_factors"] += int(weak.sum())
     bad = (info > 0) | weak
     if not bool(bad.any()):
         return [CholeskyFactor(l[i]) for i in range(len(l))]
+    counts["unreliable_factors"] += int(weak.sum())
+    sigma.diagonal(dim1=-2, dim2=-1).sub_(lam[:, None])
     floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
     for retry in range(1, CHOLESKY_RETRIES + 1):
         idx = bad.nonzero().flatten()

@@ -160,13 +160,20 @@ def test_lora_adapters_are_preconditioned_and_the_base_is_skipped():
             _close(after[n], ap_reference(g, (x @ a.T).detach(), GAMMA))
 
 
-def test_symmetric_gram_of_wide_activations_equals_the_full_product():
-    from dopr.statistics import SYMMETRIC_GRAM_MIN_DIM, gram
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5])
+def test_the_blocked_symmetric_gram_equals_the_full_product(blocks):
+    from dopr.statistics import gram
 
-    z = torch.randn(50, SYMMETRIC_GRAM_MIN_DIM + 3, dtype=torch.float64)
-    assert torch.allclose(gram(z), z.T @ z, rtol=1e-12, atol=1e-10)
-    layer = nn.Linear(SYMMETRIC_GRAM_MIN_DIM + 3, 4)
-    x = torch.randn(700, SYMMETRIC_GRAM_MIN_DIM + 3)
+    z = torch.randn(50, 131, dtype=torch.float64)  # 131 columns: the last block is narrower
+    torch.testing.assert_close(gram(z, blocks), z.T @ z, rtol=1e-12, atol=1e-10)
+
+
+def test_symmetric_gram_of_wide_activations_equals_the_full_product():
+    from dopr.statistics import gram_blocks
+
+    assert gram_blocks(700, 1027) == 4 and gram_blocks(4096, 257) == 2 and gram_blocks(256, 349) == 1
+    layer = nn.Linear(1027, 4)
+    x = torch.randn(700, 1027)
     before, after, _ = _grads_before_and_after(layer, x)
     g = torch.cat([before["weight"], before["bias"][:, None]], 1)
     m = ap_reference(g, with_ones(x), GAMMA)
