@@ -392,15 +392,7 @@ class DoPr(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         sd = self.base.state_dict()
-        sd["dopr"] = {
-            "step": self._step,
-            "warmed": self._warmed,
-            "grad_ema": self._grad_ema.state_dict(),
-            "precond_ema": self._precond_ema.state_dict(),
-            "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
-            "counts": dict(self._counts),
-            "options": dict(self.options),
-        }
+        sd["dopr"] = self.ap_state_dict()
         for hook in self._optimizer_state_dict_post_hooks.values():
             out = hook(self, sd)
             sd = sd if out is None else out
@@ -414,23 +406,69 @@ class DoPr(torch.optim.Optimizer):
         ours = state_dict.pop("dopr", None)
         if ours is None:
             raise ValueError("state_dict has no 'dopr' entry: it was not saved from a DoPr optimizer")
+        self.base.load_state_dict(state_dict)
+        self.load_ap_state_dict(ours)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def ap_state_dict(self) -> dict:
+        """The AP's own state (what ``state_dict()["dopr"]`` holds): step, EMA buffers, cached
+        inverses, counters, options. Under FSDP2 the gradient EMA buffers are gathered to whole
+        matrices (a collective: every rank must call it, as for FSDP's full state dicts). With
+        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
+        add this entry: that function keeps only "state" and "param_groups"."""
+        return {
+            "step": self._step,
+            "warmed": self._warmed,
+            "grad_ema": {k: {"t": v["t"], "g": self._grad_ema_whole(k, v["g"])}
+                         for k, v in self._grad_ema.state_dict().items()},
+            "precond_ema": self._precond_ema.state_dict(),
+            "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
+            "counts": dict(self._counts),
+            "options": dict(self.options),
+        }
+
+    def load_ap_state_dict(self, ours: dict) -> None:
+        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs)."""
         differ = {k: (v, self.options.get(k)) for k, v in ours.get("options", {}).items()
                   if k in self.options and self.options[k] != v}
         if differ:
             warnings.warn("DoPr.load_state_dict: the checkpoint was saved with other AP options: "
                           + ", ".join(f"{k}={a!r} (this optimizer: {b!r})" for k, (a, b) in sorted(differ.items()))
                           + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
-                          stacklevel=2)
-        self.base.load_state_dict(state_dict)
+                          stacklevel=3)
         self._step = ours["step"]
         self._warmed = ours.get("warmed", self.options["warmup_steps"])  # older checkpoints: past any warm-up
-        self._grad_ema.load_state_dict(ours["grad_ema"])
+        self._grad_ema.load_state_dict({k: {"t": v["t"], "g": self._grad_ema_local(k, v["g"])}
+                                        for k, v in ours["grad_ema"].items()})
         self._precond_ema.load_state_dict(ours["precond_ema"])
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
         self._counts = defaultdict(int, ours["counts"])
         self._capture.collecting = self.collecting
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+
+    def _sharded_axis(self, name: str):
+        """For a sharded layer: (weight, the gradient matrix's axis that its shards split, matrix
+        rows or columns per weight row); else None."""
+        helper = next((l.helper for l in self._capture.layers if l.helper.name == name), None)
+        w = getattr(helper.module, "weight", None) if helper is not None else None
+        if not sharding.is_sharded(w):
+            return None
+        return w, (1 if helper.local_columns() is not None else 0), helper.rows_per_weight_row
+
+    def _grad_ema_whole(self, name: str, g: Tensor) -> Tensor:
+        found = self._sharded_axis(name)
+        if found is None:
+            return g
+        w, axis, mult = found
+        return _from_weight_rows(sharding.gather_rows(_to_weight_rows(g, axis, mult), w), g.shape[1 - axis], axis)
+
+    def _grad_ema_local(self, name: str, g: Tensor) -> Tensor:
+        found = self._sharded_axis(name)
+        if found is None:
+            return g
+        w, axis, mult = found
+        first, stop = sharding.row_range(w)
+        return _from_weight_rows(_to_weight_rows(g, axis, mult)[first:stop], g.shape[1 - axis], axis)
 
     def close(self) -> None:
         """Remove the forward hooks; the model is left as it was before DoPr."""
@@ -461,6 +499,15 @@ class DoPr(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_weight_rows(g: Tensor, axis: int, mult: int) -> Tensor:
+    """A gradient-matrix-shaped buffer as (weight rows, rest): the layout FSDP2 shards."""
+    return g.movedim(axis, 0).reshape(-1, mult * g.shape[1 - axis])
+
+
+def _from_weight_rows(rows: Tensor, other: int, axis: int) -> Tensor:
+    return rows.reshape(-1, other).movedim(0, axis).contiguous()
 
 
 def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:

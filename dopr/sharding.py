@@ -83,3 +83,12 @@ def norm(local_t: Tensor, like: Tensor) -> Tensor:
     whole = DTensor.from_local(local_t, like.device_mesh, like.placements, run_check=False,
                                shape=like.shape, stride=like.stride())
     return whole.norm().full_tensor()
+
+
+def gather_rows(local_rows_t: Tensor, like: Tensor) -> Tensor:
+    """The whole (rows, cols) matrix whose rows this rank holds as ``local_rows_t``, split over the
+    ranks as ``like``'s rows are (one all-gather)."""
+    cols = local_rows_t.shape[1]
+    whole = DTensor.from_local(local_rows_t.contiguous(), like.device_mesh, like.placements, run_check=False,
+                               shape=torch.Size((like.shape[0], cols)), stride=(cols, 1))
+    return whole.full_tensor()

@@ -13,9 +13,10 @@ from torch import nn
 import dopr
 from dopr import DoPr
 
-NAMES = ("dopr_sgd", "dopr_adamw", "dopr_signum", "dopr_muon", "dopr_adamuon", "muon")
+NAMES = ("dopr_sgd", "dopr_adamw", "dopr_signum", "dopr_muon", "dopr_adamuon", "muon", "dopr_adamw_ema")
 KWARGS = {"dopr_sgd": dict(lr=0.1, momentum=0.9), "dopr_adamw": dict(lr=1e-2), "dopr_signum": dict(lr=1e-2),
-          "dopr_muon": dict(lr=2e-2), "dopr_adamuon": dict(lr=2e-2), "muon": dict(lr=2e-2)}
+          "dopr_muon": dict(lr=2e-2), "dopr_adamuon": dict(lr=2e-2), "muon": dict(lr=2e-2),
+          "dopr_adamw_ema": dict(lr=1e-2, grad_ema=0.9)}  # gradient EMA buffers: sharded state
 
 
 def _model():
@@ -31,7 +32,7 @@ def _data():
 
 def _optimizer(model, name):
     ap = dict(damping=1e-3) if name.startswith("dopr_") else {}
-    return dopr.build(model, name, weight_decay=0.01, **KWARGS[name], **ap)
+    return dopr.build(model, name.removesuffix("_ema"), weight_decay=0.01, **KWARGS[name], **ap)
 
 
 def _train(model, opt, x, y, steps=3):
@@ -59,6 +60,14 @@ def _worker(rank, world, init_file, out):
         params = [p.full_tensor().detach().clone() for p in model.parameters()]
         result[name] = {"params": params, "local_rows": [p.to_local().shape[0] for p in model.parameters()],
                         "preconditioned": opt.stats()["preconditioned"] if isinstance(opt, DoPr) else None}
+        if isinstance(opt, DoPr):  # the AP state as whole tensors (all ranks gather), and back to rows
+            ap = opt.ap_state_dict()
+            fresh = _optimizer(model, name)
+            fresh.load_ap_state_dict(ap)
+            mine = {k: v["g"] for k, v in opt._grad_ema.buffers.items()}
+            result[name]["grad_ema"] = {k: v["g"] for k, v in ap["grad_ema"].items()}
+            result[name]["reloaded_rows_equal"] = all(
+                torch.equal(fresh._grad_ema.buffers[k]["g"], g) for k, g in mine.items())
     if rank == 0:
         torch.save(result, out)
     dist.destroy_process_group()
@@ -86,6 +95,12 @@ def test_fsdp2_two_ranks_equal_one_process_with_the_whole_batch(sharded, name):
     _train(model, opt, x, y)
     for p, q in zip(model.parameters(), got["params"]):
         torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
+    if name == "dopr_adamw_ema":  # the saved EMA buffers are the whole ones; reloading keeps each rank's rows
+        whole = {k: v["g"] for k, v in opt.ap_state_dict()["grad_ema"].items()}
+        assert sorted(got["grad_ema"]) == sorted(whole) == ["0", "1", "3", "5"]
+        for k, g in whole.items():
+            torch.testing.assert_close(got["grad_ema"][k], g, rtol=1e-10, atol=1e-12)
+        assert got["reloaded_rows_equal"]
 
 
 def test_fsdp1_and_deepspeed_zero3_are_refused_with_what_to_use():

@@ -29,6 +29,8 @@ class LayerHelper:
     """
 
     mode: str = "?"
+    #: rows of the gradient matrix per row of the weight (its dim 0, what FSDP2 shards)
+    rows_per_weight_row: int = 1
 
     def __init__(self, module: nn.Module, name: str, homogeneous: bool = True) -> None:
         self.module = module

@@ -136,6 +136,8 @@ class Conv2dSUAHelper(LayerHelper):
 
     def __init__(self, module, name, homogeneous=True):
         super().__init__(module, name, homogeneous=False)
+        kh, kw = module.kernel_size
+        self.rows_per_weight_row = kh * kw  # rows (C_out, kh, kw): each output channel's kernel offsets
 
     def input_dim(self) -> int:
         return self.module.in_channels

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import dopr
+
 from experiments.common.checkpoint import TrainingState
 from experiments.common.distributed import (all_reduce_sum, gradient_sync, initialized, unwrap, world,
                                             wrap_ddp)
@@ -135,8 +137,12 @@ def trainable_state(model, opt, sharded: bool) -> tuple:
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        # that function keeps only "state" and "param_groups": DoPr's own entry is added beside the GP's
         o = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return full_trainable_params(model), get_optimizer_state_dict(model, opt, options=o)
+        osd = get_optimizer_state_dict(model, getattr(opt, "base", opt), options=o)
+        if isinstance(opt, dopr.DoPr):
+            osd["dopr"] = opt.ap_state_dict()
+        return full_trainable_params(model), osd
     params = {n: p.detach().clone() for n, p in unwrap(model).named_parameters() if p.requires_grad}
     return params, opt.state_dict()
 
@@ -171,7 +177,13 @@ def load_trainable_state(model, opt, params: dict, opt_state: dict, sharded: boo
 
         o = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, params, options=o)
-        set_optimizer_state_dict(model, opt, opt_state, options=o)
+        opt_state = dict(opt_state)
+        ap_state = opt_state.pop("dopr", None)
+        set_optimizer_state_dict(model, getattr(opt, "base", opt), opt_state, options=o)
+        if isinstance(opt, dopr.DoPr):
+            if ap_state is None:
+                raise ValueError("the checkpoint's optimizer state has no 'dopr' entry: it was not saved by DoPr")
+            opt.load_ap_state_dict(ap_state)
         return
     missing = unwrap(model).load_state_dict(params, strict=False).unexpected_keys
     if missing:
