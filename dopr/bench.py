@@ -191,6 +191,9 @@ def step_flops_and_vectors(model, x, y, loss_fn):
             rows = m.out_features if isinstance(m, nn.Linear) else m.out_channels
             hooks.append(m.register_forward_hook(
                 lambda m, i, o, name=name, rows=rows: vectors.__setitem__(name, o.numel() // rows)))
+        if isinstance(m, nn.Conv2d):  # SUA: its covariance is over input pixels, N H W of them
+            hooks.append(m.register_forward_hook(
+                lambda m, i, o, name=name: vectors.__setitem__((name, "in"), i[0].numel() // m.in_channels)))
     with flop_counter.FlopCounterMode(display=False, custom_mapping=SDPA_CPU) as counter:
         loss_fn(model(x), y).backward()
     for h in hooks:
@@ -200,13 +203,19 @@ def step_flops_and_vectors(model, x, y, loss_fn):
 
 
 def overhead_flops(opt, model, vectors, k):
-    """The paper's per-step AP FLOPs over the dense (linear / im2col) preconditioned layers."""
+    """The paper's per-step AP FLOPs over the dense (linear / im2col) preconditioned layers; a
+    Conv2d under SUA counts its channel covariance over input pixels, C_in^3 / 3, and the solve of
+    its (C_out kh kw) x C_in gradient."""
     modules, total = dict(model.named_modules()), 0.0
     for e in opt.coverage():
-        if e.status == "preconditioned" and e.mode not in ("embedding-diagonal", "conv2d-sua"):
-            m, d = modules[e.name], e.dim
-            d_out = m.out_channels if isinstance(m, nn.ConvTranspose1d) else m.weight.shape[0]
-            total += (vectors[e.name] * d * d + d ** 3 / 3) / k + 2 * d * d * d_out
+        if e.status != "preconditioned" or e.mode == "embedding-diagonal":
+            continue
+        m, d = modules[e.name], e.dim
+        if e.mode == "conv2d-sua":
+            n, d_out = vectors[(e.name, "in")], m.out_channels * m.kernel_size[0] * m.kernel_size[1]
+        else:
+            n, d_out = vectors[e.name], (m.out_channels if isinstance(m, nn.ConvTranspose1d) else m.weight.shape[0])
+        total += (n * d * d + d ** 3 / 3) / k + 2 * d * d * d_out
     return total
 
 
@@ -337,7 +346,8 @@ NOTES = """\
 Notes: R_model counts every preconditioned nn.Linear / Conv1d / ConvTranspose1d on its own; q, k, v
 read one tensor and DoPr shares one covariance and one factorisation among them, which the paper's
 model (no sharing) does not, so R_model over-counts the transformer's attention inputs. The
-embedding's diagonal AP (O(N + vocab*d)) is left out of R_model. For k>1 rows R_model divides the
+embedding's diagonal AP (O(N + vocab*d)) is left out of R_model; a Conv2d under SUA counts its
+C_in x C_in covariance over the input pixels. For k>1 rows R_model divides the
 covariance and factorisation terms by k (the cached inverse is still applied every step), and t is
 the amortised ((k-1) median(other steps) + median(refresh steps)) / k. FLOPs count a multiply-add as 2,
 as the paper's N d^2 (symmetric X^T X) and 2 d^2 d_out (two triangular solves) do; CPU attention is

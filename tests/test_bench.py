@@ -29,3 +29,14 @@ def test_the_smoke_mode_reports_rows_cost_model_memory_and_targets(tmp_path):
     # the MLP's exact-AP cost model: 4 dense layers, N d^2 + d^3/3 + 2 d^2 d_out each, over 0.30 GFLOP
     assert float(table[1][4]) == 1.82
     assert "mlp/dopr_adamw: R = " in text and ("-> PASS" in text or "-> FAIL" in text)
+
+
+def test_the_cost_model_counts_a_sua_conv2d_over_its_input_pixels():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    x = torch.randn(16, 3, 8, 8)
+    opt = bench.dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), conv2d="sua")
+    _, vectors = bench.step_flops_and_vectors(model, x, None, lambda out, _: out.square().mean())
+    conv = 16 * 8 * 8 * 3 ** 2 + 3 ** 3 / 3 + 2 * 3 ** 2 * (4 * 3 * 3)     # N H W C_in^2 + C_in^3/3 + 2 C_in^2 C_out k^2
+    linear = 16 * 145 ** 2 + 145 ** 3 / 3 + 2 * 145 ** 2 * 2               # N d^2 + d^3/3 + 2 d^2 d_out
+    assert bench.overhead_flops(opt, model, vectors, 1) == conv + linear

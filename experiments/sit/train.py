@@ -199,6 +199,7 @@ def run(cfg, run) -> dict:
     ema = WeightEMA(model, t.ema_decay)          # copied before the optimizer hooks the model
     opt = run.build_optimizer(model)
     ddp = wrap_ddp(model, device)
+    net = torch.compile(ddp) if t.compile else ddp   # the training forward; no_sync stays on ddp
     sched = build_schedule(opt, t.schedule, t.steps, t.warmup_frac, t.min_lr_factor)
     transport = Transport(t.path)
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1000 + rank)
@@ -241,7 +242,7 @@ def run(cfg, run) -> dict:
             x1 = to_x1(x, gen, device)
             with gradient_sync(ddp, i == t.grad_accum - 1):   # DDP all-reduces on the last micro-batch
                 with autocast(t, device):
-                    loss = transport.loss(ddp, x1, y.to(device), gen) / t.grad_accum
+                    loss = transport.loss(net, x1, y.to(device), gen) / t.grad_accum
                 loss.backward()
             total += loss.item()
         if t.grad_clip_norm:
