@@ -244,11 +244,12 @@ def tensor_bytes(obj):
 class Row:
     """One optimizer (k = 0: the GP alone, else DoPr with precond_every=k) on its own model copy."""
 
-    def __init__(self, task, gp, k, device):
+    def __init__(self, task, gp, k, device, compile_model=False):
         self.label = gp if k == 0 else f"dopr_{gp}" + (f" k={k}" if k > 1 else "")
         self.k, self.cuda = max(k, 1), device == "cuda"
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
         self.model, self.x, self.y, self.loss_fn = make_task(task, device)
+        self.forward = torch.compile(self.model) if compile_model else self.model
         kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1]} if k else {}
         self.opt = dopr.build(self.model, f"dopr_{gp}" if k else gp, lr=1e-3, **kw)
         self.refresh, self.other, self.spent, self.transient = [], [], 0.0, 0
@@ -269,7 +270,7 @@ class Row:
             torch.cuda.reset_peak_memory_stats()
             mem0 = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        self.loss_fn(self.model(self.x), self.y).backward()
+        self.loss_fn(self.forward(self.x), self.y).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.cuda:
@@ -311,7 +312,7 @@ def bench_model(name, args, every):
     del model, x, y
     for gp in args.gps:
         print(f"[bench] {name}: {gp} and its DoPr variants ...", file=sys.stderr, flush=True)
-        rows = [Row(name, gp, k, args.device) for k in [0] + every]
+        rows = [Row(name, gp, k, args.device, args.compile) for k in [0] + every]
         while not all(r.done(args.repeats, args.budget) for r in rows):
             for r in rows:  # every row steps every round, so all rows sample the same time window
                 r.step()
@@ -407,6 +408,7 @@ def main(argv=None, command=None):
     p.add_argument("--precond-every", default="1,10", help="k of the DoPr rows")
     p.add_argument("--budget", type=float, default=15.0, help="seconds per row before timing stops early")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
+    p.add_argument("--compile", action="store_true", help="torch.compile every row's model (DoPr's capture in its graph)")
     p.add_argument("--smoke", action="store_true", help="the MLP, 3 steps a row, k=1,2: does it run (seconds)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -420,7 +422,8 @@ def main(argv=None, command=None):
              f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, "
              f"torch {torch.__version__}, "
              f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, "
-             f"repeats {args.repeats}, budget {args.budget:g} s per row", ""]
+             f"repeats {args.repeats}, budget {args.budget:g} s per row"
+             + (", every model torch.compile'd (compilation in the 2 untimed warm-up steps)" if args.compile else ""), ""]
     results = {}
     for name in args.models.split(","):
         header, rows = bench_model(name, args, every)

@@ -246,14 +246,18 @@ class ActivationCapture:
 
 
 def _retrace_compiled() -> bool:
-    """torch.compile does not guard on module hooks, so a model compiled and run before these hooks
-    existed would go on running graphs without them. When dynamo has compiled anything in this
-    process, drop its compiled code: every compiled function retraces once, on its next call (the
-    graphs are not lost, only rebuilt). Returns whether it did."""
+    """Make torch.compile see these hooks. Dynamo does not guard on module hooks by default
+    (``skip_nnmodule_hook_guards``): a graph traced for a model without DoPr's hooks (compiled and
+    run before DoPr existed, or another instance of the same class) would be reused for the hooked
+    model and gather nothing. Turn those guards on (process-wide: a hooked module then never runs a
+    hook-less graph) and, when dynamo has compiled anything in this process, drop its compiled code:
+    every compiled function retraces once, on its next call. Returns whether code was dropped."""
     try:
+        import torch._dynamo
         from torch._dynamo import convert_frame
     except Exception:  # pragma: no cover - a torch without dynamo
         return False
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
     if not any(ref() is not None for ref in convert_frame.input_codes.seen):
         return False
     torch._dynamo.reset_code_caches()

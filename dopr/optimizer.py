@@ -317,7 +317,9 @@ class DoPr(torch.optim.Optimizer):
         if self._no_forward:
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
                             "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is a model "
-                            "left in eval() mode, whose forwards gather no statistics: call model.train()")
+                            "left in eval() mode, whose forwards gather no statistics: call model.train() (or a "
+                            "torch.compile'd forward traced before DoPr's hooks existed with "
+                            "torch._dynamo.config.skip_nnmodule_hook_guards set back to True)")
         bad = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
         members = defaultdict(list)
         for layer in self._capture.layers:

@@ -90,3 +90,14 @@ def test_dopr_built_after_the_model_was_compiled_and_run_still_captures():
     opt.zero_grad()
     compiled(x).sum().backward()
     assert opt.pending_samples() == {"0": 72.0, "1": 72.0, "3": 72.0, "5": 72.0}
+
+
+def test_a_graph_compiled_for_an_unhooked_instance_is_not_reused_for_the_hooked_one():
+    """Dynamo skips module-hook guards by default: the graph of a plain instance of the same class
+    (a baseline, an evaluation copy) ran for DoPr's model and it gathered nothing."""
+    model, plain = _model(), _model()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, _ = _data()
+    torch.compile(plain, backend="aot_eager")(x).sum().backward()   # compiled after DoPr: no reset helps
+    torch.compile(model, backend="aot_eager")(x).sum().backward()
+    assert opt.pending_samples() == {"0": 72.0, "1": 72.0, "3": 72.0, "5": 72.0}
