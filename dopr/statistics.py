@@ -176,12 +176,10 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
     GEMM per block row, (b + 1) / 2b of the FLOPs), the rest mirrored. ``blocks=0``: by gram_blocks.
     ``out``: a (d, d) view to write into (the top-left block of the homogeneous statistics: no copy)."""
     n, d = z.shape
-    if torch.compiler.is_compiling():  # out= into views breaks dynamo's graph; inductor plans memory itself
-        if out is None:
-            return z.T @ z
-        out.copy_(z.T @ z)
-        return out
     b = blocks or gram_blocks(n, d)
+    if torch.compiler.is_compiling():  # out= into views breaks dynamo's graph: assemble the blocks
+        full = _gram_assembled(z, b)
+        return full if out is None else out.copy_(full)
     if out is None:
         out = torch.empty(d, d, dtype=z.dtype, device=z.device)
     if b == 1:
@@ -193,6 +191,23 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
     for i in range(0, d - h, h):
         out[i + h:, i:i + h] = out[i:i + h, i + h:].T
     return out
+
+
+def _gram_assembled(z: Tensor, b: int) -> Tensor:
+    """:func:`gram` without ``out=``: the block rows on and above the diagonal, the rest their
+    transposes, concatenated (what a compiled graph can hold)."""
+    d = z.shape[1]
+    if b == 1:
+        return z.T @ z
+    h = -(-d // b)
+    starts = list(range(0, d, h))
+    upper = [z[:, i:i + h].T @ z[:, i:] for i in starts]   # block row i: columns i..d-1
+    rows = []
+    for bi, i in enumerate(starts):
+        hi = upper[bi].shape[0]
+        left = [upper[bj][:, i - j:i - j + hi].T for bj, j in enumerate(starts[:bi])]
+        rows.append(torch.cat(left + [upper[bi]], dim=1))
+    return torch.cat(rows, dim=0)
 
 
 def dense_statistics(z: Tensor, homogeneous: bool) -> DenseCovariance:

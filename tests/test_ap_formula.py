@@ -164,8 +164,11 @@ def test_lora_adapters_are_preconditioned_and_the_base_is_skipped():
 def test_the_blocked_symmetric_gram_equals_the_full_product(blocks):
     from dopr.statistics import gram
 
+    from dopr.statistics import _gram_assembled
+
     z = torch.randn(50, 131, dtype=torch.float64)  # 131 columns: the last block is narrower
     torch.testing.assert_close(gram(z, blocks), z.T @ z, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(_gram_assembled(z, blocks), z.T @ z, rtol=1e-12, atol=1e-10)  # the compiled form
 
 
 def test_symmetric_gram_of_wide_activations_equals_the_full_product():

@@ -101,3 +101,20 @@ def test_a_graph_compiled_for_an_unhooked_instance_is_not_reused_for_the_hooked_
     torch.compile(plain, backend="aot_eager")(x).sum().backward()   # compiled after DoPr: no reset helps
     torch.compile(model, backend="aot_eager")(x).sum().backward()
     assert opt.pending_samples() == {"0": 72.0, "1": 72.0, "3": 72.0, "5": 72.0}
+
+
+def test_a_wide_layer_compiles_its_blocked_gram_and_matches_eager():
+    from dopr.statistics import gram_blocks
+
+    x = torch.randn(1024, 256, generator=torch.Generator().manual_seed(2))
+    assert gram_blocks(1024, 256) == 2          # the blocked symmetric product, not one GEMM
+    sums = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        layer = nn.Linear(256, 8)
+        opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+        forward = torch.compile(layer, backend="aot_eager", fullgraph=True) if mode == "compiled" else layer
+        forward(x).sum().backward()
+        sums[mode] = opt._capture.groups([""]).popitem()[1].sums[0]   # the root module is the layer ""
+    torch.testing.assert_close(sums["compiled"], sums["eager"], rtol=1e-6, atol=1e-3)
+    assert torch._dynamo.explain(layer)(x).graph_break_count == 0
