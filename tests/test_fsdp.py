@@ -108,3 +108,37 @@ def test_fsdp1_and_deepspeed_zero3_are_refused_with_what_to_use():
     model[0].weight.ds_id = 7  # how DeepSpeed ZeRO-3 marks a partitioned parameter
     with pytest.raises(ValueError, match="DeepSpeed ZeRO-3.*FSDP2"):
         DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _compiled_worker(rank, world, init_file, out):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = _model()
+    for i in (0, 1, 3):
+        fully_shard(model[i])
+    fully_shard(model)
+    opt = _optimizer(model, "dopr_adamw")
+    x, y = _data()
+    half = slice(rank * 20, (rank + 1) * 20)
+    _train(torch.compile(model, backend="aot_eager"), opt, x[half], y[half])
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    if rank == 0:
+        torch.save({"params": params, "preconditioned": opt.stats()["preconditioned"]}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_with_a_compiled_forward_equals_one_eager_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_compiled_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        got = torch.load(out)
+    assert got["preconditioned"] == 3 * 4
+    model = _model()
+    opt = _optimizer(model, "dopr_adamw")
+    x, y = _data()
+    _train(model, opt, x, y)
+    for p, q in zip(model.parameters(), got["params"]):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
