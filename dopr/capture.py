@@ -18,8 +18,9 @@ hands the sums to per-layer *probe* leaves as their gradient. Autograd accumulat
 ``probe.grad`` exactly when the output is backpropagated (micro-batches add up, a forward that is
 never backpropagated adds nothing) with no Python in the graph: no graph break, no guard that changes
 from step to step, ``fullgraph=True`` works. A probe is a one-element leaf strided to the sums'
-shape, so it costs no memory between steps. Compiled layers that read one input each keep their
-own copy of its statistics (same values, factored separately).
+shape, so it costs no memory between steps. Compiled layers that read one input (q, k, v) hand over
+equal statistics; at the step, equal statistics of layers that may share (same share key, count and
+entries) are merged, so they are factored once, as in eager.
 """
 from __future__ import annotations
 
@@ -200,13 +201,24 @@ class ActivationCapture:
         found = [(layer, probes) for layer, probes in zip(self.layers, self.probes) if probes[-1].grad is not None]
         if not found:
             return
-        counts = torch.stack([probes[-1].grad.reshape(()).to(torch.float64) for _, probes in found]).tolist()
-        for (layer, probes), count in zip(found, counts):
+        # one host transfer: each layer's count and a fingerprint (the sum of its first statistic)
+        keys = torch.stack([torch.stack([probes[-1].grad.reshape(()).to(torch.float64),
+                                         probes[0].grad.sum().to(torch.float64)]) for _, probes in found]).tolist()
+        seen = []   # (share key, count, fingerprint, stat, cid) of the statistics committed so far
+        for (layer, probes), (count, fingerprint) in zip(found, keys):
             kind = layer.helper.statistic_type(self.statistic)
             stat = kind(tuple(p.grad for p in probes[:-1]), count)
             for p in probes:
                 p.grad = None
-            self.commit_stat(layer, stat, next(self._cid))
+            share = layer.helper.share_key
+            twin = next((c for c in seen if share is not None and c[:3] == (share, count, fingerprint)
+                         and all(torch.equal(a, b) for a, b in zip(c[3].sums, stat.sums))), None)
+            if twin is not None:   # q, k, v of one input: the same statistics, one factorisation (as eager)
+                self.commit_stat(layer, twin[3], twin[4])
+                continue
+            cid = next(self._cid)
+            seen.append((share, count, fingerprint, stat, cid))
+            self.commit_stat(layer, stat, cid)
 
     def commit_stat(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
         if layer.stat is None:

@@ -118,3 +118,31 @@ def test_a_wide_layer_compiles_its_blocked_gram_and_matches_eager():
         sums[mode] = opt._capture.groups([""]).popitem()[1].sums[0]   # the root module is the layer ""
     torch.testing.assert_close(sums["compiled"], sums["eager"], rtol=1e-6, atol=1e-3)
     assert torch._dynamo.explain(layer)(x).graph_break_count == 0
+
+
+class _QKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x)
+        return self.o(a)
+
+
+def test_compiled_q_k_v_share_one_factorisation_as_in_eager():
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = _QKV()
+        opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if mode == "compiled" else model
+        for _ in range(2):
+            opt.zero_grad()
+            forward(x).square().sum().backward()
+            opt.step()
+        out[mode] = (opt.stats()["factorizations"], [p.detach().clone() for p in model.parameters()])
+    assert out["compiled"][0] == out["eager"][0] == 2 * 2   # per step: {q, k, v} and o
+    for p, q in zip(out["eager"][1], out["compiled"][1]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
