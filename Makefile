@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test demo bench experts bc
+.PHONY: setup test test-kernels demo bench experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,14 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(PY) -m pytest -q
+
+# The numerically sensitive tests (marker `numerics`) again under other CPU kernels: ATen's portable
+# (non-AVX) kernels and MKL's conditional-numerical-reproducibility path, which change the summation
+# order of reductions, GEMMs and factorisations (bit patterns measured to differ on an AMD EPYC). A
+# tolerance tuned to one machine's rounding fails here. About 1 minute on 2 cores.
+KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+test-kernels: setup
+	$(KERNELS) $(PY) -m pytest -q -m numerics
 
 DEMO := multirun/demo
 demo: setup

@@ -5,6 +5,8 @@ from torch import nn
 
 from dopr import DoPr
 from reference import (ap_reference, conv1d_patches, conv2d_patches, conv_transpose1d_patches,
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
                        with_ones)
 
 GAMMA = 1e-3

@@ -10,6 +10,8 @@ from torch import nn
 
 from dopr import DoPr
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 
 def _model():
     torch.manual_seed(0)

@@ -13,6 +13,8 @@ from torch import nn
 import dopr
 from dopr import DoPr
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 NAMES = ("dopr_sgd", "dopr_adamw", "dopr_signum", "dopr_muon", "dopr_adamuon", "muon", "dopr_adamw_ema")
 KWARGS = {"dopr_sgd": dict(lr=0.1, momentum=0.9), "dopr_adamw": dict(lr=1e-2), "dopr_signum": dict(lr=1e-2),
           "dopr_muon": dict(lr=2e-2), "dopr_adamuon": dict(lr=2e-2), "muon": dict(lr=2e-2),

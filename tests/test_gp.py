@@ -8,6 +8,8 @@ from torch import nn
 from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, route_matrix_params
 from dopr.gp.newton_schulz import newton_schulz5
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 GP_NAMES = ["sgd", "adamw", "muon", "signum", "adamuon"]
 
 

@@ -1,11 +1,14 @@
 """The paper's theory, through the library: affine invariance and the feature-learning worked example."""
 import math
 
+import pytest
 import torch
 from torch import nn
 
 from dopr import DoPr
 from dopr.gp import SGD
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
 
 
 def _mlp(width=64):

@@ -9,6 +9,8 @@ from torch import nn
 import dopr
 from dopr import solvers
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 
 @pytest.mark.parametrize("damping", [1e-2, 1e-4, 1e-6])
 def test_newton_schulz_inverse_matches_the_cholesky_solve(damping):

@@ -10,6 +10,8 @@ import dopr
 from dopr import DoPr
 from reference import ap_reference, with_ones
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 
 def _mlp(d_in=6, width=16, d_out=3):
     return nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, d_out))

@@ -7,6 +7,8 @@ from torch.utils.checkpoint import checkpoint
 from dopr import DoPr
 from reference import ap_reference, with_ones
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 
 class Net(nn.Module):
     def __init__(self, ckpt=None):

@@ -6,6 +6,8 @@ from torch import nn
 
 import dopr
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
 
 def _model(seed=0):
     torch.manual_seed(seed)
