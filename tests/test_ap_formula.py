@@ -5,9 +5,9 @@ from torch import nn
 
 from dopr import DoPr
 from reference import (ap_reference, conv1d_patches, conv2d_patches, conv_transpose1d_patches,
+                       with_ones)
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
-                       with_ones)
 
 GAMMA = 1e-3
 
