@@ -1,12 +1,19 @@
 """Activation capture: forward hooks on the preconditioned layers that gather, for each optimizer
 step, the statistics of exactly the forwards whose gradients that step receives.
 
-Statistics come from forward hooks but are committed only when the gradient reaches the layer's
-operation in backward (a pre-hook on its autograd node): a forward counts iff it is backpropagated. Eval-mode and no-grad forwards never
-count, micro-batches accumulate, and under activation checkpointing the recomputed forward is not
-counted again (non-reentrant: its output is never backpropagated; reentrant: the first forward runs
-without grad). Layers that read the very same input tensor (q, k, v projections) share one
-statistics computation, and then one factorisation.
+Statistics follow the gradient they belong to. A forward's statistics are offered when the gradient
+reaches the layer's operation in backward (a pre-hook on its autograd node), and they count only when
+that same backward pass (autograd graph task) accumulates the layer's weight gradient (a
+post-accumulate-grad hook on the weight). So a backward that asks only for input gradients
+(``torch.autograd.grad`` w.r.t. the input: adversarial attacks, saliency) adds nothing, a forward run
+again by a double backward counts once, and eval-mode and no-grad forwards never count. Clearing the
+weight's gradient by any means (``opt.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``, an
+in-place zero) drops the statistics gathered for it: the check runs before the next accumulation
+(the gradient is None, or it was changed in place since the last accumulation and is now all zero).
+Micro-batches accumulate, and under activation checkpointing the recomputed forward is not counted
+again (non-reentrant: its output is never backpropagated; reentrant: the first forward runs without
+grad). Layers that read the very same input tensor (q, k, v projections) share one statistics
+computation, and then one factorisation.
 
 The hooks hold the capture weakly: a deleted optimizer leaves inert hooks, and a deep-copied or
 pickled model gets inert copies of them.
@@ -15,12 +22,15 @@ Under ``torch.compile`` the hook is traced into the graph, where Python side eff
 hook, the dict of shared captures) would break it. There the statistics travel through autograd
 instead: the hook returns ``_Tap(output, probes, sums)``, the identity on the output, whose backward
 hands the sums to per-layer *probe* leaves as their gradient. Autograd accumulates them into
-``probe.grad`` exactly when the output is backpropagated (micro-batches add up, a forward that is
-never backpropagated adds nothing) with no Python in the graph: no graph break, no guard that changes
-from step to step, ``fullgraph=True`` works. A probe is a one-element leaf strided to the sums'
-shape, so it costs no memory between steps. Compiled layers that read one input (q, k, v) hand over
-equal statistics; at the step, equal statistics of layers that may share (same share key, count and
-entries) are merged, so they are factored once, as in eager.
+``probe.grad`` exactly when the output is backpropagated, with no Python in the graph: no graph
+break, no guard that changes from step to step, ``fullgraph=True`` works. A post-accumulate hook on
+the probes moves what they received into the same per-backward offer as eager's, so the same rule
+decides what counts. A probe is a one-element leaf strided to the sums' shape, so it costs no memory
+between steps. Compiled layers that read one input (q, k, v) hand over equal statistics; at the
+step, equal statistics of layers that may share (same share key, count and entries) are merged, so
+they are factored once. Which layers share is thus decided per step by identity (eager) or equal
+values (compiled); the optimizer keeps a layer's statistics EMA shared only while the layers have
+shared every step (see ``DoPr``), so the two rules give the same result.
 """
 from __future__ import annotations
 
@@ -36,10 +46,28 @@ from . import sharding
 from .statistics import ActivationStatistics, statistics_dtype
 
 
+def _graph_task() -> int:
+    """The autograd graph task (one backward or autograd.grad call) now running, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass (checkpoint recomputation). Only an
     optimisation: correctness comes from committing statistics when the output is backpropagated."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task() != -1
+
+
+class _ParamHook:
+    """A weight's (or probe's) gradient hook that holds the capture weakly (see _ForwardHook)."""
+
+    def __init__(self, capture: "ActivationCapture", index: int, method: str) -> None:
+        self.capture, self.index, self.method = weakref.ref(capture), index, method
+
+    def __call__(self, arg):
+        capture = self.capture()
+        if capture is not None:
+            getattr(capture, self.method)(self.index)
+        return None
 
 
 class _Capture:
@@ -124,7 +152,7 @@ def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
-    __slots__ = ("helper", "stat", "owned", "sig")
+    __slots__ = ("helper", "stat", "owned", "sig", "offers", "snap", "confirmed_task", "compiled")
 
     def __init__(self, helper) -> None:
         self.helper = helper
@@ -134,6 +162,10 @@ class LayerRecord:
         self.stat: Optional[ActivationStatistics] = None
         self.owned = False  # False while `stat` is the shared capture's object (copy on second add)
         self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma
+        self.offers: list = []  # (graph task, cid, statistics) offered in backward, not yet counted
+        self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
+        self.confirmed_task = None  # the graph task whose accumulation counted last
+        self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
 
 
 class ActivationCapture:
@@ -147,6 +179,13 @@ class ActivationCapture:
         self._cid = itertools.count()
         self.probes = [self._probes(h) for h in helpers]  # compiled forwards (see the module docstring)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
+        for i, h in enumerate(helpers):
+            w = h.module.weight
+            if not sharding.is_sharded(w):  # FSDP2 never runs a sharded weight's tensor hooks
+                self.handles.append(w.register_hook(_ParamHook(self, i, "before_accumulation")))
+            self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
+            for p in self.probes[i]:
+                self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
         # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
         self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
         self.retraced = _retrace_compiled()
@@ -185,10 +224,63 @@ class ActivationCapture:
             return helper.statistics(x, self.statistic)
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor]) -> None:
+        """The gradient reached the layer's operation: offer its statistics to this backward pass."""
         layer = self.layers[index]
+        self.before_accumulation(index)
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
-        self.commit_stat(layer, cap.stat, cap.cid)
+        self._offer(layer, cap.stat, cap.cid)
+
+    def _offer(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
+        task = _graph_task()
+        if task != -1 and task == layer.confirmed_task:   # the weight already accumulated in this pass
+            self.commit_stat(layer, stat, cid)
+            return
+        # offers of another (finished) pass never reached the weight: they do not count
+        layer.offers = [o for o in layer.offers if o[0] == task]
+        layer.offers.append((task, cid, stat))
+
+    def before_accumulation(self, index: int) -> None:
+        """Before the weight's gradient receives a new contribution: if it was cleared since the last
+        counted accumulation, the statistics that belonged to it go too."""
+        layer = self.layers[index]
+        if layer.stat is None:
+            return
+        w = layer.helper.module.weight
+        g = w.grad
+        if g is not None:
+            if sharding.is_sharded(g):  # ranks hold other rows: only None is a clear all ranks agree on
+                return
+            if (g.data_ptr(), g._version) == layer.snap or bool(g.any()):
+                return          # untouched, or changed in place (all-reduced, scaled) but not zeroed
+        layer.stat, layer.owned, layer.sig, layer.compiled = None, False, [], False
+
+    def accumulated(self, index: int) -> None:
+        """The weight's gradient received this backward pass's contribution: its offers count."""
+        layer = self.layers[index]
+        task = _graph_task()
+        for t, cid, stat in layer.offers:
+            if t == task or task == -1:
+                self.commit_stat(layer, stat, cid)
+        layer.offers = []
+        g = layer.helper.module.weight.grad
+        layer.snap = (g.data_ptr(), g._version) if g is not None and not sharding.is_sharded(g) else None
+        layer.confirmed_task = task
+
+    def probe_accumulated(self, index: int) -> None:
+        """A compiled forward's statistics arrived in the probes (once every probe has its part):
+        offered to this backward pass as eager's are. The count stays a tensor (no host sync)."""
+        probes = self.probes[index]
+        if any(p.grad is None for p in probes):
+            return
+        layer = self.layers[index]
+        kind = layer.helper.statistic_type(self.statistic)
+        stat = kind.__new__(kind)
+        stat.sums, stat.count = tuple(p.grad for p in probes[:-1]), probes[-1].grad.reshape(())
+        for p in probes:
+            p.grad = None
+        layer.compiled = True
+        self._offer(layer, stat, next(self._cid))
 
     def _probes(self, helper) -> tuple:
         w = helper.module.weight
@@ -197,28 +289,24 @@ class ActivationCapture:
         return tuple(_probe(shape, dtype, device) for shape in shapes)
 
     def _collect_probes(self) -> None:
-        """Move what compiled forwards handed the probes into the layers' statistics."""
-        found = [(layer, probes) for layer, probes in zip(self.layers, self.probes) if probes[-1].grad is not None]
+        """Compiled layers' counted statistics: their counts to the host (one transfer for all), and
+        layers with equal statistics (q, k, v of one input) merged into one, factored once."""
+        found = [layer for layer in self.layers if layer.compiled and layer.stat is not None]
         if not found:
             return
         # one host transfer: each layer's count and a fingerprint (the sum of its first statistic)
-        keys = torch.stack([torch.stack([probes[-1].grad.reshape(()).to(torch.float64),
-                                         probes[0].grad.sum().to(torch.float64)]) for _, probes in found]).tolist()
-        seen = []   # (share key, count, fingerprint, stat, cid) of the statistics committed so far
-        for (layer, probes), (count, fingerprint) in zip(found, keys):
-            kind = layer.helper.statistic_type(self.statistic)
-            stat = kind(tuple(p.grad for p in probes[:-1]), count)
-            for p in probes:
-                p.grad = None
+        keys = torch.stack([torch.stack([torch.as_tensor(l.stat.count).reshape(()).to(torch.float64),
+                                         l.stat.sums[0].sum().to(torch.float64)]) for l in found]).tolist()
+        seen = []   # (share key, count, fingerprint, layer) of the statistics kept so far
+        for layer, (count, fingerprint) in zip(found, keys):
+            layer.stat.count, layer.compiled = count, False
             share = layer.helper.share_key
             twin = next((c for c in seen if share is not None and c[:3] == (share, count, fingerprint)
-                         and all(torch.equal(a, b) for a, b in zip(c[3].sums, stat.sums))), None)
+                         and all(torch.equal(a, b) for a, b in zip(c[3].stat.sums, layer.stat.sums))), None)
             if twin is not None:   # q, k, v of one input: the same statistics, one factorisation (as eager)
-                self.commit_stat(layer, twin[3], twin[4])
+                layer.stat, layer.owned, layer.sig = twin[3].stat, False, list(twin[3].sig)
                 continue
-            cid = next(self._cid)
-            seen.append((share, count, fingerprint, stat, cid))
-            self.commit_stat(layer, stat, cid)
+            seen.append((share, count, fingerprint, layer))
 
     def commit_stat(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
         if layer.stat is None:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding, solvers
-from ._optimizer_surface import init_hook_registries
+from ._optimizer_surface import init_hook_registries, needs_closure
 from .capture import ActivationCapture, remove_inert_hooks
 from .distributed import all_reduce_flags, all_reduce_statistics
 from .ema import CovarianceEMA, GradientEMA
@@ -130,6 +130,12 @@ class DoPr(torch.optim.Optimizer):
             raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
+        # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
+        # gradient as the gradient of the closure's loss (line search, curvature pairs). The AP's M
+        # is not that gradient, and its EMAs and precond_every count steps, not evaluations.
+        if needs_closure(base):
+            raise ValueError(f"Invalid base: {type(base).__name__} needs a closure in step(); DoPr "
+                             "preconditions the gradient once per step and cannot wrap a base that re-evaluates it")
 
         module = _unwrap(model)
         in_model = {id(p) for p in module.parameters()}
@@ -200,6 +206,19 @@ class DoPr(torch.optim.Optimizer):
             self._capture.reset()
 
     def add_param_group(self, param_group: dict) -> None:
+        """The base's ``add_param_group``, for the model's parameters only (as the constructor asks);
+        a refused group leaves the optimizer unchanged."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            if isinstance(params, Tensor):
+                params = [params]
+            elif not isinstance(params, set):   # a set: the base refuses it (its order is not fixed)
+                param_group["params"] = params = list(params)   # a generator can be read only once
+            in_model = {id(p) for p in self.model.parameters()}
+            foreign = [tuple(p.shape) for p in params if id(p) not in in_model]
+            if foreign:
+                raise ValueError(f"add_param_group got {len(foreign)} parameter(s) that are not in the model "
+                                 f"(shapes {foreign[:5]}); DoPr only steps the model's parameters")
         self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -209,7 +228,7 @@ class DoPr(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
-        if closure is not None:
+        if closure is not None:   # evaluated here once; base.step() gets none, a second one would undo the AP
             with torch.enable_grad():
                 loss = closure()
         if self._signature() != self._layers_signature:   # a layer was (un)frozen or a param group added
@@ -246,7 +265,7 @@ class DoPr(torch.optim.Optimizer):
             for layer in self._capture.layers:
                 prev = before.get(layer.helper.name)
                 if prev is not None and prev.stat is not None:
-                    layer.stat, layer.owned, layer.sig = prev.stat, prev.owned, prev.sig
+                    layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
             added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
             if added:
                 self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "

@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import sharding
-from .._optimizer_surface import init_hook_registries
+from .._optimizer_surface import init_hook_registries, needs_closure
 from .newton_schulz import newton_schulz5
 
 
@@ -112,6 +112,43 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
     return matrix_params, other_params
 
 
+class _Beta1AsMomentum(dict):
+    """An Adam-style param group (``betas``) that also answers to ``momentum``: reading it gives
+    beta1, writing it sets beta1 and keeps the other betas. Nothing extra is stored, so the member's
+    ``state_dict`` is the plain optimizer's. ``momentum`` of Muon and AdaMuon and Adam's beta1 are the
+    same quantity, the decay of the first-moment average (Muon: B <- mu B + (1 - mu) G; Adam:
+    m <- beta1 m + (1 - beta1) g; AdaMuon's heavy-ball buffer differs by a scale its update ignores)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key):
+        if key == "momentum":
+            return dict.__getitem__(self, "betas")[0]
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key, value):
+        if key == "momentum":
+            key, value = "betas", (value, *dict.__getitem__(self, "betas")[1:])
+        dict.__setitem__(self, key, value)
+
+    def __contains__(self, key):
+        return key == "momentum" or dict.__contains__(self, key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
+def _momentum_key(optimizers) -> str | None:
+    """The key every group of every member answers to for its momentum: ``"betas"`` if every member
+    is Adam-style, ``"momentum"`` if every member has ``momentum`` or ``betas`` (the latter aliased,
+    see :class:`_Beta1AsMomentum`), else None (a member has no momentum to schedule)."""
+    kinds = [("momentum" if "momentum" in opt.defaults else "betas" if "betas" in opt.defaults else None)
+             for opt in optimizers]
+    if None in kinds:
+        return None
+    return "betas" if set(kinds) == {"betas"} else "momentum"
+
+
 class HybridOptimizer(Optimizer):
     """Several optimizers over disjoint parameters, used as one ``torch.optim.Optimizer``.
 
@@ -120,6 +157,14 @@ class HybridOptimizer(Optimizer):
     scheduler writing ``group["lr"]`` changes the member) and ``state`` a merged read-only
     view of the members' states; both are recomputed on access, so they stay right after
     ``load_state_dict``. Step hooks and LR schedulers attach as to any optimizer.
+
+    Momentum schedules (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum=True``) pick one key
+    from ``optimizer.defaults`` and write it into every group: ``group["betas"]`` if ``"betas"`` is
+    in the defaults, else ``group["momentum"]``. A Muon + AdamW hybrid has groups of both kinds, so
+    ``defaults`` holds ``"momentum"`` (and no ``"betas"``) and each Adam-style group answers to
+    ``group["momentum"]`` as its beta1: the schedule reaches every member. An all-Adam hybrid keeps
+    ``"betas"``; a member with neither key leaves both out, and those schedulers refuse it. The other
+    ``defaults`` entries are the members' own, the first member's where they differ.
     """
 
     def __init__(self, optimizers: dict[str, Optimizer]):
@@ -130,6 +175,9 @@ class HybridOptimizer(Optimizer):
             if not isinstance(opt, Optimizer):
                 raise TypeError(
                     f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
+            if needs_closure(opt):
+                raise ValueError(f"Member {name!r} ({type(opt).__name__}) needs a closure in step(); "
+                                 "HybridOptimizer steps its members without one")
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
@@ -137,11 +185,33 @@ class HybridOptimizer(Optimizer):
                             f"Member {name!r} holds a parameter that another member also holds")
                     seen.add(id(p))
         self.optimizers = dict(optimizers)
-        self.defaults = {}
+        members = list(self.optimizers.values())
+        self.defaults = {k: v for opt in reversed(members) for k, v in opt.defaults.items()}
+        self._momentum_key = _momentum_key(members)
+        self.defaults.pop("momentum", None)
+        self.defaults.pop("betas", None)
+        if self._momentum_key == "betas":
+            self.defaults["betas"] = members[0].defaults["betas"]
+        elif self._momentum_key == "momentum":
+            first = members[0].defaults
+            self.defaults["momentum"] = first["momentum"] if "momentum" in first else first["betas"][0]
+        self._alias_beta1()
         init_hook_registries(self)  # Optimizer.__init__ would copy the members' groups into new dicts
+
+    def _alias_beta1(self) -> None:
+        """With a ``"momentum"`` default, wrap each member's Adam-style groups in place as
+        :class:`_Beta1AsMomentum`; run on every access, as a member's ``load_state_dict`` or
+        ``add_param_group`` puts plain dicts back."""
+        if getattr(self, "_momentum_key", None) != "momentum":
+            return
+        for opt in self.optimizers.values():
+            for i, group in enumerate(opt.param_groups):
+                if "momentum" not in group and "betas" in group:
+                    opt.param_groups[i] = _Beta1AsMomentum(group)
 
     @property
     def param_groups(self):
+        self._alias_beta1()
         return [group for opt in self.optimizers.values() for group in opt.param_groups]
 
     @property
@@ -149,7 +219,7 @@ class HybridOptimizer(Optimizer):
         return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
 
     def __getstate__(self):
-        return {"optimizers": self.optimizers, "defaults": self.defaults}
+        return {"optimizers": self.optimizers, "defaults": self.defaults, "_momentum_key": self._momentum_key}
 
     def __repr__(self):
         members = [f"  {name}: " + repr(opt).replace("\n", "\n  ")

@@ -1,0 +1,187 @@
+"""Every factory optimizer as a torch.optim.Optimizer: LR and momentum schedulers, add_param_group,
+closures, bases that cannot be wrapped."""
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as S
+
+import dopr
+from dopr import DoPr
+from dopr.factory import NAMES
+from dopr.gp import HybridOptimizer, route_matrix_params
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _loss(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+    return ((model(x) - y) ** 2).mean()
+
+
+# One entry per scheduler of torch.optim.lr_scheduler: how to build it on an optimizer.
+SCHEDULERS = {
+    "LambdaLR": lambda o: S.LambdaLR(o, lambda t: 1 / (t + 1)),
+    "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda t: 0.9),
+    "StepLR": lambda o: S.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: S.MultiStepLR(o, milestones=[1, 3], gamma=0.5),
+    "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=2),
+    "LinearLR": lambda o: S.LinearLR(o, start_factor=0.25, total_iters=3),
+    "ExponentialLR": lambda o: S.ExponentialLR(o, gamma=0.9),
+    "SequentialLR": lambda o: S.SequentialLR(
+        o, [S.ConstantLR(o, factor=0.5, total_iters=2), S.ExponentialLR(o, gamma=0.9)], milestones=[2]),
+    "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=4),
+    "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, factor=0.5, total_iters=2),
+                                                      S.ExponentialLR(o, gamma=0.9)]),
+    "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, factor=0.5, patience=0),
+    "CyclicLR": lambda o: S.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),   # cycle_momentum=True
+    "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, T_0=2),
+    "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=0.1, total_steps=10),              # cycle_momentum=True
+    "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=4, power=2.0),
+}
+
+
+def test_the_scheduler_table_is_every_scheduler_torch_has():
+    assert set(SCHEDULERS) == set(S.__all__) - {"LRScheduler"}
+
+
+def _member_groups(opt):
+    """The parameter groups the optimizers that step read (a hybrid's members', not its view)."""
+    base = opt.base if isinstance(opt, DoPr) else opt
+    if isinstance(base, HybridOptimizer):
+        return [g for member in base.optimizers.values() for g in member.param_groups]
+    return base.param_groups
+
+
+def _beta1(group):
+    return group["betas"][0] if "betas" in group else group["momentum"]
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+@pytest.mark.parametrize("name", NAMES)
+def test_every_scheduler_drives_every_factory_optimizer(name, sched):
+    """Each group's lr (and, for CyclicLR / OneCycleLR, momentum or beta1) follows the schedule as
+    on torch.optim.SGD with the same groups, in the groups the members step with."""
+    model = _mlp()
+    opt = dopr.build(model, name, lr=0.05)
+    groups = len(opt.param_groups)
+    ref = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.05, momentum=0.9)
+    s, s_ref = SCHEDULERS[sched](opt), SCHEDULERS[sched](ref)
+    for t in range(4):
+        opt.zero_grad()
+        _loss(model, t).backward()
+        opt.step()
+        ref.step()
+        if sched == "ReduceLROnPlateau":
+            s.step(1.0)
+            s_ref.step(1.0)
+        else:
+            s.step()
+            s_ref.step()
+        want = [g["lr"] for g in ref.param_groups]
+        assert [g["lr"] for g in _member_groups(opt)] == pytest.approx(want)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(want)
+        if sched in ("CyclicLR", "OneCycleLR"):
+            assert [_beta1(g) for g in _member_groups(opt)] == pytest.approx([g["momentum"] for g in ref.param_groups])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _hybrid(model, adam_only=False):
+    matrix, other = route_matrix_params(model)
+    if adam_only:
+        return HybridOptimizer({"a": torch.optim.AdamW(matrix, lr=0.01), "b": torch.optim.AdamW(other, lr=0.01)})
+    return HybridOptimizer({"muon": torch.optim.Muon(matrix, lr=0.01, momentum=0.95),
+                            "adamw": torch.optim.AdamW(other, lr=0.01, betas=(0.9, 0.99))})
+
+
+def test_a_muon_adamw_hybrid_schedules_beta1_as_momentum_and_saves_plain_groups():
+    model = _mlp()
+    opt = _hybrid(model)
+    assert "momentum" in opt.defaults and "betas" not in opt.defaults
+    adam_group = opt.optimizers["adamw"].param_groups[0]
+    assert adam_group["momentum"] == 0.9 and adam_group.get("momentum") == 0.9 and "momentum" in adam_group
+    adam_group["momentum"] = 0.8                                    # what OneCycleLR / CyclicLR write
+    assert adam_group["betas"] == (0.8, 0.99)                       # beta2 kept
+    assert "momentum" not in opt.optimizers["adamw"].state_dict()["param_groups"][0]
+    assert opt.optimizers["muon"].param_groups[0]["momentum"] == 0.95
+
+    saved = opt.state_dict()                                        # a member's load puts plain dicts back
+    opt.load_state_dict(saved)
+    for copied in (opt, copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        copied.param_groups[1]["momentum"] = 0.7
+        assert copied.optimizers["adamw"].param_groups[0]["betas"] == (0.7, 0.99)
+
+
+def test_an_adam_only_hybrid_keeps_betas_and_one_without_momentum_is_refused_by_torch():
+    opt = _hybrid(_mlp(), adam_only=True)
+    assert "betas" in opt.defaults and "momentum" not in opt.defaults
+    S.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+    assert all(g["betas"] == (0.95, 0.999) for g in opt.param_groups)
+
+    matrix, other = route_matrix_params(_mlp())
+    opt = HybridOptimizer({"muon": torch.optim.Muon(matrix), "adagrad": torch.optim.Adagrad(other)})
+    assert "momentum" not in opt.defaults and "betas" not in opt.defaults
+    with pytest.raises(ValueError, match="must support momentum or beta1"):
+        S.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+
+
+# ------------------------------------------------------------------------------ add_param_group
+def test_add_param_group_refuses_parameters_outside_the_model_and_changes_nothing():
+    model = _mlp()
+    opt = DoPr(model, torch.optim.AdamW(model[0].parameters(), lr=0.01))
+    before = [dict(g) for g in opt.param_groups]
+    stranger = nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) that are not in the model \(shapes \[\(3, 2\)\]\)"):
+        opt.add_param_group({"params": [model[2].weight, stranger]})
+    assert opt.param_groups == before and len(opt.base.param_groups) == 1
+
+    opt.add_param_group({"params": (p for p in model[2].parameters()), "lr": 0.1})   # a generator is read once
+    assert opt.param_groups[1]["params"] == list(model[2].parameters())
+    w = model[2].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # "layers ... train now"
+        opt.zero_grad()
+        _loss(model, 0).backward()
+        opt.step()
+    assert not torch.equal(model[2].weight, w)
+
+
+# ------------------------------------------------------------------------------ closures
+def test_a_base_that_needs_a_closure_is_refused_with_the_reason():
+    model = _mlp()
+    with pytest.raises(ValueError, match="Invalid base: LBFGS needs a closure in step()"):
+        DoPr(model, torch.optim.LBFGS(model.parameters(), history_size=3))
+    matrix, other = route_matrix_params(model)
+    with pytest.raises(ValueError, match="'lbfgs' \\(LBFGS\\) needs a closure"):
+        HybridOptimizer({"muon": torch.optim.Muon(matrix), "lbfgs": torch.optim.LBFGS(other)})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_with_a_closure_is_the_step_after_the_same_forward_and_backward(name):
+    """The closure runs once, inside step(), and its forward feeds the AP; the base is not handed
+    it (a second evaluation would replace the preconditioned gradients)."""
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    opt, opt_twin = dopr.build(model, name, lr=0.01), dopr.build(twin, name, lr=0.01)
+    for t in range(3):
+        def closure():
+            opt.zero_grad()
+            loss = _loss(model, t)
+            loss.backward()
+            return loss
+        returned = opt.step(closure)
+        opt_twin.zero_grad()
+        loss = _loss(twin, t)
+        loss.backward()
+        opt_twin.step()
+        assert returned.item() == loss.item()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    if isinstance(opt, DoPr):
+        assert opt.stats()["preconditioned"] > 0

@@ -1,0 +1,151 @@
+"""dopr in the loops real code writes (issue "Reliability", section 2): statistics follow the gradient
+they belong to, only forwards whose weight gradient the step receives count, data parallel with
+ranks that use different layers, damping 0 with a rank-deficient Sigma, compiled and eager sharing.
+Each test fails on the code before the fix and asserts the behaviour."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import dopr
+from dopr import DoPr
+from reference import ap_reference, with_ones
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+
+GAMMA = 1e-3
+
+
+def _net(seed=0, width=6):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2)).double()
+
+
+def _batch(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _one_step_on(x, y, seed=0):
+    """Parameters after one DoPr-SGD step on (x, y) alone: what a leak-free loop must give."""
+    model = _net(seed)
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    _loss(model, x, y).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------- 2. statistics follow the gradient
+@pytest.mark.parametrize("clear", ["module.zero_grad", "grad_none", "zero_in_place"])
+def test_clearing_the_gradient_by_any_means_clears_its_statistics(clear):
+    """transformers.Trainer calls model.zero_grad(); a step GradScaler skipped leaves its batch behind."""
+    model = _net()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    xa, ya = _batch(16, 1)
+    xb, yb = _batch(16, 2)
+    _loss(model, xa, ya).backward()          # a step that is then skipped (inf found by GradScaler)
+    assert opt.pending_samples() == {"0": 16, "2": 16}
+    if clear == "module.zero_grad":
+        model.zero_grad()
+    elif clear == "grad_none":
+        for p in model.parameters():
+            p.grad = None
+    else:
+        model.zero_grad(set_to_none=False)
+    _loss(model, xb, yb).backward()
+    assert opt.pending_samples() == {"0": 16, "2": 16}        # batch b only (32 before the fix)
+    opt.step()
+    for p, q in zip(model.parameters(), _one_step_on(xb, yb)):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-12, atol=1e-14)
+
+
+def test_micro_batches_still_accumulate_and_an_in_place_change_that_is_not_a_clear_keeps_them():
+    model = _net()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    _loss(model, *_batch(8, 1)).backward()
+    for p in model.parameters():             # e.g. a gradient all-reduce or unscale between micro-batches
+        p.grad.mul_(1.0)
+    _loss(model, *_batch(8, 2)).backward()
+    assert opt.pending_samples() == {"0": 16, "2": 16}
+
+
+def test_a_dcgan_generator_step_does_not_leak_into_the_discriminators_sigma():
+    """PyTorch's DCGAN tutorial: netD.zero_grad(), D on real and fake, then G's step runs D on the fake
+    batch (D's weights receive gradients there too), then netD.zero_grad() again."""
+    torch.manual_seed(0)
+    netD = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    netG = nn.Sequential(nn.Linear(3, 4)).double()
+    optD = DoPr(netD, torch.optim.SGD(netD.parameters(), lr=0.01), damping=GAMMA)
+    optG = DoPr(netG, torch.optim.SGD(netG.parameters(), lr=0.01), damping=GAMMA)
+    real = torch.randn(16, 4, dtype=torch.float64)
+    for it in range(2):
+        netD.zero_grad()
+        fake = netG(torch.randn(16, 3, dtype=torch.float64))
+        (netD(real).mean() - netD(fake.detach()).mean()).backward()
+        assert optD.pending_samples() == {"0": 32, "2": 32}   # real + fake (48 on the second pass before)
+        optD.step()
+        netG.zero_grad()
+        netD(fake).mean().backward()
+        optG.step()
+
+
+# ------------------------------------------- 3. only forwards whose weight gradient the step gets
+def test_input_gradients_of_an_adversarial_attack_add_no_statistics():
+    """PGD: three torch.autograd.grad calls w.r.t. the input, then the training forward on the result."""
+    model = _net()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=1.0), damping=GAMMA)
+    x, y = _batch(24, 1)
+    delta = torch.zeros_like(x, requires_grad=True)
+    for _ in range(3):
+        g, = torch.autograd.grad(_loss(model, x + delta, y), delta)
+        delta = (delta + 0.1 * g.sign()).detach().requires_grad_(True)
+    x_adv = (x + delta).detach()
+    _loss(model, x_adv, y).backward()
+    assert opt.pending_samples() == {"0": 24, "2": 24}        # 96 before the fix
+    g0 = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    want = ap_reference(g0, with_ones(x_adv), GAMMA)
+    opt.precondition()
+    got = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_forward_run_again_by_double_backward_counts_once():
+    """A physics-informed loss: du/dx with create_graph=True, then a loss on u and du/dx."""
+    model = _net()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=1.0), damping=GAMMA)
+    x = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
+    xb, yb = _batch(8, 3)
+    u = model(x)
+    du, = torch.autograd.grad(u.sum(), x, create_graph=True)
+    (du.square().mean() + u.square().mean() + _loss(model, xb, yb)).backward()
+    assert opt.pending_samples() == {"0": 28, "2": 28}        # 48 before the fix
+    g0 = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    want = ap_reference(g0, with_ones(torch.cat([x.detach(), xb])), GAMMA)
+    opt.precondition()
+    got = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_compiled_forward_follows_the_same_rules():
+    model = _net()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    forward = torch.compile(model, backend="aot_eager", fullgraph=True)
+    xa, ya = _batch(16, 1)
+    xb, yb = _batch(16, 2)
+    ((forward(xa) - ya) ** 2).mean().backward()
+    model.zero_grad()                                            # a skipped step, Trainer-style
+    delta = torch.zeros_like(xb, requires_grad=True)
+    torch.autograd.grad(((forward(xb + delta) - yb) ** 2).mean(), delta)   # input gradient only
+    ((forward(xb) - yb) ** 2).mean().backward()
+    assert opt.pending_samples() == {"0": 16, "2": 16}
+    opt.step()
+    for p, q in zip(model.parameters(), _one_step_on(xb, yb)):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
