@@ -2,13 +2,23 @@
 
 Gradients are already averaged by DistributedDataParallel; the activation statistics are not.
 Summing each layer's sums and sample counts over ranks gives the statistics of the global batch,
-Sigma = (sum_r S_r) / (sum_r n_r). All layers travel in one flat float32 buffer: one all-reduce per
-step, not one per layer. Every rank must have run the same preconditioned layers (as DDP requires).
+Sigma = (sum_r S_r) / (sum_r n_r). All layers travel in one flat buffer: one all-reduce per step,
+not one per layer.
+
+Ranks need not run the same layers (``find_unused_parameters=True``: per-task heads, conditional
+branches, LayerDrop, mixture of experts). Before the statistics, the ranks agree on one layout with a
+small all-reduce of 2 floats per layer (:func:`agree_groups`): a layer that no rank ran is left out,
+a layer that some ranks ran gets the sums of those ranks (zeros from the others), and layers share
+one covariance only where every rank that ran them had them share it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
+
+from .statistics import statistics_dtype
 
 
 def is_distributed() -> bool:
@@ -39,3 +49,51 @@ def all_reduce_flags(t) -> None:
     """Sum a small tensor over ranks in place (non-finite checks under sharding: any rank's NaN counts)."""
     if is_distributed():
         dist.all_reduce(t)
+
+
+def agree_groups(groups: "OrderedDict", layers: list, statistic: type) -> "OrderedDict":
+    """The groups {member names: statistics} every rank uses this step, from this rank's ``groups``
+    (layers that gathered statistics here) and the preconditioned ``layers`` (same order on every
+    rank: the same model). Each layer's group is named by its leader (its first member); the ranks
+    take the maximum of each layer's leader and of its negation (absent: -1 and -inf): where the two
+    agree, every rank that ran the layer grouped it alike; where not, the layer stands alone. A rank
+    that did not run a group's layers sends zeros and a count of 0 for it."""
+    if not is_distributed():
+        return groups
+    names = [l.helper.name for l in layers]
+    index = {n: i for i, n in enumerate(names)}
+    local = {}                                   # layer index -> (local group key, its statistics)
+    leader = torch.full((len(names),), -1.0, dtype=torch.float64)
+    for key, stat in groups.items():
+        first = min(index[n] for n in key)
+        for n in key:
+            leader[index[n]] = first
+            local[index[n]] = (key, stat)
+    absent = float(-2 * len(names) - 2)
+    device = next((s.sums[0].device for s in groups.values()), None)
+    if device is None:
+        device = layers[0].helper.module.weight.device
+    both = torch.cat([leader, torch.where(leader >= 0, -leader, torch.full_like(leader, absent))]).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    hi, lo = both[:len(names)].tolist(), (-both[len(names):]).tolist()
+    members = OrderedDict()
+    for i in range(len(names)):
+        if hi[i] < 0:
+            continue                              # no rank ran it
+        lead = int(hi[i]) if hi[i] == lo[i] else i
+        members.setdefault(lead, []).append(i)
+    out, used = OrderedDict(), set()
+    for lead, idx in members.items():
+        key = tuple(names[i] for i in idx)
+        mine = next((local[i] for i in idx if i in local), None)
+        if mine is None:                          # this rank ran none of them: zeros, count 0
+            helper = layers[lead].helper
+            kind = helper.statistic_type(statistic)
+            dtype = statistics_dtype(helper.module.weight.dtype)
+            zeros = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in kind.sum_shapes(helper.dim))
+            out[key] = kind(zeros, 0.0)
+            continue
+        stat = mine[1]
+        out[key] = stat.clone() if id(stat) in used else stat
+        used.add(id(stat))
+    return out

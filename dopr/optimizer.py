@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from . import sharding, solvers
 from ._optimizer_surface import init_hook_registries, needs_closure
 from .capture import ActivationCapture, remove_inert_hooks
-from .distributed import all_reduce_flags, all_reduce_statistics
+from .distributed import agree_groups, all_reduce_flags, all_reduce_statistics
 from .ema import CovarianceEMA, GradientEMA
 from .layers import find_layers
 from .statistics import STATISTICS, statistics_dtype
@@ -294,6 +294,7 @@ class DoPr(torch.optim.Optimizer):
         grads = {l.helper.name: g for l in self._capture.layers if (g := l.helper.grad_matrix()) is not None}
         if self.collecting:                                   # a refresh step: new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
+            groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
             ops, skipped = self._factor(groups)               # Sigmabar, lambda, (Sigmabar + lambda I)^-1
             if self.options["precond_every"] > 1:

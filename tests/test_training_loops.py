@@ -149,3 +149,60 @@ def test_a_compiled_forward_follows_the_same_rules():
     opt.step()
     for p, q in zip(model.parameters(), _one_step_on(xb, yb)):
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
+
+
+# -------------------------------------------------- 1. data parallel, ranks that use other layers
+class _Heads(nn.Module):
+    """A shared trunk and one head per task; the batch of rank r belongs to task r."""
+
+    def __init__(self, only_rank0_layer: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(4, 6)
+        self.heads = nn.ModuleList([nn.Linear(6, 2), nn.Linear(6, 2)])
+        self.extra = nn.Linear(6, 6) if only_rank0_layer else None   # run on task 0 only, another shape
+
+    def forward(self, x, task):
+        h = torch.tanh(self.trunk(x))
+        if self.extra is not None and task == 0:
+            h = torch.tanh(self.extra(h))
+        return self.heads[task](h)
+
+
+def _heads_data():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(2, 12, 4, generator=g, dtype=torch.float64), torch.randn(2, 12, 2, generator=g, dtype=torch.float64)
+
+
+def _heads_worker(rank, world, init_file, out, only_rank0_layer):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(_Heads(only_rank0_layer).double(), find_unused_parameters=True)
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    x, y = _heads_data()
+    for _ in range(2):
+        opt.zero_grad()
+        ((model(x[rank], rank) - y[rank]) ** 2).mean().backward()
+        opt.step()
+    torch.save([p.detach().clone() for p in model.module.parameters()], out.format(rank))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("only_rank0_layer", [False, True])
+def test_ddp_ranks_that_run_different_layers_stay_identical_and_equal_one_process(only_rank0_layer):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank{}.pt")
+        mp.spawn(_heads_worker, args=(2, os.path.join(tmp, "init"), out, only_rank0_layer), nprocs=2, join=True)
+        ranks = [torch.load(out.format(r)) for r in range(2)]
+    for p, q in zip(*ranks):
+        assert torch.equal(p, q)                                  # the replicas stay identical
+    model = _Heads(only_rank0_layer).double()                     # one process: both tasks' batches
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
+    x, y = _heads_data()
+    for _ in range(2):
+        opt.zero_grad()
+        sum(((model(x[r], r) - y[r]) ** 2).mean() for r in range(2)).div(2).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), ranks[0]):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
