@@ -66,6 +66,37 @@ class CovarianceEMA:
         out = [b / corr for b in entry["sums"]]
         return tuple(unpack_upper(o, t.shape[0]) if stat.symmetric else o for o, t in zip(out, mean))
 
+    def shared_history(self, groups: dict) -> dict:
+        """Layers keep one Sigmabar only while they have shared Sigma on every step: this step's groups
+        (tuples of names) are cut by the groups whose EMA the layers carry, and a layer that leaves a
+        group takes a copy of its buffer (until now its history was the group's). Layers absent this
+        step keep their old buffer together. So a group formed by equal inputs on one step (the
+        compiled path merges by value, eager by tensor identity) changes no result. Returns the
+        refined {names: statistics} (a statistics object in two parts is cloned for the second)."""
+        if self.beta == 0.0 or not self.buffers:
+            return groups
+        carried = {n: k for k in self.buffers for n in k.split("|")}
+        out = {}
+        for key, stat in groups.items():
+            parts = {}
+            for name in key:
+                parts.setdefault(carried.get(name), []).append(name)
+            for i, members in enumerate(parts.values()):
+                out[tuple(members)] = stat if i == 0 else stat.clone()
+        present = {n for key in out for n in key}
+        new_keys = {"|".join(key): carried.get(key[0]) for key in out}
+        for old in {carried[n] for n in present if n in carried}:
+            stay = [n for n in old.split("|") if n not in present]
+            if stay:
+                new_keys["|".join(stay)] = old
+        for new, old in new_keys.items():
+            if old is not None and new != old and new not in self.buffers:
+                self.buffers[new] = {"t": self.buffers[old]["t"], "sums": [b.clone() for b in self.buffers[old]["sums"]]}
+        for old in {carried[n] for n in present if n in carried}:
+            if old not in new_keys:
+                del self.buffers[old]
+        return out
+
     def state_dict(self) -> dict:
         return {k: {"t": v["t"], "sums": [s.clone() for s in v["sums"]]} for k, v in self.buffers.items()}
 

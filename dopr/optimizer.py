@@ -315,9 +315,8 @@ class DoPr(torch.optim.Optimizer):
         bad = self._nonfinite({k: s.diagonal(s.sums) for k, s in groups.items()}, what="activation covariance",
                               replicated=True)
         batches = defaultdict(list)
+        groups = self._precond_ema.shared_history({k: s for k, s in groups.items() if k not in bad})
         for key, stat in groups.items():
-            if key in bad:
-                continue
             mean = self._precond_ema(key, stat)                                    # Sigmabar
             lam = damping(self.options["damping"], self.options["damping_mode"], stat.diagonal(mean))
             batches[(type(stat), mean[0].shape, mean[0].device)].append((key, mean, lam))

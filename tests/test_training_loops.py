@@ -206,3 +206,58 @@ def test_ddp_ranks_that_run_different_layers_stay_identical_and_equal_one_proces
         opt.step()
     for p, q in zip(model.parameters(), ranks[0]):
         torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------ 9. compiled and eager: one rule for sharing Sigma
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x1, x2):
+        return self.a(x1) * self.b(x2)
+
+
+@pytest.mark.parametrize("coincide", [0, 2])
+def test_compiled_equals_eager_when_two_layers_inputs_coincide_on_one_step(coincide):
+    """Eager shares Sigma between layers reading the same tensor, the compiled path between layers whose
+    statistics are equal; with a statistics EMA both must give one result (weights 0.034 apart before)."""
+    g = torch.Generator().manual_seed(2)
+    xs = [(torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64))
+          for _ in range(4)]
+    xs[coincide] = (xs[coincide][0], xs[coincide][0].clone())      # equal values, distinct tensors
+    out = {}
+    for mode in ("eager", "compiled"):
+        model = _TwoInputs().double()
+        opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA, precond_ema=0.9)
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if mode == "compiled" else model
+        for x1, x2 in xs:
+            opt.zero_grad()
+            forward(x1, x2).square().sum().backward()
+            opt.step()
+        out[mode] = ([p.detach().clone() for p in model.parameters()], sorted(opt._precond_ema.buffers))
+    assert out["eager"][1] == out["compiled"][1] == ["a", "b"]
+    for p, q in zip(out["eager"][0], out["compiled"][0]):
+        torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12)
+
+
+def test_layers_that_always_share_keep_one_ema_and_a_layer_that_leaves_takes_its_history():
+    """q, k, v read one input on every step: one buffer. When k stops running, its EMA is the group's."""
+    torch.manual_seed(0)
+    q, k = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    model = nn.ModuleDict({"q": q, "k": k})
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=GAMMA, precond_ema=0.5)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        (q(x) * k(x)).sum().backward()
+        opt.step()
+    assert sorted(opt._precond_ema.buffers) == ["q|k"]
+    shared = [b.clone() for b in next(iter(opt._precond_ema.buffers.values()))["sums"]]
+    opt.zero_grad()
+    q(x).sum().backward()                         # k does not run
+    opt.step()
+    assert sorted(opt._precond_ema.buffers) == ["k", "q"]
+    assert opt._precond_ema.buffers["k"]["t"] == 2 and opt._precond_ema.buffers["q"]["t"] == 3
+    torch.testing.assert_close(opt._precond_ema.buffers["k"]["sums"][0], shared[0], rtol=0, atol=0)
