@@ -6,7 +6,9 @@ it). Every solver takes a batch of same-size covariances and factors them in one
 * ``cholesky``: cholesky_ex, then cholesky_solve. A failed factor, or one whose smallest pivot is
   under half the damping (``unreliable``: rounding ate the damping), is retried with 10x, 100x,
   1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
-  eigendecomposition pseudo-inverse. Every retry and fallback is counted.
+  eigendecomposition pseudo-inverse. With damping 0, a numerically singular Sigma (a pivot under
+  rcond times its largest diagonal entry) goes straight to the pseudo-inverse, so the update stays in
+  the span of the inputs. Every retry and fallback is counted.
 * ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
   rcond * max eigenvalue are treated as exact zeros and their directions stay zero (damping boosts
   only the directions the activations do span), the open problem the paper names.
@@ -154,8 +156,13 @@ def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> l
     sigma.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
     l, info = torch.linalg.cholesky_ex(sigma)
     weak = (info == 0) & unreliable(l, lam)
-    bad = (info > 0) | weak
-    if not bool(bad.any()):
+    # damping 0 asks for Sigma^-1 itself: a Sigma the factor shows to be (numerically) singular, a pivot
+    # under rcond * its largest diagonal entry, gets the pseudo-inverse, so that M stays in the span of
+    # the inputs (a near-zero pivot would blow rounding up along directions the batch never saw)
+    singular = (lam <= 0) & ((info > 0) | (l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+                                           < rcond * sigma.diagonal(dim1=-2, dim2=-1).amax(-1)))
+    bad = ((info > 0) | weak) & ~singular
+    if not bool((bad | singular).any()):
         return [CholeskyFactor(l[i]) for i in range(len(l))]
     counts["unreliable_factors"] += int(weak.sum())
     sigma.diagonal(dim1=-2, dim2=-1).sub_(lam[:, None])
@@ -170,7 +177,7 @@ def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> l
         l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
         bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(l_r, lam_r))
     ops = [CholeskyFactor(l[i]) for i in range(len(l))]
-    idx = bad.nonzero().flatten()
+    idx = (bad | singular).nonzero().flatten()
     if idx.numel():
         counts["eigh_fallbacks"] += idx.numel()
         p = pseudo_inverse(sigma[idx], lam[idx], rcond)

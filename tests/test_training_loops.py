@@ -261,3 +261,25 @@ def test_layers_that_always_share_keep_one_ema_and_a_layer_that_leaves_takes_its
     assert sorted(opt._precond_ema.buffers) == ["k", "q"]
     assert opt._precond_ema.buffers["k"]["t"] == 2 and opt._precond_ema.buffers["q"]["t"] == 3
     torch.testing.assert_close(opt._precond_ema.buffers["k"]["sums"][0], shared[0], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------ 4. damping 0, rank-deficient Sigma
+@pytest.mark.parametrize("seed", range(12))
+def test_damping_zero_with_a_rank_deficient_sigma_stays_in_the_inputs_span(seed):
+    """Batch 11, width 12 (13 with the homogeneous 1): Sigma has rank 11. The update is G Sigma^+, whose
+    rows lie in the span of the inputs (up to 95% of it lay outside before)."""
+    torch.manual_seed(seed)
+    layer = nn.Linear(12, 3).double()
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=1.0), damping=0.0)
+    x = torch.randn(11, 12, dtype=torch.float64)
+    (layer(x) - torch.randn(11, 3, dtype=torch.float64)).square().sum().backward()
+    z = with_ones(x)
+    g = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+    opt.precondition()
+    m = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1)
+    span = torch.linalg.qr(z.T).Q                                  # (13, 11): the inputs' span
+    outside = m - (m @ span) @ span.T
+    assert float(outside.norm() / m.norm()) < 1e-9
+    sigma = z.T @ z / 11
+    torch.testing.assert_close(m, g @ torch.linalg.pinv(sigma, hermitian=True), rtol=1e-7, atol=1e-10)
+    assert opt.stats()["eigh_fallbacks"] == 1
