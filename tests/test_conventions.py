@@ -104,12 +104,13 @@ def test_summary_carries_conventions_and_dopr_counters(tmp_path, compose):
     s = run_job(cfg, tmp_path / "ok")
     assert s["conventions"] == {"adjust_lr_fn": "original", "input_layer": "adamw", "damping_mode": "trace"}
     assert s["dopr"]["steps"] == 2 and s["dopr"]["cholesky_retries"] == 0
-    # zero damping and a batch of 8 < d = 32: Sigma is singular, Cholesky fails, and the summary says so
+    # zero damping and a batch of 8 < d = 32: Sigma is singular, it gets the pseudo-inverse (no damped
+    # retries: the damping asked for is 0), and the summary says so
     cfg = compose("task=feature_learning", "optim=dopr_sgd", "debug=default", "ap.damping=0.0",
                   "ap.damping_mode=absolute", "task.batch_size=8")
     run_job(cfg, tmp_path / "singular")
     s = json.loads((tmp_path / "singular" / "summary.json").read_text())
     assert s["conventions"] == {"damping_mode": "absolute"}
-    assert s["dopr"]["cholesky_retries"] >= 1 and s["dopr"]["refreshes"] == 2
+    assert s["dopr"]["eigh_fallbacks"] >= 1 and s["dopr"]["cholesky_retries"] == 0 and s["dopr"]["refreshes"] == 2
     plain = run_job(compose("task=feature_learning", "optim=adamw", "debug=default"), tmp_path / "plain")
     assert plain["conventions"] == {} and "dopr" not in plain
