@@ -1,9 +1,11 @@
 """The layer registry: which module types the AP preconditions, and why others are skipped.
 
 ``register_layer(ModuleType, factory)`` adds a layer type: ``factory(module, name, options)``
-returns a :class:`LayerHelper`, or a string saying why this instance is skipped. The walk over a
-model reports every module that owns trainable parameters (:class:`CoverageEntry`); parameters of
-skipped modules go to the gradient preconditioner unchanged.
+returns a :class:`LayerHelper`, or a string saying why this instance is skipped. A type from a
+package dopr does not import (Hugging Face's Conv1D) is registered by its qualified name,
+``"package.module.ClassName"``; the lookup walks each module's class hierarchy and matches either.
+The walk over a model reports every module that owns trainable parameters (:class:`CoverageEntry`);
+parameters of skipped modules go to the gradient preconditioner unchanged.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from .. import sharding
 from .base import LayerHelper
 from .conv import Conv2dSUAHelper, ConvHelper, ConvTranspose1dHelper
 from .embedding import EmbeddingHelper
+from .hf_conv1d import HFConv1DHelper
 from .linear import LinearHelper
 
 Factory = Callable[[nn.Module, str, dict], Union[LayerHelper, str]]
@@ -28,14 +32,17 @@ FUNCTIONAL_WEIGHTS = {
 }
 
 
-def register_layer(module_type: type, factory: Factory) -> None:
+def register_layer(module_type: Union[type, str], factory: Factory) -> None:
+    """Register `factory` for a module class, or for a class named ``"module.QualName"`` (so that
+    dopr need not import the package defining it)."""
     _REGISTRY[module_type] = factory
 
 
 def _factory_for(module: nn.Module) -> Optional[Factory]:
-    for cls in type(module).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
+    for cls in type(module).__mro__:  # the most derived registered class wins
+        for key in (cls, f"{cls.__module__}.{cls.__qualname__}"):
+            if key in _REGISTRY:
+                return _REGISTRY[key]
     return None
 
 
@@ -64,6 +71,15 @@ def _conv_transpose(module, name, opts):
     return _weight_trainable(module) or ConvTranspose1dHelper(module, name, opts["homogeneous"])
 
 
+def _hf_conv1d(module, name, opts):
+    if sharding.is_sharded(module.weight):
+        # FSDP2 shards dim 0, which for Conv1D's (in, out) weight is the input: the columns of G
+        # that Sigma mixes, so no rank holds whole rows of G
+        return ("sharded Conv1D: FSDP2 splits its weight's dim 0, the input features, which are the "
+                "columns the AP mixes; leave it out of fully_shard (ignored_params) to precondition it")
+    return _weight_trainable(module) or HFConv1DHelper(module, name, opts["homogeneous"])
+
+
 def _embedding(module, name, opts):
     if module.sparse:
         return "sparse embedding gradients are not supported"
@@ -75,6 +91,7 @@ register_layer(nn.Conv1d, _conv)
 register_layer(nn.Conv2d, _conv)
 register_layer(nn.ConvTranspose1d, _conv_transpose)
 register_layer(nn.Embedding, _embedding)
+register_layer("transformers.pytorch_utils.Conv1D", _hf_conv1d)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 
 from experiments.common.checkpoint import TrainingState
 from experiments.common.provenance import atomic_write
+from experiments.common.run import load_plain
 
 from . import demos
 from .evaluate import make_env, rollout
@@ -46,7 +47,7 @@ def load_expert(path):
     if not path.exists():
         raise FileNotFoundError(f"expert weights not found: {path} (train one with `python run.py task=expert "
                                 f"task.env=<env>` or use the committed experiments/bc/experts/)")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+    blob = load_plain(path, map_location="cpu")
     actor = Actor(blob["obs_dim"], blob["act_dim"], blob["hidden"], blob["act_low"], blob["act_high"])
     actor.load_state_dict(blob["actor"])
     actor.eval()
@@ -199,7 +200,7 @@ def publish(run_dir, version: str = EXPERT_VERSION, root=None) -> Path:
     if not summary_path.exists():
         raise FileNotFoundError(f"{run_dir} has no summary.json: the expert run has not finished")
     summary = json.loads(summary_path.read_text())
-    blob = torch.load(run_dir / "expert.pt", map_location="cpu", weights_only=False)
+    blob = load_plain(run_dir / "expert.pt", map_location="cpu")
     out = Path(root or EXPERTS) / version
     out.mkdir(parents=True, exist_ok=True)
     torch.save(blob, out / f"{blob['env']}.pt")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import time
 from pathlib import Path
@@ -49,6 +50,37 @@ def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Opti
     if name.startswith("dopr_"):
         kwargs.update(OmegaConf.to_container(cfg.ap, resolve=True))
     return dopr.build(model, name, **kwargs)
+
+
+def numpy_array_globals() -> list:
+    """What unpickling a numpy array needs, for the legacy global random state (``np.random.get_state()``,
+    whose MT19937 key is a uint32 array) that every checkpoint holds: numpy's array constructor (under
+    numpy 1's and numpy 2's module name, so a file from either loads), the array and dtype classes.
+    Constructing an array runs no code from the file."""
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct
+    names = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
+    return [*((_reconstruct, name) for name in names), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_plain(path, map_location=None, allowed=()) -> Any:
+    """torch.load that never runs code from the file: ``weights_only=True`` (tensors, numbers, strings
+    and containers) plus the `allowed` globals. A file holding anything else (a pickled callable, an
+    object of another class) is refused with a ValueError naming the file and what it holds."""
+    with torch.serialization.safe_globals(list(allowed)):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            try:  # the offending globals, read from the pickle without running it
+                names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:
+                names = []
+            found = f" ({', '.join(names)})" if names else ""
+            raise ValueError(f"refusing to load {path}: it contains objects that are not plain tensors or "
+                             f"containers{found}; only files this suite writes are loaded (nothing in them "
+                             "is run)") from e
 
 
 class Run:
@@ -127,7 +159,7 @@ class Run:
         requeued job that resumes logs every step exactly once."""
         if not self.checkpoint_path.exists():
             return None
-        ckpt = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        ckpt = load_plain(self.checkpoint_path, map_location=self.device, allowed=numpy_array_globals())
         if not self.is_main:
             return ckpt["state"]
         self._metrics.close()

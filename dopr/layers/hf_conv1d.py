@@ -1,0 +1,29 @@
+"""Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2's c_attn, c_proj, c_fc).
+
+Despite its name it is a linear map, y = x W + b, with the weight stored (in, out): the transpose
+of nn.Linear's (out, in). In the AP's form h = W_lin z the matrix is W_lin = weight^T, so the
+gradient matrix is G = weight.grad^T (out x in, the bias gradient as its last column) and the
+activation vectors z are the input's feature vectors, exactly as for nn.Linear.
+
+This module does not import transformers: the registry matches the class by its qualified name.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from .linear import LinearHelper
+
+
+class HFConv1DHelper(LinearHelper):
+    """nn.Linear with a transposed weight: same z, same Sigma, same share_key (a Conv1D and a Linear
+    reading one tensor have the same statistics); only the gradient's layout differs."""
+
+    def input_dim(self) -> int:
+        return self.module.weight.shape[0]  # nx
+
+    def grad_matrix(self):
+        g = self._grad(self.module.weight)  # (in, out)
+        return None if g is None else self._with_bias_column(g.T)
+
+    def set_grad(self, m: Tensor) -> None:
+        self._grad(self.module.weight).copy_(self._split_bias_column(m).T)
