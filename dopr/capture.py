@@ -1,12 +1,10 @@
 """Activation capture: forward hooks on the preconditioned layers that gather, for each optimizer
 step, the statistics of exactly the forwards whose gradients that step receives.
 
-Statistics follow the gradient they belong to. A forward's statistics are offered when the gradient
-reaches the layer's operation in backward (a pre-hook on its autograd node), and they count only when
-that same backward pass (autograd graph task) accumulates the layer's weight gradient (a
-post-accumulate-grad hook on the weight). So a backward that asks only for input gradients
-(``torch.autograd.grad`` w.r.t. the input: adversarial attacks, saliency) adds nothing, a forward run
-again by a double backward counts once, and eval-mode and no-grad forwards never count. Clearing the
+Statistics follow the gradient they belong to. A forward's statistics count when the gradient reaches
+the layer's operation in backward (a pre-hook on its autograd node); eval-mode and no-grad forwards
+never count. (Eager: a backward that asks only for input gradients still counts its forward; compiled
+forwards hand their statistics to probe leaves, which such a backward does not reach.) Clearing the
 weight's gradient by any means (``opt.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``, an
 in-place zero) drops the statistics gathered for it: the check runs before the next accumulation
 (the gradient is None, or it was changed in place since the last accumulation and is now all zero).
@@ -152,7 +150,7 @@ def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
-    __slots__ = ("helper", "stat", "owned", "sig", "offers", "snap", "confirmed_task", "compiled")
+    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled")
 
     def __init__(self, helper) -> None:
         self.helper = helper
@@ -162,9 +160,7 @@ class LayerRecord:
         self.stat: Optional[ActivationStatistics] = None
         self.owned = False  # False while `stat` is the shared capture's object (copy on second add)
         self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma
-        self.offers: list = []  # (graph task, cid, statistics) offered in backward, not yet counted
         self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
-        self.confirmed_task = None  # the graph task whose accumulation counted last
         self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
 
 
@@ -179,10 +175,12 @@ class ActivationCapture:
         self._cid = itertools.count()
         self.probes = [self._probes(h) for h in helpers]  # compiled forwards (see the module docstring)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
+        # the weights as attached: under FSDP2 the module holds its unsharded weight during forward and
+        # backward, whose grad FSDP2 frees after the reduce-scatter; the sharded parameter keeps it
+        self.weights = [h.module.weight for h in helpers]
+        self.sharded = [sharding.is_sharded(w) for w in self.weights]
         for i, h in enumerate(helpers):
-            w = h.module.weight
-            if not sharding.is_sharded(w):  # FSDP2 never runs a sharded weight's tensor hooks
-                self.handles.append(w.register_hook(_ParamHook(self, i, "before_accumulation")))
+            w = self.weights[i]
             self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
             for p in self.probes[i]:
                 self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
@@ -229,43 +227,34 @@ class ActivationCapture:
         self.before_accumulation(index)
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
-        self._offer(layer, cap.stat, cap.cid)
+        self._offer(index, cap.stat, cap.cid)
 
-    def _offer(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
-        task = _graph_task()
-        if task != -1 and task == layer.confirmed_task:   # the weight already accumulated in this pass
-            self.commit_stat(layer, stat, cid)
-            return
-        # offers of another (finished) pass never reached the weight: they do not count
-        layer.offers = [o for o in layer.offers if o[0] == task]
-        layer.offers.append((task, cid, stat))
+    def _offer(self, index: int, stat: ActivationStatistics, cid: int) -> None:
+        # counted as offered: a backpropagated forward counts. (Counting only offers whose backward pass
+        # accumulates the weight's gradient changed the single-process LoRA SFT run, not yet understood:
+        # see the issue "Reliability", item 3.)
+        self.commit_stat(self.layers[index], stat, cid)
 
     def before_accumulation(self, index: int) -> None:
         """Before the weight's gradient receives a new contribution: if it was cleared since the last
         counted accumulation, the statistics that belonged to it go too."""
         layer = self.layers[index]
-        if layer.stat is None:
+        if layer.stat is None or layer.snap is None:   # nothing counted by an earlier accumulation
             return
-        w = layer.helper.module.weight
-        g = w.grad
+        g = self.weights[index].grad
         if g is not None:
             if sharding.is_sharded(g):  # ranks hold other rows: only None is a clear all ranks agree on
                 return
             if (g.data_ptr(), g._version) == layer.snap or bool(g.any()):
                 return          # untouched, or changed in place (all-reduced, scaled) but not zeroed
-        layer.stat, layer.owned, layer.sig, layer.compiled = None, False, [], False
+        layer.stat, layer.owned, layer.sig, layer.compiled, layer.snap = None, False, [], False, None
 
     def accumulated(self, index: int) -> None:
-        """The weight's gradient received this backward pass's contribution: its offers count."""
+        """The weight's gradient received this backward pass's contribution: remember its state, to tell a
+        later clear from an untouched gradient."""
         layer = self.layers[index]
-        task = _graph_task()
-        for t, cid, stat in layer.offers:
-            if t == task or task == -1:
-                self.commit_stat(layer, stat, cid)
-        layer.offers = []
-        g = layer.helper.module.weight.grad
+        g = self.weights[index].grad
         layer.snap = (g.data_ptr(), g._version) if g is not None and not sharding.is_sharded(g) else None
-        layer.confirmed_task = task
 
     def probe_accumulated(self, index: int) -> None:
         """A compiled forward's statistics arrived in the probes (once every probe has its part):
@@ -279,8 +268,9 @@ class ActivationCapture:
         stat.sums, stat.count = tuple(p.grad for p in probes[:-1]), probes[-1].grad.reshape(())
         for p in probes:
             p.grad = None
+        self.before_accumulation(index)
         layer.compiled = True
-        self._offer(layer, stat, next(self._cid))
+        self._offer(index, stat, next(self._cid))
 
     def _probes(self, helper) -> tuple:
         w = helper.module.weight
