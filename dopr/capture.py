@@ -2,12 +2,15 @@
 step, the statistics of exactly the forwards whose gradients that step receives.
 
 Statistics follow the gradient they belong to. A forward's statistics count when the gradient reaches
-the layer's operation in backward (a pre-hook on its autograd node); eval-mode and no-grad forwards
-never count. (Eager: a backward that asks only for input gradients still counts its forward; compiled
-forwards hand their statistics to probe leaves, which such a backward does not reach.) Clearing the
+the layer's operation in backward (a pre-hook on its autograd node) in a backward pass that computes
+the weight's gradient (``torch.autograd.grad`` with respect to the input alone does not: the engine
+will not execute the weight's AccumulateGrad); eval-mode and no-grad forwards never count. Compiled
+forwards hand their statistics to probe leaves, which such a backward does not reach. Clearing the
 weight's gradient by any means (``opt.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``, an
 in-place zero) drops the statistics gathered for it: the check runs before the next accumulation
-(the gradient is None, or it was changed in place since the last accumulation and is now all zero).
+(the gradient is None, or it was changed in place since the last accumulation and is now all zero),
+once per backward pass, by whichever of the layer's operation, its probes or the weight's own
+gradient hook comes first.
 Micro-batches accumulate, and under activation checkpointing the recomputed forward is not counted
 again (non-reentrant: its output is never backpropagated; reentrant: the first forward runs without
 grad). Layers that read the very same input tensor (q, k, v projections) share one statistics
@@ -47,6 +50,26 @@ from .statistics import ActivationStatistics, statistics_dtype
 def _graph_task() -> int:
     """The autograd graph task (one backward or autograd.grad call) now running, -1 outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def _receives_grad(weight: Tensor) -> bool:
+    """Whether the backward pass now running computes `weight`'s gradient: False under
+    ``torch.autograd.grad`` with respect to other tensors (an adversarial attack's input gradient, the
+    inner derivative of a physics-informed loss) or ``backward(inputs=...)`` without the weight."""
+    if not weight.requires_grad:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(_grad_node(weight))
+    except RuntimeError:  # autograd.grad with the weight among its inputs: its gradient is returned
+        return True
+
+
+def _grad_node(t: Tensor):
+    """The autograd node that receives `t`'s gradient: its AccumulateGrad for a leaf, else its grad_fn."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0]
 
 
 def _in_backward() -> bool:
@@ -98,6 +121,23 @@ class _ForwardHook:
         return (_ForwardHook, (None, self.index))
 
 
+class _WeightInUse(_ForwardHook):
+    """Forward pre-hook on a sharded (FSDP2) layer: records the weight its forward uses, the unsharded
+    parameter that FSDP2 swaps in before the forward and out again after it; its gradient decides
+    which forwards count (see ActivationCapture.commit)."""
+
+    def __call__(self, module, inputs):
+        capture = self.capture() if self.capture is not None else None
+        if capture is not None and not torch.compiler.is_compiling():
+            capture.in_use[self.index] = module.weight
+
+    def __deepcopy__(self, memo):
+        return _WeightInUse(None, self.index)
+
+    def __reduce__(self):
+        return (_WeightInUse, (None, self.index))
+
+
 #: autograd nodes that only reshape their input: the layer's own node is the first one below them
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
                          "AsStridedBackward0", "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
@@ -114,13 +154,13 @@ def _producer(output: Tensor):
     return node
 
 
-def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved: Optional[Tensor]):
+def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor):
     ref = weakref.ref(capture)
 
     def hook(grad_outputs):
         c = ref()
         if c is not None:
-            c.commit(index, cap, saved)
+            c.commit(index, cap, saved, weight)
 
     return hook
 
@@ -150,7 +190,7 @@ def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
-    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled")
+    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled", "checked")
 
     def __init__(self, helper) -> None:
         self.helper = helper
@@ -162,6 +202,7 @@ class LayerRecord:
         self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma
         self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
         self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
+        self.checked = None  # the backward pass (graph task) that last ran before_accumulation
 
 
 class ActivationCapture:
@@ -179,8 +220,14 @@ class ActivationCapture:
         # backward, whose grad FSDP2 frees after the reduce-scatter; the sharded parameter keeps it
         self.weights = [h.module.weight for h in helpers]
         self.sharded = [sharding.is_sharded(w) for w in self.weights]
+        # registered after FSDP2's own pre-forward hook, which has unsharded the weight by then
+        self.in_use = list(self.weights)
+        self.handles += [h.module.register_forward_pre_hook(_WeightInUse(self, i))
+                         for i, h in enumerate(helpers) if self.sharded[i]]
         for i, h in enumerate(helpers):
             w = self.weights[i]
+            if w.requires_grad:
+                self.handles.append(w.register_hook(_ParamHook(self, i, "weight_pre_accumulate")))
             self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
             for p in self.probes[i]:
                 self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
@@ -204,7 +251,10 @@ class ActivationCapture:
             cap, saved = _Capture(None, None, next(self._cid)), x
         else:
             cap, saved = self._capture(layer.helper, x), None
-        _producer(output).register_prehook(_commit_hook(self, index, cap, saved))
+        # the weight this forward used: its gradient decides what counts. Under FSDP2 the unsharded one,
+        # which a layer sharded on its own has already swapped out again by now
+        weight = self.in_use[index] if self.sharded[index] else module.weight
+        _producer(output).register_prehook(_commit_hook(self, index, cap, saved, weight))
 
     def _capture(self, helper, x: Tensor) -> _Capture:
         share = helper.share_key
@@ -221,24 +271,30 @@ class ActivationCapture:
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             return helper.statistics(x, self.statistic)
 
-    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor]) -> None:
-        """The gradient reached the layer's operation: offer its statistics to this backward pass."""
+    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor) -> None:
+        """The gradient reached the layer's operation: its statistics count if this backward pass
+        computes the weight's gradient."""
         layer = self.layers[index]
         self.before_accumulation(index)
+        if not _receives_grad(weight):
+            return
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
-        self._offer(index, cap.stat, cap.cid)
+        self.commit_stat(layer, cap.stat, cap.cid)
 
-    def _offer(self, index: int, stat: ActivationStatistics, cid: int) -> None:
-        # counted as offered: a backpropagated forward counts. (Counting only offers whose backward pass
-        # accumulates the weight's gradient changed the single-process LoRA SFT run, not yet understood:
-        # see the issue "Reliability", item 3.)
-        self.commit_stat(self.layers[index], stat, cid)
+    def weight_pre_accumulate(self, index: int) -> None:
+        """The weight's gradient is about to receive a contribution (a tensor hook on the weight)."""
+        self.before_accumulation(index)
 
     def before_accumulation(self, index: int) -> None:
         """Before the weight's gradient receives a new contribution: if it was cleared since the last
-        counted accumulation, the statistics that belonged to it go too."""
-        layer = self.layers[index]
+        counted accumulation, the statistics that belonged to it go too. Checked once per backward
+        pass, by whichever comes first: the layer's operation (eager), its probes (compiled) or the
+        weight's own gradient hook."""
+        layer, task = self.layers[index], _graph_task()
+        if layer.checked == task:
+            return
+        layer.checked = task
         if layer.stat is None or layer.snap is None:   # nothing counted by an earlier accumulation
             return
         g = self.weights[index].grad
@@ -270,7 +326,7 @@ class ActivationCapture:
             p.grad = None
         self.before_accumulation(index)
         layer.compiled = True
-        self._offer(index, stat, next(self._cid))
+        self.commit_stat(layer, stat, next(self._cid))
 
     def _probes(self, helper) -> tuple:
         w = helper.module.weight
@@ -363,7 +419,8 @@ def remove_inert_hooks(model: nn.Module) -> int:
     """Drop the inert hook copies a deep-copied or unpickled model carries; returns how many."""
     n = 0
     for module in model.modules():
-        for key in [k for k, h in module._forward_hooks.items() if isinstance(h, _ForwardHook) and h.capture is None]:
-            del module._forward_hooks[key]
-            n += 1
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for key in [k for k, h in hooks.items() if isinstance(h, _ForwardHook) and h.capture is None]:
+                del hooks[key]
+                n += 1
     return n

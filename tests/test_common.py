@@ -183,3 +183,20 @@ def test_debug_keeps_the_task_keys_set_on_the_command_line(compose, tmp_path):
     cfg = compose("task=robomimic_lift", "debug=default", "task.eval_episodes=0")
     apply_debug(cfg, tmp_path, overrides=[])  # nothing on the command line: the debug block wins
     assert cfg.task.eval_episodes == 1
+
+
+def test_a_distributed_job_destroys_its_process_group_when_it_ends(compose, tmp_path, monkeypatch):
+    """launcher=slurm_multigpu jobs: the group goes once the job's models are gone (a DDP model alive
+    at destroy aborts a gloo process now and then, which fails a finished SLURM job)."""
+    import torch.distributed as dist
+
+    from experiments.common import launch
+
+    def init(cfg):   # submitit's environment stands in for a 1-process gloo group here
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+
+    monkeypatch.setattr(launch, "init_distributed", init)
+    cfg = compose("task=feature_learning", "optim=dopr_sgd", "debug=default", "distributed=true")
+    summary = launch.run_job(cfg, tmp_path / "job")
+    assert summary["world_size"] == 1 and (tmp_path / "job" / "summary.json").exists()
+    assert not dist.is_initialized()

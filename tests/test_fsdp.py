@@ -12,6 +12,7 @@ from torch import nn
 
 import dopr
 from dopr import DoPr
+from ranks import leave_process_group
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
 
@@ -72,7 +73,8 @@ def _worker(rank, world, init_file, out):
                 torch.equal(fresh._grad_ema.buffers[k]["g"], g) for k, g in mine.items())
     if rank == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
+    model = opt = fresh = None
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,8 @@ def _compiled_worker(rank, world, init_file, out):
     params = [p.full_tensor().detach().clone() for p in model.parameters()]
     if rank == 0:
         torch.save({"params": params, "preconditioned": opt.stats()["preconditioned"]}, out)
-    dist.destroy_process_group()
+    del model, opt
+    leave_process_group()
 
 
 @pytest.mark.slow

@@ -99,3 +99,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
         return result
     finally:
         run.close(failed)
+        del run, task
+        if cfg.distributed:
+            from .distributed import shutdown
+
+            shutdown(failed)
