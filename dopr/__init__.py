@@ -1,10 +1,11 @@
 """dopr: Double Preconditioning. The activation preconditioner (AP) of the paper, wrapped around
 any gradient preconditioner (GP): SGD, AdamW, Muon, Signum, AdaMuon."""
+from .compiled import enable_compiled_capture
 from .factory import NAMES, build
 from .gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp
 from .layers import CoverageEntry, register_layer
 from .optimizer import DoPr
 
 __all__ = ["DoPr", "build", "build_gp", "NAMES", "SGD", "Signum", "AdaMuon", "HybridOptimizer",
-           "CoverageEntry", "register_layer"]
+           "CoverageEntry", "register_layer", "enable_compiled_capture"]
 __version__ = "0.1.0"

@@ -249,6 +249,8 @@ class Row:
         self.k, self.cuda = max(k, 1), device == "cuda"
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
         self.model, self.x, self.y, self.loss_fn = make_task(task, device)
+        if compile_model:   # rows compile instances of one class, with hooks and without
+            dopr.enable_compiled_capture()
         self.forward = torch.compile(self.model) if compile_model else self.model
         kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1]} if k else {}
         self.opt = dopr.build(self.model, f"dopr_{gp}" if k else gp, lr=1e-3, **kw)

@@ -19,19 +19,11 @@ computation, and then one factorisation.
 The hooks hold the capture weakly: a deleted optimizer leaves inert hooks, and a deep-copied or
 pickled model gets inert copies of them.
 
-Under ``torch.compile`` the hook is traced into the graph, where Python side effects (the commit
-hook, the dict of shared captures) would break it. There the statistics travel through autograd
-instead: the hook returns ``_Tap(output, probes, sums)``, the identity on the output, whose backward
-hands the sums to per-layer *probe* leaves as their gradient. Autograd accumulates them into
-``probe.grad`` exactly when the output is backpropagated, with no Python in the graph: no graph
-break, no guard that changes from step to step, ``fullgraph=True`` works. A post-accumulate hook on
-the probes moves what they received into the same per-backward offer as eager's, so the same rule
-decides what counts. A probe is a one-element leaf strided to the sums' shape, so it costs no memory
-between steps. Compiled layers that read one input (q, k, v) hand over equal statistics; at the
-step, equal statistics of layers that may share (same share key, count and entries) are merged, so
-they are factored once. Which layers share is thus decided per step by identity (eager) or equal
-values (compiled); the optimizer keeps a layer's statistics EMA shared only while the layers have
-shared every step (see ``DoPr``), so the two rules give the same result.
+Under ``torch.compile`` the statistics reach the step through probe leaves (``dopr/compiled.py``);
+a post-accumulate hook on the probes offers them as eager's are, so the same rules decide what
+counts. Which layers share is decided per step by identity (eager) or equal values (compiled); the
+optimizer keeps a layer's statistics EMA shared only while the layers have shared every step (see
+``DoPr``), so the two rules give the same result.
 """
 from __future__ import annotations
 
@@ -44,7 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding
-from .statistics import ActivationStatistics, statistics_dtype
+from .compiled import Probes
+from .statistics import ActivationStatistics
 
 
 def _graph_task() -> int:
@@ -165,28 +158,6 @@ def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved:
     return hook
 
 
-class _Tap(torch.autograd.Function):
-    """out -> out; in backward, each probe's gradient is its statistic (the sums and the count)."""
-
-    @staticmethod
-    def forward(ctx, out, *probes_and_values):
-        k = len(probes_and_values) // 2
-        ctx.save_for_backward(*probes_and_values[k:])
-        # a copy, not a view: a view returned by a custom Function may not be modified in place
-        # (ReLU(inplace=True) after a Linear); in a compiled graph the copy fuses into its consumer
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        values = ctx.saved_tensors
-        return (grad, *values, *(None,) * len(values))
-
-
-def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
-    """A leaf of `shape` whose gradient collects a statistic: one element of storage, strides 0."""
-    return torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
-
-
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
@@ -214,7 +185,7 @@ class ActivationCapture:
         self.collecting = True
         self._captures: dict = {}
         self._cid = itertools.count()
-        self.probes = [self._probes(h) for h in helpers]  # compiled forwards (see the module docstring)
+        self.probes = Probes(helpers, statistic)  # compiled forwards (dopr/compiled.py)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
         # the weights as attached: under FSDP2 the module holds its unsharded weight during forward and
         # backward, whose grad FSDP2 frees after the reduce-scatter; the sharded parameter keeps it
@@ -229,11 +200,10 @@ class ActivationCapture:
             if w.requires_grad:
                 self.handles.append(w.register_hook(_ParamHook(self, i, "weight_pre_accumulate")))
             self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
-            for p in self.probes[i]:
+            for p in self.probes.leaves[i]:
                 self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
         # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
         self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
-        self.retraced = _retrace_compiled()
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
@@ -242,9 +212,7 @@ class ActivationCapture:
             return
         layer, x = self.layers[index], inputs[0]
         if torch.compiler.is_compiling():
-            stat = self._statistics(layer.helper, x)
-            count = torch.full((), stat.count, dtype=stat.sums[0].dtype, device=stat.sums[0].device)
-            return _Tap.apply(output, *self.probes[index], *stat.sums, count)
+            return self.probes.tap(index, output, self._statistics(layer.helper, x))
         if _in_backward():
             # a checkpoint recomputation: its output is backpropagated (and the statistics needed)
             # only under the reentrant variant, so compute them lazily, when that happens
@@ -313,46 +281,15 @@ class ActivationCapture:
         layer.snap = (g.data_ptr(), g._version) if g is not None and not sharding.is_sharded(g) else None
 
     def probe_accumulated(self, index: int) -> None:
-        """A compiled forward's statistics arrived in the probes (once every probe has its part):
-        offered to this backward pass as eager's are. The count stays a tensor (no host sync)."""
-        probes = self.probes[index]
-        if any(p.grad is None for p in probes):
-            return
+        """A compiled forward's statistics arrived in the probes: offered to this backward pass as
+        eager's are."""
         layer = self.layers[index]
-        kind = layer.helper.statistic_type(self.statistic)
-        stat = kind.__new__(kind)
-        stat.sums, stat.count = tuple(p.grad for p in probes[:-1]), probes[-1].grad.reshape(())
-        for p in probes:
-            p.grad = None
+        stat = self.probes.received(index, layer.helper.statistic_type(self.statistic))
+        if stat is None:     # not every probe has its part yet
+            return
         self.before_accumulation(index)
         layer.compiled = True
         self.commit_stat(layer, stat, next(self._cid))
-
-    def _probes(self, helper) -> tuple:
-        w = helper.module.weight
-        dtype, device = statistics_dtype(w.dtype), sharding.local(w).device
-        shapes = helper.statistic_type(self.statistic).sum_shapes(helper.dim) + ((),)
-        return tuple(_probe(shape, dtype, device) for shape in shapes)
-
-    def _collect_probes(self) -> None:
-        """Compiled layers' counted statistics: their counts to the host (one transfer for all), and
-        layers with equal statistics (q, k, v of one input) merged into one, factored once."""
-        found = [layer for layer in self.layers if layer.compiled and layer.stat is not None]
-        if not found:
-            return
-        # one host transfer: each layer's count and a fingerprint (the sum of its first statistic)
-        keys = torch.stack([torch.stack([torch.as_tensor(l.stat.count).reshape(()).to(torch.float64),
-                                         l.stat.sums[0].sum().to(torch.float64)]) for l in found]).tolist()
-        seen = []   # (share key, count, fingerprint, layer) of the statistics kept so far
-        for layer, (count, fingerprint) in zip(found, keys):
-            layer.stat.count, layer.compiled = count, False
-            share = layer.helper.share_key
-            twin = next((c for c in seen if share is not None and c[:3] == (share, count, fingerprint)
-                         and all(torch.equal(a, b) for a, b in zip(c[3].stat.sums, layer.stat.sums))), None)
-            if twin is not None:   # q, k, v of one input: the same statistics, one factorisation (as eager)
-                layer.stat, layer.owned, layer.sig = twin[3].stat, False, list(twin[3].sig)
-                continue
-            seen.append((share, count, fingerprint, layer))
 
     def commit_stat(self, layer: LayerRecord, stat: ActivationStatistics, cid: int) -> None:
         if layer.stat is None:
@@ -366,7 +303,7 @@ class ActivationCapture:
     def groups(self, names) -> OrderedDict:
         """{tuple of member names: statistics} for the layers in `names` that gathered any; layers
         whose committed captures are the same (they read the same inputs) form one group."""
-        self._collect_probes()
+        Probes.merge_equal(self.layers)
         by_sig = OrderedDict()
         for layer in self.layers:
             if layer.helper.name in names and layer.stat is not None:
@@ -374,40 +311,19 @@ class ActivationCapture:
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
 
     def pending_samples(self) -> dict:
-        self._collect_probes()
+        Probes.merge_equal(self.layers)
         return {l.helper.name: (l.stat.count if l.stat is not None else 0) for l in self.layers}
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
-        for probes in self.probes:
-            for p in probes:
-                p.grad = None
+        self.probes.reset()
         self._captures = {}
 
     def close(self) -> None:
         _remove_handles(self.handles)
         self.handles = []
         self._finalizer.detach()
-
-
-def _retrace_compiled() -> bool:
-    """Make torch.compile see these hooks. Dynamo does not guard on module hooks by default
-    (``skip_nnmodule_hook_guards``): a graph traced for a model without DoPr's hooks (compiled and
-    run before DoPr existed, or another instance of the same class) would be reused for the hooked
-    model and gather nothing. Turn those guards on (process-wide: a hooked module then never runs a
-    hook-less graph) and, when dynamo has compiled anything in this process, drop its compiled code:
-    every compiled function retraces once, on its next call. Returns whether code was dropped."""
-    try:
-        import torch._dynamo
-        from torch._dynamo import convert_frame
-    except Exception:  # pragma: no cover - a torch without dynamo
-        return False
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    if not any(ref() is not None for ref in convert_frame.input_codes.seen):
-        return False
-    torch._dynamo.reset_code_caches()
-    return True
 
 
 def _remove_handles(handles) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from . import sharding, solvers
 from ._optimizer_surface import init_hook_registries, needs_closure
 from .capture import ActivationCapture, remove_inert_hooks
+from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_flags, all_reduce_statistics
 from .ema import CovarianceEMA, GradientEMA
 from .layers import find_layers
@@ -334,11 +335,13 @@ class DoPr(torch.optim.Optimizer):
         skipped = {name for key in skipped for name in key}
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
         if self._no_forward:
+            cause = ("a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
+                     "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
+                     "before compiling" if self.model.training and hook_guards_skipped() else
+                     "a model left in eval() mode, whose forwards gather no statistics: call model.train()")
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
-                            "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is a model "
-                            "left in eval() mode, whose forwards gather no statistics: call model.train() (or a "
-                            "torch.compile'd forward traced before DoPr's hooks existed with "
-                            "torch._dynamo.config.skip_nnmodule_hook_guards set back to True)")
+                            "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
+                            + cause)
         bad = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
         members = defaultdict(list)
         for layer in self._capture.layers:

@@ -1,10 +1,13 @@
 """torch.compile: DoPr's capture traces into the model's graph (no graph break, no recompilation from
 step to step, fullgraph=True trains) and gives the eager result."""
+import copy
+
 import pytest
 import torch
 import torch._dynamo
 from torch import nn
 
+import dopr
 from dopr import DoPr
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
@@ -32,9 +35,11 @@ def _train(forward, opt, steps=4):
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
+    """A clean dynamo and its module-hook guards as torch ships them (skipped) for each test."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    yield
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        yield
     torch._dynamo.reset()
 
 
@@ -84,6 +89,7 @@ def test_a_compiled_forward_counts_only_when_backpropagated():
 
 
 def test_dopr_built_after_the_model_was_compiled_and_run_still_captures():
+    dopr.enable_compiled_capture()            # before compiling: graphs guard on the module hooks
     model = _model()
     compiled = torch.compile(model, backend="aot_eager")
     x, _ = _data()
@@ -97,12 +103,51 @@ def test_dopr_built_after_the_model_was_compiled_and_run_still_captures():
 def test_a_graph_compiled_for_an_unhooked_instance_is_not_reused_for_the_hooked_one():
     """Dynamo skips module-hook guards by default: the graph of a plain instance of the same class
     (a baseline, an evaluation copy) ran for DoPr's model and it gathered nothing."""
+    dopr.enable_compiled_capture()
     model, plain = _model(), _model()
     opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, _ = _data()
-    torch.compile(plain, backend="aot_eager")(x).sum().backward()   # compiled after DoPr: no reset helps
+    torch.compile(plain, backend="aot_eager")(x).sum().backward()
     torch.compile(model, backend="aot_eager")(x).sum().backward()
     assert opt.pending_samples() == {"0": 72.0, "1": 72.0, "3": 72.0, "5": 72.0}
+
+
+def test_without_enable_compiled_capture_a_stale_graph_is_named_in_the_warning():
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    x, _ = _data()
+    compiled(x).sum().backward()              # traced before any DoPr hook existed, no hook guards
+    opt = DoPr(compiled, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.zero_grad()
+    compiled(x).sum().backward()
+    assert set(opt.pending_samples().values()) == {0}   # the hook-less graph ran
+    with pytest.warns(RuntimeWarning, match=r"dopr\.enable_compiled_capture\(\) before compiling"):
+        opt.step()
+
+
+def test_dopr_never_drops_an_unrelated_functions_compiled_code():
+    """Creating a DoPr, re-attaching after a freeze and deep-copying leave other compiled code alone."""
+    compiles = []
+
+    def backend(gm, inputs):
+        compiles.append(1)
+        return gm.forward
+
+    f = torch.compile(lambda t: torch.sin(t) * 2, backend=backend)
+    t = torch.randn(5)
+    f(t)
+    model = _model()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    f(t)
+    model[1].weight.requires_grad_(False)                       # a freeze: re-attached at the step
+    x, y = _data()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+    f(t)
+    copy.deepcopy(opt)
+    f(t)
+    assert len(compiles) == 1
+    assert torch._dynamo.config.skip_nnmodule_hook_guards   # nor changes dynamo's configuration
 
 
 def test_a_wide_layer_compiles_its_blocked_gram_and_matches_eager():

@@ -1,0 +1,133 @@
+"""The capture under ``torch.compile``.
+
+A forward hook traced into a compiled graph may not have Python side effects (the eager commit hook
+on the autograd node, the dict of shared captures); they would break the graph. So the statistics
+travel through autograd instead: the hook returns ``_Tap(output, probes, sums)``, the identity on the
+output, whose backward hands the sums to per-layer *probe* leaves as their gradient. Autograd
+accumulates them into ``probe.grad`` exactly when the output is backpropagated, with no Python in the
+graph: no graph break, no guard that changes from step to step, ``fullgraph=True`` works. A backward
+that asks only for other gradients (``torch.autograd.grad`` with respect to the input) never
+accumulates the probes, so those forwards do not count, as in eager. A probe is a one-element leaf
+strided to the sums' shape: it costs no memory between steps.
+
+Compiled layers that read one input (q, k, v) hand over equal statistics; at the step, equal
+statistics of layers that may share (same share key, count and entries) are merged, so they are
+factored once (:meth:`Probes.merge_equal`).
+
+Dynamo does not guard on module hooks by default: a graph traced without DoPr's hooks (the model
+compiled and run before DoPr attached them, another instance of the same class, a layer unfrozen
+later) is reused for the hooked model, which then gathers nothing. :func:`enable_compiled_capture`
+turns those guards on; it is the user's explicit call (process-wide), and DoPr never changes dynamo's
+configuration or drops compiled code itself.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import sharding
+from .statistics import ActivationStatistics, statistics_dtype
+
+
+def enable_compiled_capture() -> None:
+    """Make ``torch.compile`` see DoPr's hooks: dynamo guards on module hooks from now on
+    (``torch._dynamo.config.skip_nnmodule_hook_guards = False``, process-wide), so a graph traced
+    without them is retraced rather than reused. Call it once, before compiling. Graphs compiled
+    before the call carry no such guard; ``torch._dynamo.reset()`` retraces them (your choice: it
+    drops every compiled function's code)."""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
+def hook_guards_skipped() -> bool:
+    """Whether dynamo has compiled anything in this process while skipping module-hook guards: then a
+    layer with gradients but no statistics may have run a graph traced without DoPr's hooks."""
+    try:
+        import torch._dynamo
+        from torch._dynamo import convert_frame
+    except Exception:  # pragma: no cover - a torch without dynamo
+        return False
+    return bool(torch._dynamo.config.skip_nnmodule_hook_guards) and any(
+        ref() is not None for ref in convert_frame.input_codes.seen)
+
+
+class _Tap(torch.autograd.Function):
+    """out -> out; in backward, each probe's gradient is its statistic (the sums and the count)."""
+
+    @staticmethod
+    def forward(ctx, out, *probes_and_values):
+        k = len(probes_and_values) // 2
+        ctx.save_for_backward(*probes_and_values[k:])
+        # a copy, not a view: a view returned by a custom Function may not be modified in place
+        # (ReLU(inplace=True) after a Linear); in a compiled graph the copy fuses into its consumer
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        values = ctx.saved_tensors
+        return (grad, *values, *(None,) * len(values))
+
+
+def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
+    """A leaf of `shape` whose gradient collects a statistic: one element of storage, strides 0."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
+
+
+class Probes:
+    """Each layer's probe leaves (its statistic's sums, then the count) and what they received."""
+
+    def __init__(self, helpers: list, statistic: type) -> None:
+        self.statistic = statistic
+        self.leaves = [self._make(h) for h in helpers]
+
+    def _make(self, helper) -> tuple:
+        w = helper.module.weight
+        dtype, device = statistics_dtype(w.dtype), sharding.local(w).device
+        shapes = helper.statistic_type(self.statistic).sum_shapes(helper.dim) + ((),)
+        return tuple(_probe(shape, dtype, device) for shape in shapes)
+
+    def tap(self, index: int, output: Tensor, stat: ActivationStatistics) -> Tensor:
+        """Traced in the compiled forward: the output, carrying `stat` to the probes in backward."""
+        count = torch.full((), stat.count, dtype=stat.sums[0].dtype, device=stat.sums[0].device)
+        return _Tap.apply(output, *self.leaves[index], *stat.sums, count)
+
+    def received(self, index: int, kind: type) -> Optional[ActivationStatistics]:
+        """Once every probe of the layer has its part: the statistic (of type `kind`) they carry, taken
+        out of them; None before. The count stays a tensor (no host sync) until merge_equal."""
+        probes = self.leaves[index]
+        if any(p.grad is None for p in probes):
+            return None
+        stat = kind.__new__(kind)
+        stat.sums, stat.count = tuple(p.grad for p in probes[:-1]), probes[-1].grad.reshape(())
+        for p in probes:
+            p.grad = None
+        return stat
+
+    @staticmethod
+    def merge_equal(layers: list) -> None:
+        """Layers whose statistics came from probes: their counts to the host (one transfer for all),
+        and layers with equal statistics (q, k, v of one input) made to hold one object, factored once."""
+        found = [layer for layer in layers if layer.compiled and layer.stat is not None]
+        if not found:
+            return
+        # one host transfer: each layer's count and a fingerprint (the sum of its first statistic)
+        keys = torch.stack([torch.stack([torch.as_tensor(l.stat.count).reshape(()).to(torch.float64),
+                                         l.stat.sums[0].sum().to(torch.float64)]) for l in found]).tolist()
+        seen = []   # (share key, count, fingerprint, layer) of the statistics kept so far
+        for layer, (count, fingerprint) in zip(found, keys):
+            layer.stat.count, layer.compiled = count, False
+            share = layer.helper.share_key
+            twin = next((c for c in seen if share is not None and c[:3] == (share, count, fingerprint)
+                         and all(torch.equal(a, b) for a, b in zip(c[3].stat.sums, layer.stat.sums))), None)
+            if twin is not None:   # q, k, v of one input: the same statistics, one factorisation (as eager)
+                layer.stat, layer.owned, layer.sig = twin[3].stat, False, list(twin[3].sig)
+                continue
+            seen.append((share, count, fingerprint, layer))
+
+    def reset(self) -> None:
+        for probes in self.leaves:
+            for p in probes:
+                p.grad = None
