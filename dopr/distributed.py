@@ -45,10 +45,26 @@ def all_reduce_statistics(stats: list) -> None:
         st.count = float(flat[offset + i])
 
 
-def all_reduce_flags(t) -> None:
-    """Sum a small tensor over ranks in place (non-finite checks under sharding: any rank's NaN counts)."""
-    if is_distributed():
-        dist.all_reduce(t)
+def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:
+    """The keys whose tensor has a non-finite entry, one device sync for all of them. With
+    `across_ranks` (each rank holds other rows of the same gradients, FSDP2) a key is bad on every rank
+    when it is bad on any: one all-reduce of the sums, and a second only when one is non-finite."""
+    if not tensors:
+        return set()
+    # one pass per tensor: a sum is finite unless an entry is non-finite (or it overflows, which the
+    # exact per-tensor check below then clears)
+    sums = torch.stack([t.sum() for t in tensors.values()])
+    across_ranks = across_ranks and is_distributed()
+    if across_ranks:
+        dist.all_reduce(sums)
+    if bool(sums.isfinite().all()):
+        return set()
+    bad = {k for k, t in tensors.items() if not bool(torch.isfinite(t).all())}
+    if across_ranks:
+        flags = torch.tensor([float(k in bad) for k in tensors], device=sums.device)
+        dist.all_reduce(flags)
+        bad = {k for k, f in zip(tensors, flags.tolist()) if f > 0}
+    return bad
 
 
 def agree_groups(groups: "OrderedDict", layers: list, statistic: type) -> "OrderedDict":

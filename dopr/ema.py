@@ -4,6 +4,8 @@ are; beta = 0 passes the batch value through. A dense Sigma is symmetric: its EM
 triangle only, d(d+1)/2 floats."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -36,11 +38,20 @@ class GradientEMA:
         entry["g"].mul_(self.beta).add_(g, alpha=1.0 - self.beta)
         return entry["g"] / (1.0 - self.beta ** entry["t"])
 
-    def state_dict(self) -> dict:
-        return {k: {"t": v["t"], "g": v["g"].clone()} for k, v in self.buffers.items()}
+    def state_dict(self, helpers: Optional[dict] = None, whole: bool = False) -> dict:
+        """The buffers; with `whole`, each gathered to its whole layer's matrix by its layer helper
+        (`helpers`: {name: LayerHelper}; a collective under FSDP2)."""
+        def out(k, g):
+            return (helpers[k].whole_matrix(g) if whole and k in helpers else g).clone()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.buffers = {k: {"t": v["t"], "g": v["g"].clone()} for k, v in state.items()}
+        return {k: {"t": v["t"], "g": out(k, v["g"])} for k, v in self.buffers.items()}
+
+    def load_state_dict(self, state: dict, helpers: Optional[dict] = None) -> None:
+        """Load buffers saved whole (or unsharded); with `helpers`, each keeps this rank's part."""
+        def mine(k, g):
+            return helpers[k].local_matrix(g).clone() if helpers and k in helpers else g.clone()
+
+        self.buffers = {k: {"t": v["t"], "g": mine(k, v["g"])} for k, v in state.items()}
 
 
 class CovarianceEMA:

@@ -29,17 +29,16 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding, solvers
-from ._optimizer_surface import init_hook_registries, needs_closure
+from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
+from .checkpoint import KEY
 from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
-from .distributed import agree_groups, all_reduce_flags, all_reduce_statistics
+from .distributed import agree_groups, all_reduce_statistics, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
 from .layers import find_layers
+from .options import check_options
 from .statistics import STATISTICS, statistics_dtype
 
-DAMPING_MODES = ("trace", "trace_per_dim", "absolute")
-CONV2D_MODES = ("full", "sua")
-NONFINITE = ("skip", "raise")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -50,7 +49,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-class DoPr(torch.optim.Optimizer):
+class DoPr(WrapsBase, torch.optim.Optimizer):
     r"""Double Preconditioning: AP on the gradient, then the base optimizer (GP) unchanged.
 
     Args:
@@ -104,31 +103,13 @@ class DoPr(torch.optim.Optimizer):
         warmup_steps: int = 0,
         clip_precond_norm: Optional[float] = None,
     ) -> None:
-        if not damping >= 0.0:
-            raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
-        if damping_mode not in DAMPING_MODES:
-            raise ValueError(f"Invalid damping_mode: {damping_mode!r} (choose from {DAMPING_MODES})")
-        for nm, beta in (("grad_ema", grad_ema), ("precond_ema", precond_ema)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid {nm}: {beta} (must be in [0, 1))")
-        if solver not in solvers.SOLVERS:
-            raise ValueError(f"Invalid solver: {solver!r} (choose from {tuple(solvers.SOLVERS)})")
-        if not (isinstance(precond_every, int) and precond_every >= 1):
-            raise ValueError(f"Invalid precond_every: {precond_every} (must be an integer >= 1)")
-        if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
-            raise ValueError(f"Invalid warmup_steps: {warmup_steps} (must be an integer >= 0)")
-        if clip_precond_norm is not None and not (isinstance(clip_precond_norm, (int, float)) and clip_precond_norm > 0):
-            raise ValueError(f"Invalid clip_precond_norm: {clip_precond_norm} (must be > 0 or None)")
-        if conv2d not in CONV2D_MODES:
-            raise ValueError(f"Invalid conv2d mode: {conv2d!r} (choose from {CONV2D_MODES})")
-        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
-            raise ValueError(f"Invalid rank: {rank} (must be an integer >= 1)")
-        if not (isinstance(eigh_rcond, (int, float)) and 0.0 <= eigh_rcond < 1.0):
-            raise ValueError(f"Invalid eigh_rcond: {eigh_rcond} (must be in [0, 1))")
-        if not isinstance(homogeneous, bool):
-            raise ValueError(f"Invalid homogeneous: {homogeneous!r} (must be True or False)")
-        if on_nonfinite not in NONFINITE:
-            raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
+        self.options = dict(
+            damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
+            solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
+            rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
+            clip_precond_norm=clip_precond_norm,
+        )
+        check_options(self.options)
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
         # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
@@ -139,23 +120,12 @@ class DoPr(torch.optim.Optimizer):
                              "preconditions the gradient once per step and cannot wrap a base that re-evaluates it")
 
         module = _unwrap(model)
-        in_model = {id(p) for p in module.parameters()}
-        base_params = [p for g in base.param_groups for p in g["params"]]
-        foreign = [tuple(p.shape) for p in base_params if id(p) not in in_model]
-        if foreign:
-            raise ValueError(
-                f"the base optimizer holds {len(foreign)} parameter(s) that are not in the model "
-                f"(shapes {foreign[:5]}); build it from model.parameters()"
-            )
+        refuse_foreign(module, [p for g in base.param_groups for p in g["params"]],
+                       "the base optimizer holds {n} parameter(s) that are not in the model (shapes {shapes}); "
+                       "build it from model.parameters()")
         self.base = base
         self.model = module
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
-        self.options = dict(
-            damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
-            solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
-            rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
-            clip_precond_norm=clip_precond_norm,
-        )
         self._solver = solvers.SOLVERS[solver]
         # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
         self._step = 0
@@ -175,30 +145,6 @@ class DoPr(torch.optim.Optimizer):
         init_hook_registries(self)  # param_groups and state are the base's: Optimizer.__init__ is not called
 
     # ----------------------------------------------------------- torch.optim.Optimizer surface
-    @property
-    def param_groups(self):
-        return self.base.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups):
-        self.base.param_groups = groups
-
-    @property
-    def state(self):
-        return self.base.state
-
-    @state.setter
-    def state(self, state):
-        self.base.state = state
-
-    @property
-    def defaults(self):
-        return self.base.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.base.defaults = value
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base's zero_grad, and the statistics committed since the last step go with the
         gradients they belong to (a step skipped by GradScaler leaves nothing pending)."""
@@ -215,11 +161,8 @@ class DoPr(torch.optim.Optimizer):
                 params = [params]
             elif not isinstance(params, set):   # a set: the base refuses it (its order is not fixed)
                 param_group["params"] = params = list(params)   # a generator can be read only once
-            in_model = {id(p) for p in self.model.parameters()}
-            foreign = [tuple(p.shape) for p in params if id(p) not in in_model]
-            if foreign:
-                raise ValueError(f"add_param_group got {len(foreign)} parameter(s) that are not in the model "
-                                 f"(shapes {foreign[:5]}); DoPr only steps the model's parameters")
+            refuse_foreign(self.model, params, "add_param_group got {n} parameter(s) that are not in the model "
+                           "(shapes {shapes}); DoPr only steps the model's parameters")
         self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -362,20 +305,7 @@ class DoPr(torch.optim.Optimizer):
     def _nonfinite(self, tensors: dict, what: str = "gradient", replicated: bool = False) -> set:
         """Keys whose tensor has a non-finite entry (one device sync for all of them). Under sharding a
         gradient's rows are spread over ranks: unless `replicated`, the ranks agree by one all-reduce."""
-        if not tensors:
-            return set()
-        # one pass per tensor: a sum is finite unless an entry is non-finite (or it overflows,
-        # which the exact per-tensor check below then clears)
-        sums = torch.stack([t.sum() for t in tensors.values()])
-        if self._sharded and not replicated:  # each rank holds other rows: all decide on the whole gradient
-            all_reduce_flags(sums)
-        if bool(sums.isfinite().all()):
-            return set()
-        bad = {k for k, t in tensors.items() if not bool(torch.isfinite(t).all())}
-        if self._sharded and not replicated:
-            flags = torch.tensor([float(k in bad) for k in tensors], device=sums.device)
-            all_reduce_flags(flags)
-            bad = {k for k, f in zip(tensors, flags.tolist()) if f > 0}
+        bad = nonfinite_keys(tensors, across_ranks=self._sharded and not replicated)
         if not bad:
             return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
@@ -416,7 +346,7 @@ class DoPr(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         sd = self.base.state_dict()
-        sd["dopr"] = self.ap_state_dict()
+        sd[KEY] = self.ap_state_dict()
         for hook in self._optimizer_state_dict_post_hooks.values():
             out = hook(self, sd)
             sd = sd if out is None else out
@@ -427,7 +357,7 @@ class DoPr(torch.optim.Optimizer):
             out = hook(self, state_dict)
             state_dict = state_dict if out is None else out
         state_dict = dict(state_dict)
-        ours = state_dict.pop("dopr", None)
+        ours = state_dict.pop(KEY, None)
         if ours is None:
             raise ValueError("state_dict has no 'dopr' entry: it was not saved from a DoPr optimizer")
         self.base.load_state_dict(state_dict)
@@ -440,12 +370,12 @@ class DoPr(torch.optim.Optimizer):
         inverses, counters, options. Under FSDP2 the gradient EMA buffers are gathered to whole
         matrices (a collective: every rank must call it, as for FSDP's full state dicts). With
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
-        add this entry: that function keeps only "state" and "param_groups"."""
+        add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
+        both)."""
         return {
             "step": self._step,
             "warmed": self._warmed,
-            "grad_ema": {k: {"t": v["t"], "g": self._grad_ema_whole(k, v["g"])}
-                         for k, v in self._grad_ema.state_dict().items()},
+            "grad_ema": self._grad_ema.state_dict(self._helpers(), whole=True),
             "precond_ema": self._precond_ema.state_dict(),
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
             "counts": dict(self._counts),
@@ -463,36 +393,14 @@ class DoPr(torch.optim.Optimizer):
                           stacklevel=3)
         self._step = ours["step"]
         self._warmed = ours.get("warmed", self.options["warmup_steps"])  # older checkpoints: past any warm-up
-        self._grad_ema.load_state_dict({k: {"t": v["t"], "g": self._grad_ema_local(k, v["g"])}
-                                        for k, v in ours["grad_ema"].items()})
+        self._grad_ema.load_state_dict(ours["grad_ema"], self._helpers())
         self._precond_ema.load_state_dict(ours["precond_ema"])
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
         self._counts = defaultdict(int, ours["counts"])
         self._capture.collecting = self.collecting
 
-    def _sharded_axis(self, name: str):
-        """For a sharded layer: (weight, the gradient matrix's axis that its shards split, matrix
-        rows or columns per weight row); else None."""
-        helper = next((l.helper for l in self._capture.layers if l.helper.name == name), None)
-        w = getattr(helper.module, "weight", None) if helper is not None else None
-        if not sharding.is_sharded(w):
-            return None
-        return w, (1 if helper.local_columns() is not None else 0), helper.rows_per_weight_row
-
-    def _grad_ema_whole(self, name: str, g: Tensor) -> Tensor:
-        found = self._sharded_axis(name)
-        if found is None:
-            return g
-        w, axis, mult = found
-        return _from_weight_rows(sharding.gather_rows(_to_weight_rows(g, axis, mult), w), g.shape[1 - axis], axis)
-
-    def _grad_ema_local(self, name: str, g: Tensor) -> Tensor:
-        found = self._sharded_axis(name)
-        if found is None:
-            return g
-        w, axis, mult = found
-        first, stop = sharding.row_range(w)
-        return _from_weight_rows(_to_weight_rows(g, axis, mult)[first:stop], g.shape[1 - axis], axis)
+    def _helpers(self) -> dict:
+        return {l.helper.name: l.helper for l in self._capture.layers}
 
     def close(self) -> None:
         """Remove the forward hooks; the model is left as it was before DoPr."""
@@ -523,15 +431,6 @@ class DoPr(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _to_weight_rows(g: Tensor, axis: int, mult: int) -> Tensor:
-    """A gradient-matrix-shaped buffer as (weight rows, rest): the layout FSDP2 shards."""
-    return g.movedim(axis, 0).reshape(-1, mult * g.shape[1 - axis])
-
-
-def _from_weight_rows(rows: Tensor, other: int, axis: int) -> Tensor:
-    return rows.reshape(-1, other).movedim(0, axis).contiguous()
 
 
 def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:

@@ -68,6 +68,13 @@ def gather(t: Tensor) -> Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def on_whole_matrix(fn, t: Tensor, like: Tensor) -> Tensor:
+    """``fn`` (a whole-matrix map: Newton-Schulz) of the matrix whose rows this rank holds as ``t``
+    (sharded as ``like``), back to this rank's rows: one all-gather, ``fn`` on every rank. Not sharded:
+    ``fn(t)``."""
+    return local_rows(fn(gather(t)), like)
+
+
 def local_rows(full: Tensor, like: Tensor) -> Tensor:
     """The rows of ``full`` that this rank holds of ``like`` (a DTensor), or ``full`` when not sharded."""
     if not is_sharded(like):
@@ -87,6 +94,28 @@ def norm(local_t: Tensor, like: Tensor) -> Tensor:
     whole = DTensor.from_local(rows, like.device_mesh, like.placements, run_check=False,
                                shape=torch.Size((like.shape[0],)), stride=(1,))
     return whole.sum().full_tensor().sqrt()
+
+
+def gather_matrix(g: Tensor, like: Tensor, axis: int, per_row: int) -> Tensor:
+    """The whole matrix of which ``g`` is this rank's part, split along ``axis`` as ``like``'s rows
+    are, ``per_row`` lines of ``g`` per row of ``like`` (one all-gather)."""
+    other = g.shape[1 - axis]
+    return _from_weight_rows(gather_rows(_to_weight_rows(g, axis, per_row), like), other, axis)
+
+
+def local_matrix(g: Tensor, like: Tensor, axis: int, per_row: int) -> Tensor:
+    """This rank's part of the whole matrix ``g`` (the inverse of :func:`gather_matrix`)."""
+    first, stop = row_range(like)
+    return _from_weight_rows(_to_weight_rows(g, axis, per_row)[first:stop], g.shape[1 - axis], axis)
+
+
+def _to_weight_rows(g: Tensor, axis: int, per_row: int) -> Tensor:
+    """A matrix as (weight rows, rest): the layout FSDP2 shards."""
+    return g.movedim(axis, 0).reshape(-1, per_row * g.shape[1 - axis])
+
+
+def _from_weight_rows(rows: Tensor, other: int, axis: int) -> Tensor:
+    return rows.reshape(-1, other).movedim(0, axis).contiguous()
 
 
 def gather_rows(local_rows_t: Tensor, like: Tensor) -> Tensor:

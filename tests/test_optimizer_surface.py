@@ -185,3 +185,36 @@ def test_step_with_a_closure_is_the_step_after_the_same_forward_and_backward(nam
         assert torch.equal(p, q)
     if isinstance(opt, DoPr):
         assert opt.stats()["preconditioned"] > 0
+
+
+@pytest.mark.parametrize("name", ["dopr_adamw", "adamw"])
+def test_the_checkpoint_helpers_round_trip_dopr_and_plain_optimizers(name):
+    """dopr.checkpoint is what a training loop calls, sharded or not (FSDP2: tests/test_llm.py resume)."""
+    from dopr.checkpoint import load_optimizer_state_dict, optimizer_state_dict
+
+    def trained(steps):
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = dopr.build(model, name, lr=1e-2, **({"grad_ema": 0.9} if name.startswith("dopr") else {}))
+        for s in range(steps):
+            opt.zero_grad()
+            _loss(model, s).backward()
+            opt.step()
+        return model, opt
+
+    model, opt = trained(2)
+    state, weights = copy.deepcopy(optimizer_state_dict(model, opt)), copy.deepcopy(model.state_dict())
+    assert ("dopr" in state) == name.startswith("dopr")
+    straight, sopt = trained(3)
+    model2, opt2 = trained(0)
+    model2.load_state_dict(weights)
+    load_optimizer_state_dict(model2, opt2, state)
+    opt2.zero_grad()
+    _loss(model2, 2).backward()
+    opt2.step()
+    for p, q in zip(model2.parameters(), straight.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    if name.startswith("dopr"):
+        plain = torch.optim.AdamW(model2.parameters()).state_dict()
+        with pytest.raises(ValueError, match="no 'dopr' entry"):
+            load_optimizer_state_dict(model2, opt2, plain)

@@ -115,7 +115,7 @@ class AdaMuon(Optimizer):
 
                 # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
                 # on the gathered matrix, then this rank's rows
-                O = sharding.local_rows(newton_schulz5(torch.sign(sharding.gather(N)), steps=group["ns_steps"]), p)
+                O = sharding.on_whole_matrix(lambda n: newton_schulz5(torch.sign(n), steps=group["ns_steps"]), N, p)
 
                 # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
                 V = sharding.local(V)

@@ -42,10 +42,10 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                # sharded (FSDP2): gather the whole matrix, orthogonalise it, keep this rank's rows
-                update = newton_schulz5(sharding.gather(update), steps=group["ns_steps"],
-                                        coefficients=group["ns_coefficients"], eps=group["eps"])
-                update = sharding.local_rows(update, p).to(p.dtype)
+                # sharded (FSDP2): orthogonalise the whole matrix, keep this rank's rows
+                update = sharding.on_whole_matrix(
+                    lambda m: newton_schulz5(m, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                                             eps=group["eps"]), update, p).to(p.dtype)
                 w = sharding.local(p)
                 w.mul_(1 - lr * wd)
                 w.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))

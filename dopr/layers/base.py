@@ -77,6 +77,27 @@ class LayerHelper:
         """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
         return None
 
+    # --- shard geometry (FSDP2 splits the weight's rows over ranks) ----------------------------
+    def whole_matrix(self, g: Tensor) -> Tensor:
+        """A buffer laid out as this rank's gradient matrix (a gradient EMA), gathered to the whole
+        layer's matrix: a collective under FSDP2 (every rank calls it); ``g`` itself otherwise."""
+        w = self.module.weight
+        if not sharding.is_sharded(w):
+            return g
+        return sharding.gather_matrix(g, w, self._sharded_axis(), self.rows_per_weight_row)
+
+    def local_matrix(self, g: Tensor) -> Tensor:
+        """This rank's part of a whole-layer gradient-matrix buffer (the inverse of whole_matrix)."""
+        w = self.module.weight
+        if not sharding.is_sharded(w):
+            return g
+        return sharding.local_matrix(g, w, self._sharded_axis(), self.rows_per_weight_row)
+
+    def _sharded_axis(self) -> int:
+        """The gradient matrix's axis that the weight's row shards split: its rows, or an embedding's
+        token columns."""
+        return 1 if self.local_columns() is not None else 0
+
     # shared by the weight-plus-bias layers -------------------------------------------------
     @staticmethod
     def _grad(p: nn.Parameter) -> Optional[Tensor]:

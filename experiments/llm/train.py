@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import dopr
+from dopr.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 
 from experiments.common.checkpoint import TrainingState
 from experiments.common.distributed import (all_reduce_sum, gradient_sync, initialized, unwrap, world,
@@ -134,17 +134,11 @@ def full_trainable_params(model) -> dict:
 
 def trainable_state(model, opt, sharded: bool) -> tuple:
     """(trainable parameters, optimizer state) as full tensors (gathered when sharded)."""
+    osd = optimizer_state_dict(model, opt)   # DoPr's entry or not, sharded or not (all ranks call it)
     if sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        # that function keeps only "state" and "param_groups": DoPr's own entry is added beside the GP's
-        o = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        osd = get_optimizer_state_dict(model, getattr(opt, "base", opt), options=o)
-        if isinstance(opt, dopr.DoPr):
-            osd["dopr"] = opt.ap_state_dict()
         return full_trainable_params(model), osd
     params = {n: p.detach().clone() for n, p in unwrap(model).named_parameters() if p.requires_grad}
-    return params, opt.state_dict()
+    return params, osd
 
 
 def save_adapter(model, tokenizer, path: Path, sharded: bool, is_main: bool) -> None:
@@ -172,23 +166,14 @@ class TrainableState:
 
 def load_trainable_state(model, opt, params: dict, opt_state: dict, sharded: bool) -> None:
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        o = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(model, params, options=o)
-        opt_state = dict(opt_state)
-        ap_state = opt_state.pop("dopr", None)
-        set_optimizer_state_dict(model, getattr(opt, "base", opt), opt_state, options=o)
-        if isinstance(opt, dopr.DoPr):
-            if ap_state is None:
-                raise ValueError("the checkpoint's optimizer state has no 'dopr' entry: it was not saved by DoPr")
-            opt.load_ap_state_dict(ap_state)
-        return
-    missing = unwrap(model).load_state_dict(params, strict=False).unexpected_keys
-    if missing:
-        raise RuntimeError(f"checkpoint parameters not in the model: {missing[:5]}")
-    opt.load_state_dict(opt_state)
+        set_model_state_dict(model, params, options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        missing = unwrap(model).load_state_dict(params, strict=False).unexpected_keys
+        if missing:
+            raise RuntimeError(f"checkpoint parameters not in the model: {missing[:5]}")
+    load_optimizer_state_dict(model, opt, opt_state)
 
 
 def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = False, on_step=None) -> dict:

@@ -1,0 +1,41 @@
+"""DoPr's options: their allowed values, and one check that names the first bad one."""
+from __future__ import annotations
+
+from . import solvers
+
+DAMPING_MODES = ("trace", "trace_per_dim", "absolute")
+CONV2D_MODES = ("full", "sua")
+NONFINITE = ("skip", "raise")
+
+
+def check_options(options: dict) -> None:
+    """Raise ValueError naming the first invalid option of DoPr (see its docstring for each)."""
+    (damping, damping_mode, grad_ema, precond_ema, solver, precond_every, conv2d, homogeneous, rank, eigh_rcond,
+     on_nonfinite, warmup_steps, clip_precond_norm) = (options[k] for k in (
+        "damping", "damping_mode", "grad_ema", "precond_ema", "solver", "precond_every", "conv2d", "homogeneous",
+        "rank", "eigh_rcond", "on_nonfinite", "warmup_steps", "clip_precond_norm"))
+    if not damping >= 0.0:
+        raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
+    if damping_mode not in DAMPING_MODES:
+        raise ValueError(f"Invalid damping_mode: {damping_mode!r} (choose from {DAMPING_MODES})")
+    for nm, beta in (("grad_ema", grad_ema), ("precond_ema", precond_ema)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid {nm}: {beta} (must be in [0, 1))")
+    if solver not in solvers.SOLVERS:
+        raise ValueError(f"Invalid solver: {solver!r} (choose from {tuple(solvers.SOLVERS)})")
+    if not (isinstance(precond_every, int) and precond_every >= 1):
+        raise ValueError(f"Invalid precond_every: {precond_every} (must be an integer >= 1)")
+    if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
+        raise ValueError(f"Invalid warmup_steps: {warmup_steps} (must be an integer >= 0)")
+    if clip_precond_norm is not None and not (isinstance(clip_precond_norm, (int, float)) and clip_precond_norm > 0):
+        raise ValueError(f"Invalid clip_precond_norm: {clip_precond_norm} (must be > 0 or None)")
+    if conv2d not in CONV2D_MODES:
+        raise ValueError(f"Invalid conv2d mode: {conv2d!r} (choose from {CONV2D_MODES})")
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+        raise ValueError(f"Invalid rank: {rank} (must be an integer >= 1)")
+    if not (isinstance(eigh_rcond, (int, float)) and 0.0 <= eigh_rcond < 1.0):
+        raise ValueError(f"Invalid eigh_rcond: {eigh_rcond} (must be in [0, 1))")
+    if not isinstance(homogeneous, bool):
+        raise ValueError(f"Invalid homogeneous: {homogeneous!r} (must be True or False)")
+    if on_nonfinite not in NONFINITE:
+        raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
