@@ -4,18 +4,29 @@
     python run.py -m task=feature_learning optim=sgd,adamw,dopr_sgd seed=0,1,2
     python run.py -m sweep=feature_learning launcher=slurm slurm.partition=gpu
 """
+import os
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from experiments.common.checks import ConfigError, check_job
 from experiments.common.launch import run_job
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
-    return run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hc = HydraConfig.get()
+    try:
+        check_job(cfg, list(hc.overrides.task), set(hc.runtime.choices))
+    except ConfigError as e:
+        if os.environ.get("DOPR_TRACEBACK"):
+            raise
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return run_job(cfg, Path(hc.runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Checks of a job's configuration made before any work: a mistyped key or an impossible device is
+refused with one message that names it, instead of a job that runs with the defaults.
+
+Hydra itself refuses `task.num_trajectorie=5` (no such key) but suggests `+task.num_trajectorie=5`,
+which adds a key that no config declares and so nothing reads: the job would run with the default.
+Config groups added with `+` (`+tuned/humanoid=dopr_adamw`) are what `+` is for here, and pass.
+"""
+from __future__ import annotations
+
+import difflib
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration mistake: run.py prints its message alone (DOPR_TRACEBACK=1 shows the traceback)."""
+
+
+def _keys(tree: dict, prefix: str = "") -> list:
+    """Every key path of a config (as a container, interpolations unresolved)."""
+    out = []
+    for k, v in tree.items():
+        out.append(f"{prefix}{k}")
+        if isinstance(v, dict):
+            out += _keys(v, f"{prefix}{k}.")
+    return out
+
+
+def refuse_added_keys(cfg: DictConfig, overrides: list, groups: set) -> None:
+    """Refuse `+key=value` overrides of keys (not of config groups in `groups`): no config declares
+    them, so no task, optimizer or AP option reads them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    added = [o for o in parsed if o.is_add() and o.key_or_group not in groups]
+    if not added:
+        return
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    known = [k for k in _keys(tree) if k not in {o.key_or_group for o in added}]
+    lines = []
+    for o in added:
+        close = difflib.get_close_matches(o.key_or_group, known, n=1, cutoff=0.6)
+        close = close or difflib.get_close_matches(o.key_or_group.rsplit(".", 1)[-1],
+                                                   [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.8)
+        hint = ""
+        if close:
+            full = next((k for k in known if k == close[0] or k.endswith("." + close[0])), close[0])
+            hint = f" (did you mean {full}={o.value()}?)"
+        lines.append(f"+{o.key_or_group}: no task, optimizer or AP option reads this key{hint}")
+    raise ConfigError("unknown key(s), refused before any work:\n  " + "\n  ".join(lines))
+
+
+def refuse_unavailable_device(name: str) -> None:
+    """device=cuda (or cuda:N, mps) that this machine does not have: refused, not run on the CPU."""
+    import torch
+
+    kind = str(name).split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name}: this machine has no CUDA GPU (torch.cuda.is_available() is False); "
+                          "use device=auto (a GPU when present, else the CPU) or device=cpu")
+    if kind == "cuda" and ":" in str(name) and int(str(name).split(":")[1]) >= torch.cuda.device_count():
+        raise ConfigError(f"device={name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if kind == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ConfigError(f"device={name}: MPS is not available on this machine; use device=auto or device=cpu")
+
+
+def check_job(cfg: DictConfig, overrides: list, groups: set) -> None:
+    """Every check above, on the composed job config and its command-line overrides."""
+    refuse_added_keys(cfg, overrides, groups)
+    refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))

@@ -1,0 +1,42 @@
+"""Configuration mistakes refused before any work, with one message naming the key (run.py)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.common.checks import ConfigError, check_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(compose, *overrides):
+    cfg = compose(*overrides, hydra_config=True)
+    check_job(cfg, list(overrides), set(cfg.hydra.runtime.choices))
+
+
+def test_a_key_added_with_plus_is_refused_naming_the_likely_key(compose):
+    with pytest.raises(ConfigError, match=r"\+task\.num_trajectorie: no task.*did you mean task\.num_trajectories=5"):
+        _check(compose, "task=humanoid", "+task.num_trajectorie=5")
+    with pytest.raises(ConfigError, match=r"\+damping: .*did you mean ap\.damping=-1"):
+        _check(compose, "+damping=-1")
+
+
+def test_config_groups_added_with_plus_and_plain_overrides_pass(compose):
+    _check(compose, "task=humanoid", "optim=dopr_adamw", "+tuned/humanoid=dopr_adamw", "task.num_trajectories=5")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_refused(compose):
+    with pytest.raises(ConfigError, match="device=cuda: this machine has no CUDA GPU"):
+        _check(compose, "device=cuda")
+
+
+def test_run_py_prints_one_line_and_exits_2_without_writing_a_job(tmp_path):
+    out = tmp_path / "job"
+    r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "+task.num_trajectorie=5",
+                        f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("Error: unknown key(s), refused before any work:") and "Traceback" not in r.stderr
+    assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
