@@ -24,7 +24,7 @@ def test_a_key_added_with_plus_is_refused_naming_the_likely_key(compose):
 
 
 def test_config_groups_added_with_plus_and_plain_overrides_pass(compose):
-    _check(compose, "task=humanoid", "optim=dopr_adamw", "+tuned/humanoid=dopr_adamw", "task.num_trajectories=5")
+    _check(compose, "task=humanoid", "optim=dopr_adamw", "+tuned/humanoid=dopr_adamw", "task.num_trajectories=30")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -40,3 +40,11 @@ def test_run_py_prints_one_line_and_exits_2_without_writing_a_job(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("Error: unknown key(s), refused before any work:") and "Traceback" not in r.stderr
     assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
+    with pytest.raises(ConfigError, match=r"optim\.lr=-0\.001: must be >= 0"):
+        _check(compose, "optim=dopr_adamw", "optim.lr=-0.001")
+    with pytest.raises(ConfigError, match=r"ap\.damping: -1\.0 \(must be >= 0\)"):
+        _check(compose, "optim=dopr_adamw", "ap.damping=-1.0")
+    _check(compose, "optim=adamw", "ap.damping=-1.0")   # the AP's options apply to dopr_* optimizers only

@@ -65,7 +65,33 @@ def refuse_unavailable_device(name: str) -> None:
         raise ConfigError(f"device={name}: MPS is not available on this machine; use device=auto or device=cpu")
 
 
+#: the optimizer values torch.optim (and dopr.gp) check, with their allowed ranges
+_OPTIM_RANGES = {"lr": (0.0, None), "weight_decay": (0.0, None), "eps": (0.0, None), "momentum": (0.0, 1.0)}
+
+
+def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
+    """Values that torch.optim or DoPr would refuse in their own words ("Invalid learning rate:
+    -0.001"), refused here naming the config key (optim.lr, ap.damping)."""
+    optim = OmegaConf.to_container(cfg.optim, resolve=True) if "optim" in cfg else {}
+    for key, (low, high) in _OPTIM_RANGES.items():
+        v = optim.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (v < low or (high is not None and v > high)):
+            where = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"optim.{key}={v}: must be {where}")
+    for i, beta in enumerate(optim.get("betas") or []):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.betas[{i}]={beta}: must be in [0, 1)")
+    if str(optim.get("name", "")).startswith("dopr_") and "ap" in cfg:
+        from dopr.options import check_options
+
+        try:
+            check_options(OmegaConf.to_container(cfg.ap, resolve=True))
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"the ap group (conf/ap/): {e}".replace("Invalid ", "ap.", 1)) from e
+
+
 def check_job(cfg: DictConfig, overrides: list, groups: set) -> None:
     """Every check above, on the composed job config and its command-line overrides."""
     refuse_added_keys(cfg, overrides, groups)
     refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
+    refuse_bad_optimizer_values(cfg)
