@@ -433,3 +433,15 @@ def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path
     assert resumed.get("accuracy") == straight.get("accuracy") and resumed.get("samples") == straight.get("samples")
     steps = [json.loads(line)["step"] for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_missing_local_base_model_names_the_command_that_makes_it_not_a_hub_download(tmp_path):
+    from experiments.llm.sources import MissingResource, locate_all
+
+    local = str(tmp_path / "outputs" / "llm" / "arith_base")
+    with pytest.raises(MissingResource) as info:
+        locate_all([("model", "base model weights", local, "model", "`python run.py -m sweep=pretrain_arith`", None)],
+                   download=False)
+    msg = str(info.value)
+    assert f"no directory at '{local}'. Make it with `python run.py -m sweep=pretrain_arith`" in msg
+    assert "hf download" not in msg and "task.download" not in msg

@@ -369,3 +369,13 @@ def test_data_loader_with_two_workers(demo_file):
         assert batch["actions"].shape == (4, 8, 10) and batch["actions"].dtype == torch.float32
         assert batch["actions"].abs().max() <= 1 + 1e-6
     del batches, loader
+
+
+def test_a_missing_lift_file_names_the_scripted_expert_that_makes_one_here(tmp_path):
+    path = tmp_path / "lift" / "image_abs.hdf5"
+    with pytest.raises(FileNotFoundError) as info:
+        RobomimicDataset(path, [CAMERA], LOW_DIM)
+    assert f"python -m experiments.robomimic.lift_expert --n 40 --out {path}" in str(info.value)
+    with pytest.raises(FileNotFoundError) as info:   # other tasks have no such route
+        RobomimicDataset(tmp_path / "transport" / "image_abs.hdf5", [CAMERA], LOW_DIM)
+    assert "lift_expert" not in str(info.value)

@@ -37,6 +37,12 @@ def locate(source: str, repo_type: str, download: bool, allow_patterns=None) -> 
         raise MissingResource(f"{source} ({type(err).__name__})") from err
 
 
+def _is_hub_id(source: str) -> bool:
+    """"namespace/name", as the Hugging Face hub names repositories (a local path has other shapes)."""
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+
+
 def locate_all(wanted: list, download: bool, missing_packages=()) -> dict:
     """wanted: [(key, what, source, repo_type, how_to_provide, allow_patterns)] -> {key: local dir}.
     One MissingResource listing every missing item, and the `missing_packages` lines with them."""
@@ -45,6 +51,9 @@ def locate_all(wanted: list, download: bool, missing_packages=()) -> dict:
         try:
             found[key] = locate(source, repo_type, download, patterns)
         except MissingResource:
+            if not _is_hub_id(str(source)):   # a local product (outputs/...): no hub to fetch it from
+                missing.append(f"- {what}: no directory at '{source}'. Make it with {how}.")
+                continue
             fetch = f"hf download {'--repo-type dataset ' if repo_type == 'dataset' else ''}{source}"
             missing.append(f"- {what}: '{source}' is not a local path and not in the Hugging Face cache "
                            f"({hub_cache()}). Provide it with {how}, or fetch it once with `{fetch}` "

@@ -55,7 +55,9 @@ def _missing_file_message(path: Path) -> str:
             f"Absolute-action image datasets, which rotation_6d expects: download {DIFFUSION_POLICY_DATA_URL} "
             f"(diffusion_policy's conversion) and unzip it; the file is "
             f"robomimic/datasets/{task}/ph/image_abs.hdf5. The original robomimic files (delta actions): "
-            f"python -m robomimic.scripts.download_datasets --tasks {task} --dataset_types ph --hdf5_types image")
+            f"python -m robomimic.scripts.download_datasets --tasks {task} --dataset_types ph --hdf5_types image"
+            + (f". Or make Lift demonstrations here, without a download (a scripted expert): "
+               f"python -m experiments.robomimic.lift_expert --n 40 --out {path}" if task == "lift" else ""))
 
 
 def _unreadable(path: Path, error: Exception) -> ValueError:
