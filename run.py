@@ -20,7 +20,7 @@ from experiments.common.launch import run_job
 def main(cfg: DictConfig):
     hc = HydraConfig.get()
     try:
-        check_job(cfg, list(hc.overrides.task), set(hc.runtime.choices))
+        check_job(cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""))
     except ConfigError as e:
         if os.environ.get("DOPR_TRACEBACK"):
             raise

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _check(compose, *overrides):
     cfg = compose(*overrides, hydra_config=True)
-    check_job(cfg, list(overrides), set(cfg.hydra.runtime.choices))
+    check_job(cfg, list(overrides), set(cfg.hydra.runtime.choices), cfg.hydra.runtime.choices.task)
 
 
 def test_a_key_added_with_plus_is_refused_naming_the_likely_key(compose):
@@ -48,3 +48,8 @@ def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
     with pytest.raises(ConfigError, match=r"ap\.damping: -1\.0 \(must be >= 0\)"):
         _check(compose, "optim=dopr_adamw", "ap.damping=-1.0")
     _check(compose, "optim=adamw", "ap.damping=-1.0")   # the AP's options apply to dopr_* optimizers only
+
+
+def test_a_family_base_task_is_refused_naming_its_unset_keys_and_the_tasks_built_on_it(compose):
+    with pytest.raises(ConfigError, match=r"task=bc leaves task\.env, task\.name unset .*halfcheetah, hopper, humanoid, walker2d"):
+        _check(compose, "task=bc")

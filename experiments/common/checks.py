@@ -26,6 +26,12 @@ def _keys(tree: dict, prefix: str = "") -> list:
     return out
 
 
+def _get(tree: dict, path: str):
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
 def refuse_added_keys(cfg: DictConfig, overrides: list, groups: set) -> None:
     """Refuse `+key=value` overrides of keys (not of config groups in `groups`): no config declares
     them, so no task, optimizer or AP option reads them."""
@@ -90,8 +96,27 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
             raise ConfigError(f"the ap group (conf/ap/): {e}".replace("Invalid ", "ap.", 1)) from e
 
 
-def check_job(cfg: DictConfig, overrides: list, groups: set) -> None:
-    """Every check above, on the composed job config and its command-line overrides."""
+def refuse_missing_task_values(cfg: DictConfig, choice: str) -> None:
+    """A task config with mandatory values unset (`???`): the shared base of a family (task=bc), named
+    with the tasks that build on it."""
+    tree = OmegaConf.to_container(cfg.task, resolve=False) if "task" in cfg else {}
+    missing = sorted(k for k in _keys(tree) if _get(tree, k) == "???")
+    if not missing:
+        return
+    from .provenance import ROOT
+
+    based = sorted(f.stem for f in (ROOT / "conf" / "task").glob("*.yaml")
+                   if f"\n  - {choice}\n" in f.read_text())
+    keys = ", ".join(f"task.{k}" for k in missing)
+    hint = f"; the tasks built on it: {', '.join(based)}" if based else ""
+    raise ConfigError(f"task={choice} leaves {keys} unset (??? in conf/task/{choice}.yaml): set them, or choose "
+                      f"a task that does{hint}")
+
+
+def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "") -> None:
+    """Every check above, on the composed job config and its command-line overrides (`task`: the
+    task config chosen)."""
+    refuse_missing_task_values(cfg, task)
     refuse_added_keys(cfg, overrides, groups)
     refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
     refuse_bad_optimizer_values(cfg)
