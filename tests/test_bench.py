@@ -1,4 +1,4 @@
-"""dopr.bench: the smoke mode runs in seconds and reports every column, the cost model and the targets;
+"""dopr.bench: the smoke mode runs in seconds and reports every column and the cost model (no verdict);
 the CPU transient-memory measure is exact on a known allocation pattern."""
 import torch
 
@@ -28,7 +28,16 @@ def test_the_smoke_mode_reports_rows_cost_model_memory_and_targets(tmp_path):
         assert r > 0 and r_model > 1 and transient > 0
     # the MLP's exact-AP cost model: 4 dense layers, N d^2 + d^3/3 + 2 d^2 d_out each, over 0.30 GFLOP
     assert float(table[1][4]) == 1.82
-    assert "mlp/dopr_adamw: R = " in text and ("-> PASS" in text or "-> FAIL" in text)
+    # a smoke run gives no verdict (3 steps under any load say nothing about the targets)
+    assert "smoke run: no verdict" in text and "PASS" not in text and "FAIL" not in text
+
+
+def test_the_targets_give_a_verdict_per_row():
+    rows = {"mlp": {"dopr_adamw": {"R": 1.5}},
+            "transformer": {"dopr_adamw": {"R": 1.3, "R_model": 1.2}, "adamw": {"R": 1.0, "R_model": 1.0}}}
+    lines = bench.target_checks(rows)
+    assert lines == ["transformer/dopr_adamw: R - 1 = 0.300 vs 1.2 (R_model - 1) = 0.240 -> FAIL  ",
+                     "mlp/dopr_adamw: R = 1.50 vs 2.0 -> PASS  "]
 
 
 def test_the_cost_model_counts_a_sua_conv2d_over_its_input_pixels():
@@ -40,3 +49,15 @@ def test_the_cost_model_counts_a_sua_conv2d_over_its_input_pixels():
     conv = 16 * 8 * 8 * 3 ** 2 + 3 ** 3 / 3 + 2 * 3 ** 2 * (4 * 3 * 3)     # N H W C_in^2 + C_in^3/3 + 2 C_in^2 C_out k^2
     linear = 16 * 145 ** 2 + 145 ** 3 / 3 + 2 * 145 ** 2 * 2               # N d^2 + d^3/3 + 2 d^2 d_out
     assert bench.overhead_flops(opt, model, vectors, 1) == conv + linear
+
+
+def test_the_cost_model_reads_a_hugging_face_conv1d_output_width_from_its_in_out_weight():
+    conv1d = __import__("pytest").importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(conv1d(24, 5), torch.nn.Tanh(), torch.nn.Linear(24, 3))  # Conv1D(nf=out, nx=in)
+    x = torch.randn(16, 5)
+    opt = bench.dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _, vectors = bench.step_flops_and_vectors(model, x, None, lambda out, _: out.square().mean())
+    first = 16 * 6 ** 2 + 6 ** 3 / 3 + 2 * 6 ** 2 * 24      # d = 5 + 1 (bias), d_out = 24 (weight is 5 x 24)
+    second = 16 * 25 ** 2 + 25 ** 3 / 3 + 2 * 25 ** 2 * 3
+    assert bench.overhead_flops(opt, model, vectors, 1) == first + second
