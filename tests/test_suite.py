@@ -95,6 +95,7 @@ def test_local_parallel_multirun_then_aggregation(tmp_path):
     assert len(summaries) == 2
     assert {json.loads(p.read_text())["optim"] for p in summaries} == {"sgd", "dopr_sgd"}
     assert list((sweep / ".submitit").iterdir())  # the jobs ran as submitit subprocesses
+    assert not (sweep / ".submitit" / "%j").exists()  # submitit's literal folder template is gone
     out = tmp_path / "results"
     for _ in range(2):  # idempotent
         rep = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep), "--out", str(out)],
