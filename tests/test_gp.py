@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+import dopr
+
 from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, route_matrix_params
 from dopr.gp.newton_schulz import newton_schulz5
 
@@ -342,3 +344,77 @@ def test_muon_takes_its_newton_schulz_coefficients_and_eps():
     # eps bounds the normalisation: with eps far above ||G||_F the first iterate is G / eps
     tiny = step(ns_coefficients=(1.0, 0.0, 0.0), eps=1e3)
     torch.testing.assert_close(tiny, g / 1e3)
+
+
+# ------------------------------------------------------------------ convolutions routed to Muon
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.body = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.hidden = torch.nn.Linear(4 * 16, 32)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x):
+        h = self.up(torch.relu(self.body(torch.relu(self.stem(x)))))
+        return self.head(torch.relu(self.hidden(h.mean(1).flatten(1))))
+
+
+def test_conv_flatten_routes_every_conv_filter_to_muon_and_adamw_keeps_them():
+    from dopr.gp import route_matrix_params
+
+    net = _ConvNet()
+    default, _ = route_matrix_params(net)
+    flat, other = route_matrix_params(net, conv="flatten")
+    assert default == []                   # the first Linear reads the input (Muon's convention)
+    # the stem conv now reads the input: the second conv and the hidden Linear go to Muon
+    assert [tuple(p.shape) for p in flat] == [(8, 8, 3, 3), (32, 64)]
+    ids = {id(p) for p in other}
+    assert {id(net.stem.weight), id(net.up.weight), id(net.head.weight)} <= ids   # stem, transposed, head
+    flat, _ = route_matrix_params(net, conv="flatten", input_layer="muon")
+    assert [tuple(p.shape) for p in flat] == [(8, 3, 3, 3), (8, 8, 3, 3), (32, 64)]
+    with pytest.raises(ValueError, match="Invalid conv: 'all'"):
+        route_matrix_params(net, conv="all")
+
+
+@pytest.mark.parametrize("name", ["muon", "adamuon"])
+def test_a_conv_weight_steps_as_its_flattened_matrix(monkeypatch, name):
+    """Muon on a (8, 8, 3, 3) filter bank equals torch.optim.Muon on the (8, 72) matrix (torch's bf16
+    Newton-Schulz swapped for the float32 one both use here); AdaMuon equals itself on the matrix."""
+    import torch.optim._muon as torch_muon
+
+    from dopr.gp import AdaMuon, Muon
+    from dopr.gp.newton_schulz import newton_schulz5
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, coeffs, steps, eps: newton_schulz5(g, steps=steps, coefficients=coeffs, eps=eps))
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, 3, 3)
+    conv, mat = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.reshape(8, 72).clone())
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    ours = (Muon if name == "muon" else AdaMuon)([conv], **kw)
+    ref = torch.optim.Muon([mat], **kw) if name == "muon" else AdaMuon([mat], **kw)
+    for _ in range(3):
+        g = torch.randn(8, 8, 3, 3)
+        conv.grad, mat.grad = g.clone(), g.reshape(8, 72).clone()
+        ours.step()
+        ref.step()
+    # one float32 computation in two layouts: equal to float32 rounding of the O(1) update entries
+    torch.testing.assert_close(conv.detach().reshape(8, 72), mat.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_dopr_muon_hands_the_preconditioned_conv_gradient_to_muon_flattened():
+    torch.manual_seed(0)
+    net = _ConvNet()
+    opt = dopr.build(net, "dopr_muon", lr=0.02, conv="flatten", damping=1e-3)
+    x = torch.randn(4, 3, 4, 4)          # up-sampled to 8 x 8: 64 features for the hidden Linear
+    net(x).square().mean().backward()
+    muon = opt.base.optimizers["muon"]
+    assert any(p is net.body.weight for g in muon.param_groups for p in g["params"])
+    before = net.body.weight.detach().clone()
+    opt.step()
+    m = net.body.weight.grad                       # M = G A^-1, written back in the conv layout by the AP
+    buf = muon.state[net.body.weight]["momentum_buffer"]
+    torch.testing.assert_close(buf, 0.05 * m)      # B = (1 - mu) M after one step (mu = 0.95)
+    assert not torch.equal(before, net.body.weight.detach())

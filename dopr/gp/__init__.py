@@ -19,9 +19,9 @@ GP_KWARGS = {
     "adamw": {"betas", "eps"},
     "signum": {"momentum"},
     "muon": {"momentum", "nesterov", "adjust_lr_fn", "ns_steps",
-             "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names"},
+             "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names", "conv"},
     "adamuon": {"momentum", "nesterov", "beta2", "ns_steps", "adjust_lr_fn",
-                "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names"},
+                "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names", "conv"},
 }
 
 
@@ -35,7 +35,8 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     (see :func:`route_matrix_params`; ``input_layer="muon"`` adds the input layer) and AdamW, at
     ``adamw_lr`` (default ``lr``), on the rest; a member with no parameters is left out.
     ``adjust_lr_fn`` is the Muon step scale, with torch.optim.Muon's names: ``"original"``
-    (sqrt(max(1, m/n)), Keller Jordan's Muon, torch's default) or ``"match_rms_adamw"``
+    (sqrt(max(1, m/n)), Keller Jordan's Muon, torch's default); ``conv="flatten"`` gives
+    convolutions to Muon / AdaMuon as (out, in x kernel) matrices (default ``"adamw"``) or ``"match_rms_adamw"``
     (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
     to AdaMuon too). Keywords a GP does not take raise ``TypeError``.
     """
@@ -67,8 +68,8 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
 
 def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, ns_steps=5,
                   adjust_lr_fn=None, beta2=0.999, betas=(0.9, 0.999), eps=1e-8, adamw_lr=None,
-                  head_names=None, input_layer="adamw", input_names=None):
-    matrix_params, other_params = route_matrix_params(model, head_names, input_layer, input_names)
+                  head_names=None, input_layer="adamw", input_names=None, conv="adamw"):
+    matrix_params, other_params = route_matrix_params(model, head_names, input_layer, input_names, conv)
     members = {}
     if matrix_params and name == "muon":
         members["muon"] = Muon(

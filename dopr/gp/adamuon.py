@@ -6,7 +6,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import sharding
-from .newton_schulz import newton_schulz5
+from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
@@ -80,9 +80,9 @@ class AdaMuon(Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
-            if p.ndim != 2:
+            if p.ndim < 2:   # a convolution's filters are the matrix (out, in x kernel), as in Muon
                 raise ValueError(
-                    f"AdaMuon only supports 2-D parameters, got shape {tuple(p.shape)}")
+                    f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
         super().add_param_group({**param_group, "params": params})
 
     @torch.no_grad()
@@ -115,7 +115,8 @@ class AdaMuon(Optimizer):
 
                 # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
                 # on the gathered matrix, then this rank's rows
-                O = sharding.on_whole_matrix(lambda n: newton_schulz5(torch.sign(n), steps=group["ns_steps"]), N, p)
+                O = sharding.on_whole_matrix(
+                    lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
 
                 # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
                 V = sharding.local(V)
@@ -123,7 +124,7 @@ class AdaMuon(Optimizer):
                 U = O / (V.sqrt() + eps)
 
                 # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
-                U.mul_(_target_norm(group["adjust_lr_fn"], p.shape) / sharding.norm(U, p).clamp_min(eps))
+                U.mul_(_target_norm(group["adjust_lr_fn"], matrix_shape(p.shape)) / sharding.norm(U, p).clamp_min(eps))
 
                 # W_t = (1 - lr wd) W_{t-1} - lr U_t
                 w = sharding.local(p)

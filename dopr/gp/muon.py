@@ -1,5 +1,6 @@
 """Parameter routing for Muon-style optimizers, and an optimizer that drives several as one."""
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 import math
@@ -7,10 +8,11 @@ import math
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim import _muon
 
 from .. import sharding
 from .._optimizer_surface import init_hook_registries, needs_closure
-from .newton_schulz import newton_schulz5
+from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
 
 class Muon(torch.optim.Muon):
@@ -22,8 +24,27 @@ class Muon(torch.optim.Muon):
     W <- (1 - lr wd) W - lr' U with lr' from ``adjust_lr_fn``. torch runs Newton-Schulz in
     bfloat16 everywhere, which on a CPU without bf16 matrix units is ~50x slower than float32;
     on CUDA this class also uses bfloat16. Under FSDP2 each weight is gathered (one all-gather per
-    layer), orthogonalised whole on every rank, and each rank applies its own rows.
+    layer), orthogonalised whole on every rank, and each rank applies its own rows. A convolution's
+    weight (ndim > 2; torch's Muon refuses it) is orthogonalised as the matrix (out, in x kernel),
+    as Keller Jordan's reference Muon does, and its step scale uses that matrix's shape.
     """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients=(_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C),
+                 eps: float = _muon.EPS, ns_steps: int = _muon.DEFAULT_NS_STEPS, adjust_lr_fn=None) -> None:
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        tensors = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]
+        # torch's checks and defaults, on a 2-D stand-in for each weight (its own check wants ndim 2)
+        flat = [torch.empty(matrix_shape(p.shape), device="meta") for p in tensors]
+        super().__init__(flat, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        bad = [tuple(p.shape) for p in tensors if p.ndim < 2]
+        if bad:
+            raise ValueError(f"Muon updates matrices and convolution filters; got parameters of shapes {bad}")
+        self.param_groups, self.state = [], defaultdict(dict)   # the real parameters, as torch would hold them
+        for g in groups:
+            self.add_param_group(dict(g))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -44,11 +65,11 @@ class Muon(torch.optim.Muon):
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
                 # sharded (FSDP2): orthogonalise the whole matrix, keep this rank's rows
                 update = sharding.on_whole_matrix(
-                    lambda m: newton_schulz5(m, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                                             eps=group["eps"]), update, p).to(p.dtype)
+                    lambda m: newton_schulz5(as_matrix(m), steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                                             eps=group["eps"]).view_as(m), update, p).to(p.dtype)
                 w = sharding.local(p)
                 w.mul_(1 - lr * wd)
-                w.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], p.shape))
+                w.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], matrix_shape(p.shape)))
         return loss
 
 
@@ -64,10 +85,13 @@ def _lr_ratio(adjust_lr_fn, shape) -> float:
 
 
 INPUT_LAYER = ("adamw", "muon")
+#: where a convolution's weight goes: AdamW (the default), or Muon as the matrix (out, in x kernel)
+CONV_ROUTES = ("adamw", "flatten")
 
 
 def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None,
-                        input_layer: str = "adamw", input_names: Iterable[str] | None = None):
+                        input_layer: str = "adamw", input_names: Iterable[str] | None = None,
+                        conv: str = "adamw"):
     """Split ``model``'s trainable parameters into ``(matrix_params, other_params)``.
 
     ``matrix_params`` (for Muon / AdaMuon) holds the ``weight`` of every hidden ``nn.Linear`` whose
@@ -81,11 +105,21 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
     given, else the first ``nn.Linear``, unless the model has an ``nn.Embedding`` (then the embedding
     reads the input and every ``nn.Linear`` but the head is hidden). ``input_layer="muon"`` gives the
     input ``nn.Linear`` to Muon as well.
+
+    ``conv="flatten"`` gives every convolution's weight (Conv1d/2d/3d, not transposed) to Muon,
+    orthogonalised as the matrix (out, in x kernel) as in Keller Jordan's reference Muon, except the
+    head and input layers; the input layer is then the first convolution or ``nn.Linear`` in module
+    order (name others in ``input_names``: a model with two image encoders has two stems).
+    ``"adamw"`` (the default) leaves convolutions to AdamW.
     """
     if input_layer not in INPUT_LAYER:
         raise ValueError(f"Invalid input_layer: {input_layer!r} (choose from {INPUT_LAYER})")
+    if conv not in CONV_ROUTES:
+        raise ValueError(f"Invalid conv: {conv!r} (choose from {CONV_ROUTES})")
     modules = dict(model.named_modules())
     linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+    convs = [name for name, m in modules.items()
+             if conv == "flatten" and isinstance(m, nn.modules.conv._ConvNd) and not m.transposed]
 
     def named(names, what):
         names = set([names] if isinstance(names, str) else names)
@@ -99,12 +133,13 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
         inputs = named(input_names, "input_names")
     elif any(isinstance(m, nn.Embedding) for m in modules.values()):
         inputs = set()
-    else:
-        inputs = set(linears[:1]) - heads
+    else:   # the first layer in module order (a convolution too, when convolutions go to Muon)
+        first = [name for name, m in modules.items() if name in linears or name in convs]
+        inputs = set(first[:1]) - heads
     adamw_modules = heads | (inputs if input_layer == "adamw" else set())
 
     adamw_ids = {id(p) for name in adamw_modules for p in modules[name].parameters()}
-    matrix_ids = {id(modules[name].weight) for name in linears
+    matrix_ids = {id(modules[name].weight) for name in linears + convs
                   if modules[name].weight.requires_grad} - adamw_ids
     trainable = [p for p in model.parameters() if p.requires_grad]
     matrix_params = [p for p in trainable if id(p) in matrix_ids]

@@ -7,6 +7,8 @@ coefficients of Jordan et al. (2024) push every singular value into roughly [0.7
 the result approximates U V^T without an SVD.
 """
 
+import math
+
 import torch
 
 # (a, b, c): chosen for a steep slope at zero (phi'(0) = a) rather than exact convergence to 1.
@@ -38,3 +40,14 @@ def newton_schulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     if transposed:
         X = X.T
     return X.float()
+
+
+def as_matrix(t):
+    """A weight as the matrix Muon orthogonalises: (out, in x kernel) for a convolution's filters (Keller
+    Jordan's reference Muon), the weight itself when it is a matrix."""
+    return t if t.ndim == 2 else t.reshape(t.shape[0], -1)
+
+
+def matrix_shape(shape) -> tuple:
+    """(rows, columns) of :func:`as_matrix` for a weight of `shape`."""
+    return shape[0], math.prod(shape[1:])
