@@ -35,8 +35,9 @@ from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
+from .health import HealthReports
 from .layers import find_layers
-from .options import check_options
+from .options import check_options, damping
 from .statistics import STATISTICS, statistics_dtype
 
 
@@ -76,13 +77,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             layers, G on the others) to this value after the AP; ``None`` (default) does not clip.
             ``torch.nn.utils.clip_grad_norm_`` before ``step()`` clips G, before the AP, and the
             applied M can then be far larger than the clip.
+        health_every: on every k-th refresh, a health report per dense layer (Sigma's effective rank,
+            directions below the damping, the AP's largest relative amplification, the share of M in
+            directions the data barely excites; dopr/health.py): ``stats()["health"]``, the coverage
+            table, and one warning in the regime where the digits SiT did not train. 0 (default): never.
 
-    Behaviours by design: the global optimizer step hooks of torch.optim fire twice per step (for
-    DoPr and for its base); a model left in ``eval()`` gathers no statistics, so its layers get raw
-    gradients (warned); a plain optimizer's checkpoint cannot be loaded into DoPr (no ``"dopr"``
-    entry); ``zero_grad()`` also drops the statistics gathered since the last step (their gradients
-    are gone), so a step that ``GradScaler`` skips leaves nothing behind; layers that become
-    trainable later (unfrozen, ``add_param_group``) are preconditioned from the step after the change.
+    Behaviours by design (README, "Loops real code writes"): torch.optim's global step hooks fire
+    twice per step; ``eval()`` forwards gather nothing (raw gradients, warned); a plain optimizer's
+    checkpoint is refused; layers that start training later are preconditioned from the next step.
     """
 
     def __init__(
@@ -102,12 +104,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         warmup_steps: int = 0,
         clip_precond_norm: Optional[float] = None,
+        health_every: int = 0,
     ) -> None:
         self.options = dict(
             damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
             solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
             rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
-            clip_precond_norm=clip_precond_norm,
+            clip_precond_norm=clip_precond_norm, health_every=health_every,
         )
         check_options(self.options)
         if not isinstance(base, torch.optim.Optimizer):
@@ -134,6 +137,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._precond_ema = CovarianceEMA(precond_ema)
         self._cache: dict = {}
         self._counts = defaultdict(int)
+        self._health = HealthReports(health_every)
         self._no_forward: list = []
         self._warned: set = set()
         self._capture = None
@@ -240,7 +244,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
-            ops, skipped = self._factor(groups)               # Sigmabar, lambda, (Sigmabar + lambda I)^-1
+            ops, skipped = self._factor(groups, grads)        # Sigmabar, lambda, (Sigmabar + lambda I)^-1
             if self.options["precond_every"] > 1:
                 self._cache = {key: op.cached() for key, op in ops.items()}
         else:                                                 # in between: the cached inverses
@@ -251,7 +255,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.collecting = self.collecting
         self._capture.reset()
 
-    def _factor(self, groups: dict) -> tuple:
+    def _factor(self, groups: dict, grads: dict) -> tuple:
         """({group: operator}, groups skipped for a non-finite Sigma). Same-kind, same-size groups
         are factored in one batched call."""
         # a non-finite activation makes its own diagonal entry of Sigma non-finite (and a finite
@@ -260,9 +264,12 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                               replicated=True)
         batches = defaultdict(list)
         groups = self._precond_ema.shared_history({k: s for k, s in groups.items() if k not in bad})
+        health = self._health.due(self._counts["refreshes"])
         for key, stat in groups.items():
             mean = self._precond_ema(key, stat)                                    # Sigmabar
             lam = damping(self.options["damping"], self.options["damping_mode"], stat.diagonal(mean))
+            if health and (warning := self._health.record(key, stat, mean, lam, grads)):  # on request
+                self._warn_once("health", warning)
             batches[(type(stat), mean[0].shape, mean[0].device)].append((key, mean, lam))
         ops = {}
         for (kind, *_), items in batches.items():
@@ -327,7 +334,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return list(self._coverage)
 
     def coverage_table(self) -> str:
-        return "\n".join(str(e) for e in self._coverage)
+        """One line per module; a preconditioned layer's health report beside it once one was made."""
+        return "\n".join(f"{e}  [{h}]" if (h := self._health.describe(e.name)) else str(e) for e in self._coverage)
 
     def pending_samples(self) -> dict:
         """{layer name: activation vectors gathered since the last step} (samples x positions)."""
@@ -339,6 +347,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                   "cholesky_retries", "unreliable_factors", "eigh_fallbacks"):
             out.setdefault(k, 0)
         out["no_forward"] = list(self._no_forward)
+        if self._health.reports:
+            out["health"] = dict(self._health.reports)
         return out
 
     # ------------------------------------------------------------------ state and hooks
@@ -420,6 +430,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_sharded", False)
+        self.__dict__.setdefault("_health", HealthReports(0))
         self._solver = solvers.SOLVERS[self.options["solver"]]
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
@@ -431,13 +442,3 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:
-    """The absolute damping lambda added to Sigma's diagonal (``diag``): gamma * tr(Sigma) ("trace"),
-    gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
-    if mode == "trace":
-        return gamma * diag.sum()
-    if mode == "trace_per_dim":
-        return gamma * diag.sum() / diag.numel()
-    return torch.tensor(gamma, device=diag.device)

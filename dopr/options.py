@@ -1,5 +1,9 @@
-"""DoPr's options: their allowed values, and one check that names the first bad one."""
+"""DoPr's options: their allowed values, one check that names the first bad one, and what the
+damping mode means."""
 from __future__ import annotations
+
+import torch
+from torch import Tensor
 
 from . import solvers
 
@@ -11,9 +15,12 @@ NONFINITE = ("skip", "raise")
 def check_options(options: dict) -> None:
     """Raise ValueError naming the first invalid option of DoPr (see its docstring for each)."""
     (damping, damping_mode, grad_ema, precond_ema, solver, precond_every, conv2d, homogeneous, rank, eigh_rcond,
-     on_nonfinite, warmup_steps, clip_precond_norm) = (options[k] for k in (
+     on_nonfinite, warmup_steps, clip_precond_norm, health_every) = (options.get(k) for k in (
         "damping", "damping_mode", "grad_ema", "precond_ema", "solver", "precond_every", "conv2d", "homogeneous",
-        "rank", "eigh_rcond", "on_nonfinite", "warmup_steps", "clip_precond_norm"))
+        "rank", "eigh_rcond", "on_nonfinite", "warmup_steps", "clip_precond_norm", "health_every"))
+    if health_every is not None and not (isinstance(health_every, int) and not isinstance(health_every, bool)
+                                         and health_every >= 0):
+        raise ValueError(f"Invalid health_every: {health_every} (must be an integer >= 0)")
     if not damping >= 0.0:
         raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
     if damping_mode not in DAMPING_MODES:
@@ -39,3 +46,13 @@ def check_options(options: dict) -> None:
         raise ValueError(f"Invalid homogeneous: {homogeneous!r} (must be True or False)")
     if on_nonfinite not in NONFINITE:
         raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
+
+
+def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:
+    """The absolute damping lambda added to Sigma's diagonal (``diag``): gamma * tr(Sigma) ("trace"),
+    gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
+    if mode == "trace":
+        return gamma * diag.sum()
+    if mode == "trace_per_dim":
+        return gamma * diag.sum() / diag.numel()
+    return torch.tensor(gamma, device=diag.device)
