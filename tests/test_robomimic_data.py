@@ -379,3 +379,40 @@ def test_a_missing_lift_file_names_the_scripted_expert_that_makes_one_here(tmp_p
     with pytest.raises(FileNotFoundError) as info:   # other tasks have no such route
         RobomimicDataset(tmp_path / "transport" / "image_abs.hdf5", [CAMERA], LOW_DIM)
     assert "lift_expert" not in str(info.value)
+
+
+def _file_at(tmp_path, size, steps=6):
+    """Two demos whose frames are 240x240 (Tool Hang's size in diffusion_policy's files) or another
+    size: each frame a gradient plus a per-step level, so area averaging has a known result."""
+    demos = []
+    for d in range(2):
+        demo = make_demo(d, steps)
+        rows = np.arange(size)[:, None] * 255 // (size - 1)
+        frame = np.broadcast_to(rows, (size, size)).astype(np.uint8)
+        demo["obs"][CAMERA] = np.stack([np.stack([frame, frame, np.full_like(frame, 10 * t)], -1)
+                                        for t in range(steps)])
+        demos.append(demo)
+    return write_demo_file(tmp_path / f"tool_hang_{size}.hdf5", demos, ENV_ARGS)
+
+
+def test_a_240_pixel_file_is_refused_naming_both_sizes_and_the_fixes(tmp_path):
+    path = _file_at(tmp_path, 240)
+    with pytest.raises(ValueError, match=r"images are 240x240, the pipeline's observation size \(task.image_size\) "
+                                         r"is 84x84.*task.resize=true.*--camera_height 84"):
+        RobomimicDataset(path, [CAMERA], LOW_DIM, horizon=4, image_size=84)
+
+
+def test_a_240_pixel_file_is_brought_to_84_by_area_averaging(tmp_path):
+    import torch
+
+    path = _file_at(tmp_path, 240)
+    ds = RobomimicDataset(path, [CAMERA], LOW_DIM, horizon=4, image_size=84, resize=True)
+    assert ds.image_shape(CAMERA) == (3, 84, 84)
+    with h5py.File(path) as f:
+        raw = f["data/demo_0/obs"][CAMERA][()].transpose(0, 3, 1, 2)
+    want = torch.nn.functional.interpolate(torch.from_numpy(raw).double(), size=(84, 84), mode="area")
+    got = torch.from_numpy(ds.images[CAMERA][:6]).double()
+    assert (got - want).abs().max() <= 0.5                       # uint8 rounding of the exact average
+    assert (ds.images[CAMERA][:6, 2] == (10 * np.arange(6))[:, None, None]).all()   # constants stay exact
+    same = RobomimicDataset(_file_at(tmp_path, 84), [CAMERA], LOW_DIM, horizon=4, image_size=84)
+    assert same.image_shape(CAMERA) == (3, 84, 84)               # the pipeline's size: read as it is

@@ -266,6 +266,15 @@ def sequence_windows(episode_lengths: Sequence[int], horizon: int, pad_before: i
 NORMALIZATIONS = ("much_ado", "diffusion_policy")
 
 
+def resize_frames(frames: np.ndarray, size) -> np.ndarray:
+    """uint8 (T, C, H, W) frames at (h, w) = `size`: area-averaged (antialiased), or as they are."""
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    x = torch.from_numpy(np.ascontiguousarray(frames)).float()
+    out = torch.nn.functional.interpolate(x, size=tuple(size), mode="area")
+    return out.round_().clamp_(0, 255).to(torch.uint8).numpy()
+
+
 class RobomimicDataset(torch.utils.data.Dataset):
     """Action chunks of a robomimic file, everything in memory.
 
@@ -275,12 +284,15 @@ class RobomimicDataset(torch.utils.data.Dataset):
     the first N demos (numeric order) of the split; ``normalizer`` a ``NormalizerDict`` with
     "actions" and every low-dim key (fitted on these demos when None) with ``normalization``:
     "much_ado" (the pipeline the paper inherits: min-max on every action and low-dim feature) or
-    "diffusion_policy" (rotation_6d entries and quaternions left as they are; ``normalizer.py``)."""
+    "diffusion_policy" (rotation_6d entries and quaternions left as they are; ``normalizer.py``).
+    ``image_size``: the pipeline's observation size (square); a file whose images differ is refused,
+    naming both sizes, unless ``resize`` (then each frame is area-averaged to it on load). None: the
+    file's size."""
 
     def __init__(self, path, cameras: Sequence[str], low_dim_keys: Sequence[str], horizon: int = 16,
                  obs_steps: int = 2, action_steps: int = 8, split: str | None = None, rotation_6d: bool = True,
                  max_demos: int | None = None, normalizer: NormalizerDict | None = None,
-                 normalization: str = "much_ado") -> None:
+                 normalization: str = "much_ado", image_size: int | None = None, resize: bool = False) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
         if horizon < 1 or not 1 <= obs_steps <= horizon or action_steps < 1:
@@ -294,6 +306,8 @@ class RobomimicDataset(torch.utils.data.Dataset):
         self.rotation_6d = rotation_6d
         names = validate(self.path, self.cameras, self.low_dim_keys, split)
         self.demos = names[:max_demos] if max_demos is not None else names
+        self.image_size, self.resize = image_size, resize
+        self._check_image_size()
         if rotation_6d and actions_are_absolute(read_env_args(self.path)) is False:
             raise ValueError(f"{self.path} holds delta actions (its env_args controller is in delta mode, as in "
                              "robomimic's own image.hdf5); rotation_6d needs absolute actions: use diffusion_policy's "
@@ -345,16 +359,32 @@ class RobomimicDataset(torch.utils.data.Dataset):
                 images = {}
                 for key in self.cameras:
                     _, height, width, channels = demos[0]["obs"][key].shape
+                    height, width = (self.image_size,) * 2 if self.image_size else (height, width)
                     images[key] = np.empty((total, channels, height, width), dtype=np.uint8)
                 for demo, (a, b) in zip(demos, bounds, strict=True):
                     demo["actions"].read_direct(actions, dest_sel=np.s_[a:b])
                     for key, array in low_dim.items():
                         array[a:b] = demo["obs"][key][()]
                     for key, array in images.items():
-                        array[a:b] = demo["obs"][key][()].transpose(0, 3, 1, 2)
+                        array[a:b] = resize_frames(demo["obs"][key][()].transpose(0, 3, 1, 2), array.shape[-2:])
             except OSError as error:
                 raise _unreadable(self.path, error) from error
         return actions, low_dim, images, lengths
+
+    def _check_image_size(self) -> None:
+        if not self.image_size:
+            return
+        with h5py.File(self.path, "r") as f:
+            sizes = {key: tuple(f["data"][self.demos[0]]["obs"][key].shape[1:3]) for key in self.cameras}
+        wrong = {key: size for key, size in sizes.items() if size != (self.image_size,) * 2}
+        if wrong and not self.resize:
+            key, (h, w) = next(iter(wrong.items()))
+            raise ValueError(
+                f"{self.path}: camera '{key}' images are {h}x{w}, the pipeline's observation size "
+                f"(task.image_size) is {self.image_size}x{self.image_size}, which the rollouts render at. Set "
+                f"task.resize=true to resize the frames on load, or regenerate the file at {self.image_size}x"
+                f"{self.image_size} (robomimic's dataset_states_to_obs.py --camera_height {self.image_size} "
+                f"--camera_width {self.image_size})")
 
     def _normalized(self, key: str, value: np.ndarray) -> np.ndarray:
         out = self.normalizer[key].normalize(torch.from_numpy(np.asarray(value, dtype=np.float64)))
