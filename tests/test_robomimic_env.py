@@ -206,3 +206,16 @@ def test_debug_job_trains_and_evaluates_in_the_simulator(expert_file, tmp_path):
     assert s["best_step"] == 4 and s["success_curve"] == {"4": s["best_success"]}
     assert len(s["best_successes"]) == 1 and s["evals"]["4"]["env_steps_per_s_1"] > 0
     assert (tmp_path / "job" / "best_policy.pt").exists() and (tmp_path / "job" / "policy.pt").exists()
+
+
+def test_robosuite_lines_are_printed_once_under_a_root_handler():
+    """Hydra configures the root logger; robosuite also has its own handler (issue "first hour", 11)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr, format='ROOT %(message)s'); "
+            "import experiments.robomimic.env; import robosuite; "
+            "logging.getLogger('robosuite_logs').warning('probe line')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("probe line") == 1 and "ROOT" not in r.stderr
