@@ -37,7 +37,7 @@ demo: setup
 	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds
 	$(PY) run.py -m sweep=feature_learning hydra.sweep.dir=$(DEMO)/feature_learning
 	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
-	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance
+	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
 
 bench: setup
 	$(PY) -m dopr.bench --out results/bench/cpu.md
@@ -54,4 +54,4 @@ experts: setup
 bc: setup
 	$(PY) run.py -m sweep=paper_halfcheetah hydra.sweep.dir=multirun/paper_halfcheetah/main
 	$(PY) run.py -m sweep=paper_humanoid hydra.sweep.dir=multirun/paper_humanoid/main
-	$(PY) -m experiments.report multirun/paper_halfcheetah/main multirun/paper_humanoid/main
+	$(PY) -m experiments.report multirun/paper_halfcheetah/main multirun/paper_humanoid/main --out results --replace-results

@@ -1,6 +1,10 @@
 """Aggregate sweeps into results/<task>/: tables (CSV and markdown) and figures (PNG).
 
-    python -m experiments.report multirun/feature_learning/20261121-230000 [more sweep dirs] [--out results]
+    python -m experiments.report multirun/feature_learning/20261121-230000 [more sweep dirs] [--out DIR]
+
+The tables go beside the first sweep (<sweep>/report/) unless --out says where. The committed tables
+under results/ are replaced only with --replace-results, and never from debug runs (a report made
+from debug runs says so in its stamp).
 
 Each finished job (a directory with summary.json) becomes a record; records are grouped by task and
 sweep and handed to the report function the task config names (`task.report`, e.g.
@@ -90,7 +94,46 @@ def make_stamp(records: list, report_command: str) -> str:
     for r in records:
         runs[r["command"]] += 1
     made = "; ".join(f"`{c}` ({n} runs)" for c, n in runs.items())
-    return f"Runs made by {made}. Tables by `{report_command}` at commit `{git_revision()}`."
+    debug = sum(_is_debug(r) for r in records)
+    note = f" {debug} of them debug runs (debug=default: shrunk tasks, not the paper's settings)." if debug else ""
+    return f"Runs made by {made}.{note} Tables by `{report_command}` at commit `{git_revision()}`."
+
+
+def _is_debug(record: dict) -> bool:
+    return bool(record["config"] is not None and record["config"].get("debug_run", False))
+
+
+def _unfinished(sweep_dirs) -> int:
+    """Jobs that started (a .hydra folder) but wrote no summary.json: failed, running or interrupted."""
+    return sum(1 for root in sweep_dirs for h in Path(root).rglob(".hydra")
+               if h.is_dir() and not (h.parent / "summary.json").exists())
+
+
+def _in_repo(arg: str) -> str:
+    """A path argument as the repository sees it (results/x, not /home/me/clone/results/x)."""
+    from .provenance import ROOT
+
+    path = Path(arg)
+    if path.is_absolute() and ROOT.resolve() in path.resolve().parents:
+        return str(path.resolve().relative_to(ROOT.resolve()))
+    return arg
+
+
+def output_root(out, sweeps, records, replace_results: bool) -> Path:
+    """Where the tables go; refuses the committed results/ without the flag, and for debug runs."""
+    from .provenance import ROOT
+
+    root = Path(out) if out else Path(sweeps[0]) / "report"
+    committed = (ROOT / "results").resolve()
+    if root.resolve() == committed or committed in root.resolve().parents:
+        debug = sum(_is_debug(r) for r in records)
+        if debug:
+            raise SystemExit(f"refused: {debug} of the {len(records)} runs are debug runs (debug=default), and "
+                             f"{root} holds the committed tables; write them elsewhere with --out")
+        if not replace_results:
+            raise SystemExit(f"refused: {root} holds the committed tables (results/); pass --replace-results to "
+                             "replace them with these runs, or --out elsewhere (default: beside the sweep)")
+    return root
 
 
 def report_function(cfg):
@@ -114,20 +157,28 @@ def _task_config(task: str):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="+", help="sweep (multirun) directories")
-    ap.add_argument("--out", default="results", help="results root (default: results)")
+    ap.add_argument("--out", default=None, help="where the tables go (default: <first sweep>/report)")
+    ap.add_argument("--replace-results", action="store_true",
+                    help="allow --out results (the committed tables); never for debug runs")
     args = ap.parse_args(argv)
     records = load_records(args.sweeps)
+    unfinished = _unfinished(args.sweeps)
     if not records:
-        raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
+        raise SystemExit(f"no finished job (summary.json) under {args.sweeps}" +
+                         (f" ({unfinished} started but unfinished)" if unfinished else ""))
+    if unfinished:
+        print(f"{unfinished} unfinished job(s) (no summary.json) left out", file=sys.stderr)
     missing = sorted({str(r["dir"]) for r in records if r["config"] is None})
     if missing:
         raise SystemExit(f"no .hydra/config.yaml (the job's config) in {missing[:3]}: cannot tell its task's report")
     by_sweep = defaultdict(list)  # results/<task>/ for a task's main sweep, results/<task>/<sweep>/ else
     for r in records:
         by_sweep[(r["summary"]["task"], r["config"].sweep_name)].append(r)
-    command = "python -m experiments.report " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    out_root = output_root(args.out, args.sweeps, records, args.replace_results)
+    command = "python -m experiments.report " + " ".join(
+        shlex.quote(_in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
     for (task, sweep), recs in sorted(by_sweep.items()):
-        out = Path(args.out) / task / ("" if sweep == task else sweep)
+        out = out_root / task / ("" if sweep == task else sweep)
         out.mkdir(parents=True, exist_ok=True)
         report_function(recs[0]["config"])(recs, out, make_stamp(recs, command))
         print(f"{task} ({sweep}): {len(recs)} runs -> {out}")
