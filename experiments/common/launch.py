@@ -89,6 +89,11 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
         return done
     apply_debug(cfg, out_dir)
     init_distributed(cfg)
+    threads = int(OmegaConf.select(cfg, "task.threads", default=0) or 0)
+    if threads:   # each task config names its own (0: torch's default, one per core)
+        import torch
+
+        torch.set_num_threads(threads)
     seed_everything(int(cfg.seed))
     task = hydra.utils.get_method(cfg.task.entry)
     run = Run(cfg, out_dir)
