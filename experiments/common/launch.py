@@ -1,6 +1,7 @@
 """The suite's entry point: one Hydra job = one task x optimizer x seed."""
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -73,6 +74,26 @@ def finished_summary(cfg: DictConfig, out_dir: Path):
     return summary
 
 
+log = logging.getLogger("experiments")
+
+#: the metrics a job's last line shows, the first three its summary has (in this order)
+HEADLINE = ("return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
+            "final_loss", "error", "train_loss")
+
+
+def job_name(cfg: DictConfig) -> str:
+    return f"{cfg.task.name}/{cfg.optim.name} seed {cfg.seed}"
+
+
+def finished_line(cfg: DictConfig, summary: dict, out_dir) -> str:
+    """The job's last line: what ran, its headline metrics and the folder it wrote."""
+    shown = [(k, summary[k]) for k in HEADLINE if isinstance(summary.get(k), (int, float))][:3]
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in shown) or "no headline metric"
+    wall = summary.get("wall_time_s")
+    took = f" in {wall:.0f} s" if isinstance(wall, (int, float)) else ""
+    return f"{job_name(cfg)}: finished{took}: {metrics}; wrote {out_dir}"
+
+
 #: overrides that change how a job runs, not what it computes: a sweep resumed on another launcher
 #: (or with W&B on) skips the jobs that finished
 EXECUTION_KEYS = ("launcher", "logger", "skip_finished")
@@ -98,9 +119,11 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     task = hydra.utils.get_method(cfg.task.entry)
     run = Run(cfg, out_dir)
     failed = True
+    log.info("%s: started, writing to %s", job_name(cfg), out_dir)
     try:
         result = run.finish(task(cfg, run))
         failed = False
+        log.info("%s", finished_line(cfg, result, out_dir))
         return result
     finally:
         run.close(failed)
