@@ -3,6 +3,7 @@
     python run.py task=feature_learning optim=dopr_sgd
     python run.py -m task=feature_learning optim=sgd,adamw,dopr_sgd seed=0,1,2
     python run.py -m sweep=feature_learning launcher=slurm slurm.partition=gpu
+    python run.py task=humanoid optim=dopr_adamw resume=true   # continue the latest unfinished run of it
 """
 import os
 import sys
@@ -14,6 +15,7 @@ from omegaconf import DictConfig
 
 from experiments.common.checks import ConfigError, check_job
 from experiments.common.launch import run_job
+from experiments.common.resume import with_resume
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -30,4 +32,5 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
     main()

@@ -78,3 +78,44 @@ def test_a_job_ends_with_one_line_naming_its_metrics_and_folder_also_in_run_log(
     assert "feature_learning/sgd seed 0: finished" in last and "val_loss" in last and last.endswith(f"wrote {out}")
     log = (out / "run.log").read_text()
     assert "started, writing to" in log and log.strip().endswith(f"wrote {out}")
+
+
+def test_resume_true_continues_the_latest_unfinished_run_of_the_same_command(tmp_path):
+    import shutil
+
+    from experiments.common.resume import find_previous, with_resume
+
+    args = ["task=feature_learning", "optim=sgd", "debug=default", "seed=918273"]   # a seed no other test uses
+    first = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = Path(first.stdout.strip().splitlines()[-1].rsplit("wrote ", 1)[1])
+    try:
+        assert find_previous([*args, "resume=true"], ROOT) is None          # it finished: nothing to resume
+        (folder / "summary.json").unlink()                                   # as if it had been interrupted
+        assert with_resume([*args, "logger=none", "resume=true"], ROOT)[-1] == f"hydra.run.dir={folder}"
+        assert with_resume([*args, "seed=1", "resume=true"], ROOT)[-1] == "resume=true"   # another command
+        again = subprocess.run([sys.executable, "run.py", *args, "resume=true"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert f"resume=true: continuing {folder}" in again.stdout and (folder / "summary.json").exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_path):
+    import os
+
+    from omegaconf import OmegaConf
+
+    from experiments.common.resume import with_resume
+
+    for name, overrides, age in (("old", ["sweep=robomimic_lift", "+tuned/robomimic_lift=muon"], 100),
+                                 ("new", ["sweep=robomimic_lift", "+tuned/robomimic_lift=muon", "launcher=local"], 50),
+                                 ("other", ["sweep=robomimic_lift", "+tuned/robomimic_lift=adamw"], 0)):
+        folder = tmp_path / "multirun" / "robomimic_lift" / name
+        folder.mkdir(parents=True)
+        OmegaConf.save(OmegaConf.create({"hydra": {"overrides": {"task": overrides}}}), folder / "multirun.yaml")
+        os.utime(folder, (1e9 - age, 1e9 - age))
+    argv = ["-m", "sweep=robomimic_lift", "+tuned/robomimic_lift=muon", "resume=true"]
+    assert with_resume(argv, tmp_path)[-2:] == [f"hydra.sweep.dir={tmp_path / 'multirun/robomimic_lift/new'}",
+                                                "skip_finished=true"]

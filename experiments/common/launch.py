@@ -96,7 +96,7 @@ def finished_line(cfg: DictConfig, summary: dict, out_dir) -> str:
 
 #: overrides that change how a job runs, not what it computes: a sweep resumed on another launcher
 #: (or with W&B on) skips the jobs that finished
-EXECUTION_KEYS = ("launcher", "logger", "skip_finished")
+EXECUTION_KEYS = ("launcher", "logger", "skip_finished", "resume")
 
 
 def _job_identity(overrides: list) -> list:

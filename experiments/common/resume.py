@@ -1,0 +1,63 @@
+"""`python run.py ... resume=true`: continue the latest run of the same command instead of starting
+a new timestamped folder. Hydra picks the output folder before any job code runs, so the lookup
+happens on the command line: the latest folder whose recorded overrides equal this command's (apart
+from resume and the execution keys) is passed back as hydra.run.dir (a single job, which then
+resumes from its checkpoint) or hydra.sweep.dir with skip_finished=true (a sweep: finished jobs are
+skipped, the others resume from their checkpoints)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+#: keys that change how a command runs, not which runs it makes
+IGNORED = ("resume", "skip_finished", "launcher", "logger", "hydra.run.dir", "hydra.sweep.dir")
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def identity(overrides) -> list:
+    return sorted(o for o in overrides if _key(o) not in IGNORED and o not in ("-m", "--multirun"))
+
+
+def _recorded(folder: Path, multirun: bool):
+    """The task overrides Hydra recorded for a run folder (a job's .hydra/overrides.yaml, a sweep's
+    multirun.yaml), or None."""
+    f = folder / "multirun.yaml" if multirun else folder / ".hydra" / "overrides.yaml"
+    if not f.exists():
+        return None
+    loaded = OmegaConf.load(f)
+    return list(loaded.hydra.overrides.task) if multirun else list(loaded)
+
+
+def find_previous(argv: list, root: Path) -> tuple[str, Path] | None:
+    """("run" | "sweep", folder) of the latest earlier run of the command `argv`, or None."""
+    multirun = "-m" in argv or "--multirun" in argv
+    want = identity(a for a in argv if not a.startswith("-"))
+    pattern = "multirun/*/*" if multirun else "outputs/*/*/*"
+    found = []
+    for folder in root.glob(pattern):
+        got = _recorded(folder, multirun)
+        if got is not None and identity(got) == want and (multirun or not (folder / "summary.json").exists()):
+            found.append(folder)
+    if not found:
+        return None
+    return ("sweep" if multirun else "run"), max(found, key=lambda f: f.stat().st_mtime)
+
+
+def with_resume(argv: list, root: Path) -> list:
+    """`argv` with the folder of the run to continue when it asks for resume=true (unchanged
+    otherwise, and when there is none: then a new run starts, saying so)."""
+    if not any(a in ("resume=true", "resume=True") for a in argv):
+        return argv
+    previous = find_previous(argv, root)
+    if previous is None:
+        print("resume=true: no earlier unfinished run of this command; starting a new one", flush=True)
+        return argv
+    kind, folder = previous
+    print(f"resume=true: continuing {folder}", flush=True)
+    if kind == "run":
+        return [*argv, f"hydra.run.dir={folder}"]
+    return [*argv, f"hydra.sweep.dir={folder}", "skip_finished=true"]
