@@ -22,7 +22,7 @@ ENV_ARGS = {"env_name": "Lift", "type": 1, "env_kwargs": {"robots": ["Panda"], "
     "type": "BASIC", "body_parts": {"right": {"type": "OSC_POSE", "input_type": "absolute"}}}}}
 TINY = ["task.encoder.feature_dim=8", "task.encoder.width=4", "task.encoder.crop=[12,12]", "task.unet.model_dim=8",
         "task.unet.emb_dim=8", "task.unet.dim_mult=[1,2]", "task.unet.n_groups=2", "task.horizon=8",
-        "task.action_steps=4"]
+        "task.action_steps=4", "task.image_size=null"]   # the generated files are 16x16
 
 
 def demo(d: int, steps: int, rng) -> dict:

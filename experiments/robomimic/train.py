@@ -42,7 +42,7 @@ def build_policy(t, dataset: RobomimicDataset) -> FlowPolicy:
 def datasets(t):
     kwargs = dict(cameras=list(t.cameras), low_dim_keys=list(t.low_dim), horizon=t.horizon, obs_steps=t.obs_steps,
                   action_steps=t.action_steps, rotation_6d=t.rotation_6d, max_demos=t.max_demos,
-                  normalization=t.normalization)
+                  normalization=t.normalization, image_size=t.image_size, resize=t.resize)
     train = RobomimicDataset(t.dataset, split=t.train_split, **kwargs)
     valid = (RobomimicDataset(t.dataset, split=t.valid_split, normalizer=train.normalizer, **kwargs)
              if t.valid_split else None)
@@ -83,7 +83,7 @@ def evaluate(t, policy, normalizer, device, seed: int, step: int, out_dir: Path)
         r = rollout(runner, env_args, list(t.cameras), list(t.low_dim), episodes=t.eval_episodes,
                     max_steps=t.eval_max_steps, obs_steps=t.obs_steps, action_steps=t.action_steps,
                     n_envs=t.eval_envs, seed=seed, video_dir=video_dir, video_episodes=t.video_episodes,
-                    fast_render=t.fast_render)
+                    fast_render=t.fast_render, image_size=t.image_size)   # rendered at the training size
         out[f"success_{steps}"] = float(r["success_rate"])
         out[f"successes_{steps}"] = [bool(s) for s in r["successes"]]
         out[f"env_steps_per_s_{steps}"] = float(r["steps_per_second"])
