@@ -119,3 +119,9 @@ def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_
     argv = ["-m", "sweep=robomimic_lift", "+tuned/robomimic_lift=muon", "resume=true"]
     assert with_resume(argv, tmp_path)[-2:] == [f"hydra.sweep.dir={tmp_path / 'multirun/robomimic_lift/new'}",
                                                 "skip_finished=true"]
+
+
+def test_a_task_that_trains_nothing_is_not_filed_under_an_optimizer(compose):
+    cfg = compose("task=lds", hydra_config=True)
+    assert "/lds/no_optimizer/seed0_" in cfg.hydra.run.dir
+    assert "/feature_learning/dopr_sgd/" in compose("task=feature_learning", hydra_config=True).hydra.run.dir

@@ -78,11 +78,11 @@ log = logging.getLogger("experiments")
 
 #: the metrics a job's last line shows, the first three its summary has (in this order)
 HEADLINE = ("return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
-            "final_loss", "error", "train_loss")
+            "final_loss", "error", "train_loss", "lval_closed", "lideal_closed", "ttf_paper_T", "max_relative_gap")
 
 
 def job_name(cfg: DictConfig) -> str:
-    return f"{cfg.task.name}/{cfg.optim.name} seed {cfg.seed}"
+    return f"{cfg.task.name}/{cfg.task.get('folder_optim', cfg.optim.name)} seed {cfg.seed}"
 
 
 def finished_line(cfg: DictConfig, summary: dict, out_dir) -> str:
