@@ -51,8 +51,12 @@ def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
 
 
 def test_a_family_base_task_is_refused_naming_its_unset_keys_and_the_tasks_built_on_it(compose):
-    with pytest.raises(ConfigError, match=r"task=bc leaves task\.env, task\.name unset .*halfcheetah, hopper, humanoid, walker2d"):
+    with pytest.raises(ConfigError, match=r"task=bc leaves task\.env unset .*halfcheetah, hopper, humanoid, walker2d"):
         _check(compose, "task=bc")
+    out = ROOT / "outputs"                      # and through run.py, where Hydra names the folder first
+    r = subprocess.run([sys.executable, "run.py", "task=bc", f"hydra.run.dir={out}/never"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("Error: task=bc leaves task.env unset")
 
 
 def test_a_job_runs_on_its_task_configs_thread_count(compose, tmp_path, monkeypatch):
