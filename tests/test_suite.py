@@ -37,7 +37,8 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
                  "task.val_trajectories=1"]
     if task.startswith("robomimic_"):  # a small file in the task's schema (cameras, arms), a tiny policy, no simulator
         extra = [f"task.dataset={_robomimic_file(compose(f'task={task}').task, tmp_path)}", "task.debug.eval_episodes=0",
-                 "task.valid_split=null", "task.encoder.width=4", "task.encoder.crop=[12,12]", "task.unet.model_dim=8"]
+                 "task.valid_split=null", "task.encoder.width=4", "task.encoder.crop=[12,12]", "task.unet.model_dim=8",
+                 "task.image_size=null"]   # the generated frames are 16x16
     if task == "sit_imagenet":  # stored latents of 6 images (no VAE, no ImageNet), a tiny SiT, no FID
         extra = [f"task.data_path={_latent_dir(tmp_path)}", "task.model=custom", "task.input_size=8",
                  "task.num_classes=2", "task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}",
