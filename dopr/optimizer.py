@@ -208,6 +208,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             {"homogeneous": self.options["homogeneous"], "conv2d": self.options["conv2d"]})
         old = self._capture
         self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
+        self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             before = {l.helper.name: l for l in old.layers}
             for layer in self._capture.layers:
@@ -215,6 +216,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 if prev is not None and prev.stat is not None:
                     layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
             added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
+            self._attached_now = set(added)
             if added:
                 self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
                                 "(this step's gradient for them is raw; see DoPr.coverage())")
@@ -284,7 +286,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         group_of = {name: key for key in ops for name in key}
         skipped = {name for key in skipped for name in key}
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
-        if self._no_forward:
+        if set(self._no_forward) - self._attached_now:   # the attach warning already named the others
             cause = ("a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
                      "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
                      "before compiling" if self.model.training and hook_guards_skipped() else

@@ -86,8 +86,11 @@ def test_an_unfrozen_layer_is_preconditioned_from_the_next_step():
 
     assert step() == 1
     m[0].requires_grad_(True)
-    with pytest.warns(RuntimeWarning, match=r"layers \['0'\] train now"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert step() == 1                               # its first gradient: raw (no statistics yet)
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "layers ['0'] train now" in said[0]   # said once, not again as "no forward"
     assert step() == 2                                   # from then on both layers
     assert {e.name: e.status for e in opt.coverage()}["0"] == "preconditioned"
 
