@@ -13,24 +13,30 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.common.checks import ConfigError, check_job
+from experiments.common.checks import ConfigError, check_job, refuse_unwritable_output
 from experiments.common.launch import run_job
 from experiments.common.resume import with_resume
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig):
-    hc = HydraConfig.get()
+def refuse(check, *args) -> None:
+    """Run a configuration check; its ConfigError ends the command with the message alone (exit 2)."""
     try:
-        check_job(cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""))
+        check(*args)
     except ConfigError as e:
         if os.environ.get("DOPR_TRACEBACK"):
             raise
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig):
+    hc = HydraConfig.get()
+    refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""))
     return run_job(cfg, Path(hc.runtime.output_dir))
 
 
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
+    refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
     main()

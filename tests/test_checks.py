@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.common import checks
 from experiments.common.checks import ConfigError, check_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +130,23 @@ def test_a_task_that_trains_nothing_is_not_filed_under_an_optimizer(compose):
     cfg = compose("task=lds", hydra_config=True)
     assert "/lds/no_optimizer/seed0_" in cfg.hydra.run.dir
     assert "/feature_learning/dopr_sgd/" in compose("task=feature_learning", hydra_config=True).hydra.run.dir
+
+
+def test_an_output_folder_under_a_file_is_refused_before_hydra_with_one_line(tmp_path):
+    (tmp_path / "results.txt").write_text("keep me")
+    res = subprocess.run([sys.executable, str(ROOT / "run.py"), "task=feature_learning", "optim=sgd",
+                          f"hydra.run.dir={tmp_path / 'results.txt' / 'job'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == (f"Error: cannot write the output folder {tmp_path / 'results.txt' / 'job'}: "
+                                  f"{tmp_path / 'results.txt'} is a file, not a folder (set hydra.run.dir=<a folder>)")
+    assert (tmp_path / "results.txt").read_text() == "keep me"
+
+
+def test_an_output_folder_without_write_permission_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks.os, "access", lambda p, mode: Path(p) != tmp_path)  # root ignores chmod
+    with pytest.raises(ConfigError, match=f"{tmp_path} is not writable by this user "
+                                          r"\(set hydra.sweep.dir=<a writable folder>\)"):
+        checks.refuse_unwritable_output(["-m", f"hydra.sweep.dir={tmp_path}/" + "${now:%H}"], Path("/"))
+    (tmp_path / "sub").mkdir()
+    checks.refuse_unwritable_output(["task=x"], tmp_path / "sub")  # outputs/ under a writable folder: fine

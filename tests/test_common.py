@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.common import checkpoint, distributed, stats
+from experiments.common import checkpoint, distributed, loop, stats
 from experiments.common.ema import WeightEMA
 from experiments.common.provenance import atomic_write
 from experiments.common.schedules import build_schedule, warmup_cosine
@@ -55,6 +55,7 @@ def test_build_schedule_drives_the_optimizer_and_names_a_bad_schedule():
 class _FakeRun:
     def __init__(self):
         self.saved = None
+        self.clock = loop.Clock()
 
     def save_checkpoint(self, state):  # Run.save_checkpoint writes a file: a copy, not live tensors
         self.saved = copy.deepcopy(state)
@@ -200,3 +201,71 @@ def test_a_distributed_job_destroys_its_process_group_when_it_ends(compose, tmp_
     summary = launch.run_job(cfg, tmp_path / "job")
     assert summary["world_size"] == 1 and (tmp_path / "job" / "summary.json").exists()
     assert not dist.is_initialized()
+
+
+def test_the_clock_goes_on_across_a_resume():
+    """Training, evaluation and wall time saved with the training state count in the resumed job
+    (the BC loop's train time was lost on resume, and wall time was the last launch's)."""
+    model = nn.Linear(2, 2)
+    state = checkpoint.TrainingState(model=model)
+    first = _FakeRun()
+    first.clock.train, first.clock.eval = 3.0, 2.0
+    first.clock._started -= 10.0        # ten seconds into the first launch
+    state.save(first, 5)
+    second = _FakeRun()
+    assert second.clock.times() == {} and second.clock.wall() < 1.0
+    second.load_checkpoint = lambda: first.saved
+    assert state.resume(second)[0] == 5
+    assert second.clock.times() == {"train_time_s": 3.0, "eval_time_s": 2.0}
+    assert 10.0 <= second.clock.wall() < 11.0
+    with second.clock.training():
+        pass
+    assert second.clock.train >= 3.0 and second.clock.used
+
+
+class _Sampler:
+    def __init__(self):
+        self.epoch = None
+
+    def set_epoch(self, e):
+        self.epoch = e
+
+
+class _Loader:
+    """Five batches an epoch, each naming its epoch and index (what set_epoch chose)."""
+
+    def __init__(self):
+        self.sampler = _Sampler()
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        return iter([(self.sampler.epoch, i) for i in range(5)])
+
+
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_resumable_batches_give_a_resumed_job_the_batches_of_an_unbroken_one(per_step):
+    unbroken = loop.resumable_batches(_Loader(), 0, per_step)
+    steps = [next(unbroken) for _ in range(9)]
+    if per_step == 2:  # two steps an epoch; the fifth batch of each epoch is dropped
+        assert steps[:3] == [(0, [(0, 0), (0, 1)]), (0, [(0, 2), (0, 3)]), (1, [(1, 0), (1, 1)])]
+    else:
+        assert steps[4:6] == [(0, [(0, 4)]), (1, [(1, 0)])]
+    for start in range(9):
+        resumed = loop.resumable_batches(_Loader(), start, per_step)
+        assert [next(resumed) for _ in range(9 - start)] == steps[start:]
+    with pytest.raises(ValueError, match="fewer than the 6 of a step"):
+        next(loop.resumable_batches(_Loader(), 0, 6))
+
+
+def test_the_schedule_logs_evaluates_and_checkpoints_when_asked():
+    s = loop.Schedule(10, 4, loop.every(10, 3), checkpoint_every=5)
+    assert [k for k in range(1, 11) if s.evaluate(k)] == [3, 6, 9, 10]
+    assert [k for k in range(1, 11) if s.log(k)] == [3, 4, 6, 8, 9, 10]
+    assert [k for k in range(1, 11) if s.checkpoint(k)] == [5]      # never at the last step
+    assert loop.every(10, 0) == set()
+    with pytest.raises(ValueError, match=r"task.eval_at must lie in \[1, task.steps=10\], got \[11\]"):
+        loop.Schedule(10, 1, [11], evaluate_key="task.eval_at")
+    with pytest.raises(ValueError, match="task.fid.every must be >= 0"):
+        loop.every(10, -1, "task.fid.every")

@@ -1,4 +1,4 @@
-"""Proposition "LDS" and the appendix "Dynamical Systems Theory" (experiments/theory/lds.py)."""
+"""Proposition "LDS" and the appendix "Dynamical Systems Theory" (experiments/theory/lds.py, construction.py, lds_task.py)."""
 import csv
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.theory import lds
+from experiments.theory import construction, lds, lds_task
 from experiments.theory import report as theory_report
 
 
@@ -80,7 +80,7 @@ def test_ttf_shift_paper_formula_vs_exact_w2():
         M1, M2 = rng.standard_normal((2, 3, 3))
         S1, S2 = M1 @ M1.T + 0.1 * np.eye(3), M2 @ M2.T + 0.1 * np.eye(3)
         assert lds.ttf_shift_w2(S1, S2) >= lds.gaussian_w2_squared(S1, S2) - 1e-10
-    c = lds.lds_construction(0.3, 1.0, 0.2)
+    c = construction.lds_construction(0.3, 1.0, 0.2)
     G_d = lds.stationary_state_covariance(c["A"], c["B"], c["K_demo"], c["Sigma_w"])
     G_p = lds.stationary_state_covariance(c["A"], c["B"], c["K_psi"], c["Sigma_w"])
     assert lds.ttf_shift_w2(G_d, G_p) > 1.01 * lds.gaussian_w2_squared(G_d, G_p)
@@ -93,12 +93,12 @@ def test_unstable_policy_raises():
     with pytest.raises(ValueError, match="not stable"):
         lds.average_state_covariance(A, B, np.diag([0.0, -2.5]), Sw, math.inf)
     with pytest.raises(ValueError):
-        lds.stationary_covariance_theta_closed_form(0.5, 0.0)
+        construction.stationary_covariance_theta_closed_form(0.5, 0.0)
 
 
 def test_construction_matrices():
     a, e, th = 0.2, 0.7, 0.3
-    c = lds.lds_construction(a, e, th, mu=3.0)
+    c = construction.lds_construction(a, e, th, mu=3.0)
     np.testing.assert_allclose(c["K_demo"], [[0, 0], [0, -a]])
     np.testing.assert_allclose(c["F_star"] @ c["G_star"], c["K_demo"])
     # K_theta = K_demo + alpha [[0,0],[-cos, 1 - sin]] (the paper prints "-"; quadratic losses are unaffected)
@@ -111,19 +111,19 @@ def test_construction_matrices():
     D = c["K_psi"] - c["K_demo"]
     np.testing.assert_allclose(D.T @ D, [[0, 0], [0, e ** 2]])
     # Proposition TTF_feature_learning: dist(G_theta, G_*) = cos(theta) > dist(G_psi, G_*) = 0
-    assert lds.subspace_distance(c["G_theta"], c["G_star"]) == pytest.approx(co)
-    assert lds.subspace_distance(c["G_psi"], c["G_star"]) == pytest.approx(0.0, abs=1e-12)
+    assert construction.subspace_distance(c["G_theta"], c["G_star"]) == pytest.approx(co)
+    assert construction.subspace_distance(c["G_psi"], c["G_star"]) == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.parametrize("a,e,th", [(0.01, 0.1, 1e-4), (0.1, 1.0, 1e-3), (0.5, 0.01, 0.3), (1.5, 2.0, 0.7)])
 def test_closed_form_stationary_covariances(a, e, th):
-    c = lds.lds_construction(a, e, th)
+    c = construction.lds_construction(a, e, th)
     num = lambda K: lds.stationary_state_covariance(c["A"], c["B"], K, c["Sigma_w"])
-    np.testing.assert_allclose(lds.stationary_covariance_demo_closed_form(a), num(c["K_demo"]), rtol=1e-8)
-    np.testing.assert_allclose(lds.stationary_covariance_theta_closed_form(a, th), num(c["K_theta"]), rtol=1e-7,
+    np.testing.assert_allclose(construction.stationary_covariance_demo_closed_form(a), num(c["K_demo"]), rtol=1e-8)
+    np.testing.assert_allclose(construction.stationary_covariance_theta_closed_form(a, th), num(c["K_theta"]), rtol=1e-7,
                                atol=1e-12)
-    np.testing.assert_allclose(lds.stationary_covariance_psi_closed_form(a, e), num(c["K_psi"]), rtol=1e-8)
-    cf = lds.construction_losses_closed_form(a, e, th)
+    np.testing.assert_allclose(construction.stationary_covariance_psi_closed_form(a, e), num(c["K_psi"]), rtol=1e-8)
+    cf = construction.construction_losses_closed_form(a, e, th)
     G_d = num(c["K_demo"])
     assert lds.validation_loss(c["K_demo"], c["K_theta"], G_d) == pytest.approx(cf["lval_theta"], rel=1e-8)
     assert lds.ideal_loss(c["K_demo"], c["K_theta"], num(c["K_theta"])) == pytest.approx(cf["lideal_theta"], rel=1e-7)
@@ -134,7 +134,7 @@ def test_closed_form_stationary_covariances(a, e, th):
 def test_scaling_limit():
     """Lemma scaling_limit, with the constant the "~" hides: every exact/leading ratio -> 1/2."""
     for a, th in ((1e-3, 1e-3), (1e-4, 1e-4)):
-        row = lds.construction_row(a, 0.05, th, 10.0, {"value": 1.0, "r": 0.0, "h": 0.1})
+        row = construction.construction_row(a, 0.05, th, 10.0, {"value": 1.0, "r": 0.0, "h": 0.1})
         for k in ("scaling_lval_theta", "scaling_lideal_theta", "scaling_lval_psi", "scaling_lideal_psi"):
             assert row[k] == pytest.approx(0.5, rel=0.01 if a == 1e-3 else 1e-3), k
 
@@ -143,15 +143,15 @@ def test_mismatch_in_corrected_regime_and_not_in_printed_one():
     """Proposition Ktheta_Kpsi_bound. Where alpha << eps and sin(theta) << alpha^2/eps^2:
     L_val(K_theta) << L_val(K_psi) = L_ideal(K_psi) << L_ideal(K_theta). Under the printed conditions
     (eps << alpha, sin(theta) << eps^2/alpha^2) K_psi wins on both losses (documented discrepancy)."""
-    inf_f = lds.inf_last_layer_ideal_loss(0.1, 1e-4, grid=80)
-    r = lds.construction_row(0.1, 1.0, 1e-4, 10.0, inf_f)
+    inf_f = construction.inf_last_layer_ideal_loss(0.1, 1e-4, grid=80)
+    r = construction.construction_row(0.1, 1.0, 1e-4, 10.0, inf_f)
     assert r["corrected_regime"] == 1 and r["paper_regime"] == 0
     assert r["lval_psi"] > 50 * r["lval_theta"]
     assert r["lideal_theta"] > 50 * r["lideal_psi"]
     assert r["lval_psi"] == pytest.approx(r["lideal_psi"], rel=1e-10)
     # and the feature-learning version (final proposition): even the best last layer stays bad
     assert r["corrected_feature_regime"] == 1 and r["inf_f_lideal"] > 10 * r["lideal_psi"]
-    p = lds.construction_row(0.1, 0.01, 1e-4, 10.0, inf_f)
+    p = construction.construction_row(0.1, 0.01, 1e-4, 10.0, inf_f)
     assert p["paper_regime"] == 1 and p["corrected_regime"] == 0
     assert p["lval_psi"] < p["lval_theta"] / 50 and p["ordering_holds"] == 0
 
@@ -161,10 +161,10 @@ def test_mismatch_in_corrected_regime_and_not_in_printed_one():
 def test_inf_over_last_layer(a, th):
     """Lemma infF_lb: inf_F L_ideal(F G_theta) >= alpha^2/(4 sin theta) (theta < pi/8), <= L_ideal(K_theta);
     the proof's closed form J(r, h) agrees with the Lyapunov solution."""
-    res = lds.inf_last_layer_ideal_loss(a, th, grid=80)
-    c = lds.lds_construction(a, 0.0, th)
-    li_theta = lds.construction_losses_closed_form(a, 0.0, th)["lideal_theta"]
-    assert res["value"] >= lds.infF_lower_bound(a, th)
+    res = construction.inf_last_layer_ideal_loss(a, th, grid=80)
+    c = construction.lds_construction(a, 0.0, th)
+    li_theta = construction.construction_losses_closed_form(a, 0.0, th)["lideal_theta"]
+    assert res["value"] >= construction.infF_lower_bound(a, th)
     assert res["value"] >= a ** 2 / (2 * math.tan(th))  # the proof's intermediate bound
     assert res["value"] <= li_theta * (1 + 1e-9)
     assert res["value"] <= res["grid_min"] * (1 + 1e-12)
@@ -172,15 +172,15 @@ def test_inf_over_last_layer(a, th):
     K = res["F"] @ c["G_theta"]
     G = lds.stationary_state_covariance(c["A"], c["B"], K, c["Sigma_w"])
     assert lds.ideal_loss(c["K_demo"], K, G) == pytest.approx(res["value"], rel=1e-9)
-    assert lds.last_layer_objective_closed_form(a, th, res["r"], res["h"]) == pytest.approx(res["value"], rel=1e-8)
+    assert construction.last_layer_objective_closed_form(a, th, res["r"], res["h"]) == pytest.approx(res["value"], rel=1e-8)
     rng = np.random.default_rng(0)  # random stable last layers never beat the infimum
     for r, h in zip(rng.uniform(-0.95, 0.95, 200), rng.uniform(0.01, 0.95, 200)):
         h = h * 2 * (1 + r)  # inside the Schur-stable region of the proof
-        Kv = lds.last_layer_policy(a, th, r, h)
+        Kv = construction.last_layer_policy(a, th, r, h)
         Gv = lds.stationary_state_covariance(c["A"], c["B"], Kv, c["Sigma_w"])
         val = lds.ideal_loss(c["K_demo"], Kv, Gv)
         assert val >= res["value"] * (1 - 1e-9)
-        assert lds.last_layer_objective_closed_form(a, th, r, h) == pytest.approx(val, rel=1e-6)
+        assert construction.last_layer_objective_closed_form(a, th, r, h) == pytest.approx(val, rel=1e-6)
 
 
 class _FakeRun:
@@ -201,7 +201,7 @@ def test_run_and_report_end_to_end(tmp_path):
     job = tmp_path / "job"
     job.mkdir()
     fake = _FakeRun(job)
-    out = lds.run(cfg, fake)
+    out = lds_task.run(cfg, fake)
     assert len(fake.rows) == cfg.task.horizon
     assert all(isinstance(v, (int, float)) for v in out.values())
     assert out["mc_gamma_max_abs_z"] < 5 and abs(out["mc_lval_z"]) < 5 and abs(out["mc_lideal_z"]) < 5

@@ -195,8 +195,8 @@ def test_report_tables_and_figures(tmp_path):
     assert rows["dopr_adamw"]["best_success_mean"] == pytest.approx(0.75, abs=0.03)  # bootstrap of 7 + 8 of 20
     delta = robomimic_report.deltas(list(rows.values()))
     assert delta == [{"task": "robomimic_lift", "gp": "adamw", "gp_best_median": 0.45, "dopr_best_median": 0.75,
-                      "delta": pytest.approx(0.3), "dopr_better": "yes", "seed_ranges_overlap": "no",
-                      "gp_train_loss": pytest.approx(0.6), "dopr_train_loss": 2.6}]
+                      "delta": pytest.approx(0.3), "delta_pct": pytest.approx(100 * 0.3 / 0.45), "dopr_better": "yes",
+                      "seed_ranges_overlap": "no", "gp_train_loss": pytest.approx(0.6), "dopr_train_loss": 2.6}]
     for f in ("robomimic_success.md", "robomimic_success.csv", "robomimic_deltas.md", "robomimic_success.png",
               "robomimic_train_loss.png"):
         assert (tmp_path / "out" / f).exists(), f

@@ -211,7 +211,7 @@ def publish(run_dir, version: str = EXPERT_VERSION, root=None) -> Path:
             "eval_episodes": blob["eval_episodes"], "eval_seed": blob["eval_seed"], "expert_step": blob["step"],
             "train_steps": blob["train_steps"], "obs_slice": blob.get("obs_slice"), "command": command,
             "commit": summary.get("git_revision"), "train_time_s": _training_time(run_dir / "metrics.jsonl"),
-            "last_launch_wall_time_s": summary.get("wall_time_s")}
+            "wall_time_s": summary.get("wall_time_s")}   # all launches, to the last one's end
     (out / f"{blob['env']}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out / f"{blob['env']}.pt"
 

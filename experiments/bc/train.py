@@ -9,7 +9,6 @@ and seeds (algorithm "Bootstrap Mean Estimation").
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 from experiments.common.checkpoint import TrainingState
 from experiments.common.ema import WeightEMA
+from experiments.common.loop import Schedule
 from experiments.common.schedules import build_schedule
 
 from . import demos as demo_io
@@ -55,8 +55,6 @@ def evaluate_policy(t, policy, seed: int) -> np.ndarray:
 
 def run(cfg, run) -> dict:
     t = cfg.task
-    if t.threads:
-        torch.set_num_threads(int(t.threads))
     if not 1 <= t.num_trajectories <= t.max_trajectories:
         raise ValueError(f"task.num_trajectories must be in [1, {t.max_trajectories}], got {t.num_trajectories}")
     data = demo_io.load(resolve_demos(t), t.env)
@@ -64,6 +62,8 @@ def run(cfg, run) -> dict:
     cat = lambda xs: torch.from_numpy(np.concatenate(xs)).float()
     obs, act = cat(train.observations), cat(train.actions)
     val_obs, val_act = cat(val.observations), cat(val.actions)
+    schedule = Schedule(t.steps, t.log_every, evaluate_at=t.eval_at, checkpoint_every=t.checkpoint_every,
+                        evaluate_key="task.eval_at")
 
     torch.manual_seed(int(cfg.seed))
     model = ResidualMLP(obs.shape[1], act.shape[1], t.hidden, obs_clip=t.obs_clip)
@@ -72,54 +72,44 @@ def run(cfg, run) -> dict:
     opt = run.build_optimizer(model)
     sched = build_schedule(opt, "warmup_cosine", t.steps, t.warmup_frac, t.min_lr_factor)
     gen = torch.Generator().manual_seed(int(cfg.seed))
-    eval_at = sorted({int(s) for s in t.eval_at})
-    if any(s < 1 or s > t.steps for s in eval_at):
-        raise ValueError(f"task.eval_at steps must lie in [1, {t.steps}], got {eval_at}")
 
     state = TrainingState(model=model, ema=ema, optimizer=opt, scheduler=sched, generators={"batches": gen})
     start, extra = state.resume(run)
-    returns, train_time, eval_time = extra.get("returns", {}), 0.0, 0.0
+    returns = extra.get("returns", {})
     running, n_running = 0.0, 0
     bar = run.progress(t.steps, initial=start)
     for step in range(start + 1, t.steps + 1):
-        tic = time.perf_counter()
-        idx = torch.randint(0, len(obs), (t.batch_size,), generator=gen)
-        loss = ((model(obs[idx]) - act[idx]) ** 2).mean(1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        ema.update()
-        train_time += time.perf_counter() - tic
-        running += loss.item()
-        n_running += 1
-        if step % t.log_every == 0 or step in eval_at:
+        with run.clock.training():
+            idx = torch.randint(0, len(obs), (t.batch_size,), generator=gen)
+            loss = ((model(obs[idx]) - act[idx]) ** 2).mean(1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            ema.update()
+        running, n_running = running + loss.item(), n_running + 1
+        if schedule.log(step):
             row = {"train_loss": running / n_running, "lr": sched.get_last_lr()[0],
                    "val_loss": mse(ema.module, val_obs, val_act), "val_loss_raw": mse(model, val_obs, val_act)}
             running, n_running = 0.0, 0
-            if step in eval_at:
-                tic = time.perf_counter()
-                r = evaluate_policy(t, ema.module, seed=t.eval_seed + 1000 * int(cfg.seed))
-                eval_time += time.perf_counter() - tic
+            if schedule.evaluate(step):
+                with run.clock.evaluating():
+                    r = evaluate_policy(t, ema.module, seed=t.eval_seed + 1000 * int(cfg.seed))
                 returns[step] = r.tolist()
                 row.update(eval_return=float(r.mean()), eval_return_std=float(r.std()))
                 bar.set_postfix(ret=f"{r.mean():.0f}")
             run.log(row, step)
             bar.update(step - bar.n)
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+        if schedule.checkpoint(step):
             state.save(run, step, returns=returns)
     bar.close()
-    if hasattr(opt, "close"):
-        opt.close()
     final = returns[max(returns)] if returns else []
     return {
         "env": t.env, "num_trajectories": int(t.num_trajectories), "lr": float(cfg.optim.lr),
         "weight_decay": float(cfg.optim.weight_decay),
-        **({k: float(cfg.ap[k]) for k in ("damping", "grad_ema", "precond_ema")} if cfg.optim.name.startswith("dopr_")
-           else {"damping": None}),
         "obs_clip": model.obs_clip, "train_loss": mse(model, obs, act), "train_loss_ema": mse(ema.module, obs, act),
         "val_loss": mse(ema.module, val_obs, val_act), "val_loss_raw": mse(model, val_obs, val_act),
         "return_mean": float(np.mean(final)) if final else None,
         "returns": {str(k): v for k, v in returns.items()},
-        "expert_return": float(np.mean(data.returns)), "train_time_s": train_time, "eval_time_s": eval_time,
+        "expert_return": float(np.mean(data.returns)),
     }

@@ -6,6 +6,8 @@ stopped (a requeued or preempted job ends bit-identical to one that ran through)
     ...
     state.save(run, step, returns=returns)      # atomically, through the Run (metrics cut back on resume)
 
+Saved with it: the run's clock (training, evaluation and wall time so far), restored on resume.
+
 Saved: the state_dict of each object given (model, EMA, optimizer, scheduler: anything with
 state_dict / load_state_dict), the step, every global random-number state (python, numpy, torch CPU
 and, when CUDA is up, every CUDA device), the named generators of the job (torch.Generator or
@@ -76,11 +78,15 @@ class TrainingState:
         return state["step"], state["extra"]
 
     def save(self, run, step: int, **extra) -> None:
-        run.save_checkpoint(self.state_dict(step, **extra))
+        run.save_checkpoint({**self.state_dict(step, **extra), "clock": run.clock.state_dict()})
 
     def resume(self, run) -> tuple:
-        """(step, extra) of the run's last checkpoint, everything restored; (0, {}) when there is none."""
+        """(step, extra) of the run's last checkpoint, everything restored (the run's clock too);
+        (0, {}) when there is none."""
         state = run.load_checkpoint()
         if state is None:
             return 0, {}
-        return self.load_state_dict(state)
+        step, extra = self.load_state_dict(state)
+        if "clock" in state:  # a checkpoint of an earlier version has none: its times start again
+            run.clock.load_state_dict(state["clock"])
+        return step, extra

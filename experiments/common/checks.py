@@ -8,6 +8,8 @@ Config groups added with `+` (`+tuned/humanoid=dopr_adamw`) are what `+` is for 
 from __future__ import annotations
 
 import difflib
+import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -120,3 +122,25 @@ def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "") -> 
     refuse_added_keys(cfg, overrides, groups)
     refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
     refuse_bad_optimizer_values(cfg)
+
+
+def refuse_unwritable_output(argv: list, cwd: Path) -> None:
+    """Refuse an output folder that cannot be made (a file in its path, or a parent without write
+    permission) before Hydra tries to create it and fails with a bare traceback. The folder is
+    `hydra.run.dir` / `hydra.sweep.dir` when given (up to its first interpolation), else outputs/
+    or multirun/ under `cwd`."""
+    multirun = "-m" in argv or "--multirun" in argv
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == key]
+    folder = given[-1] if given else ("multirun" if multirun else "outputs")
+    folder = folder.split("${", 1)[0] or "."
+    path = Path(folder) if Path(folder).is_absolute() else cwd / folder
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"cannot write the output folder {path}: {existing} is a file, not a folder "
+                          f"(set {key}=<a folder>)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the output folder {path}: {existing} is not writable by this user "
+                          f"(set {key}=<a writable folder>)")

@@ -76,6 +76,17 @@ def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: s
     path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
 
 
+def seed_band(ax, curves: list, label: str, color) -> None:
+    """Curves of several seeds ({step: value} each): the median as the line, min..max as the band,
+    on the steps every seed has."""
+    import numpy as np
+
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    y = np.array([[c[s] for s in steps] for c in curves])
+    ax.plot(steps, np.median(y, 0), label=label, color=color)
+    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+
+
 def stamp_figure(fig, stamp: str) -> None:
     fig.text(0.01, 0.005, stamp.replace("`", ""), fontsize=6, color="0.4", ha="left", va="bottom", wrap=True)
 

@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import random
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 import dopr
 
 from .distributed import is_main, world
+from .loop import Clock
 from .provenance import atomic_write, git_revision, package_versions
 
 
@@ -91,7 +91,7 @@ class Run:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device)
-        self.start = time.time()
+        self.clock = Clock()   # training, evaluation and wall time; kept across a resume by the checkpoint
         # under torch.distributed only rank 0 writes files and talks to W&B
         self.is_main = is_main()
         self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "a")
@@ -102,8 +102,8 @@ class Run:
             self.summary_path.unlink()
 
     def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """The `optim` (and `ap`) config's optimizer over `model`; its conventions and, for DoPr, its
-        counters go into summary.json."""
+        """The `optim` (and `ap`) config's optimizer over `model`; its AP settings, conventions and, for
+        DoPr, its counters go into summary.json, and the run closes it (removes DoPr's hooks) at the end."""
         opt = build_optimizer(model, self.cfg)
         self.optimizers.append(opt)
         return opt
@@ -174,8 +174,8 @@ class Run:
     def finish(self, summary: dict) -> dict:
         out = {
             "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
-            **{k: _plain(v) for k, v in summary.items()},
-            "wall_time_s": time.time() - self.start, "git_revision": git_revision(),
+            **(ap_record(self.cfg) if self.optimizers else {}), **{k: _plain(v) for k, v in summary.items()},
+            **self.clock.times(), "wall_time_s": self.clock.wall(), "git_revision": git_revision(),
             "world_size": world()[1],
             "packages": package_versions(), "overrides": command_line_overrides(),
             **optimizer_record(self.cfg, self.optimizers),
@@ -188,6 +188,10 @@ class Run:
         return out
 
     def close(self, failed: bool) -> None:
+        for opt in self.optimizers:
+            if hasattr(opt, "close"):
+                opt.close()
+        self.optimizers = []
         self._metrics.close()
         if self._wandb is not None:
             self._wandb.finish(exit_code=1 if failed else 0)
@@ -196,6 +200,14 @@ class Run:
 
 DOPR_COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries", "unreliable_factors", "eigh_fallbacks",
                  "nonfinite_skips")
+
+
+def ap_record(cfg: DictConfig) -> dict:
+    """The AP settings of a dopr_* run (damping None for a GP alone), for the reports' grouping."""
+    if not cfg.optim.name.startswith("dopr_"):
+        return {"damping": None}
+    return {"damping": float(cfg.ap.damping), "grad_ema": float(cfg.ap.grad_ema),
+            "precond_ema": float(cfg.ap.precond_ema), "warmup_steps": int(cfg.ap.warmup_steps)}
 
 
 def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:

@@ -58,12 +58,17 @@ def overlap(lo_a, hi_a, lo_b, hi_b) -> str:
     return "yes" if lo_a <= hi_b and lo_b <= hi_a else "no"
 
 
-def dopr_vs_gp(best: dict, gps: Iterable[str], cell: str, score: str, name: str,
-               intervals: dict = None, carry: Iterable[str] = ()) -> list:
-    """DoPr minus its GP per cell. `best`: {(optimizer, cell value): row}; for each GP in `gps` and
-    each cell where both `gp` and `dopr_gp` ran: gp_<name>, dopr_<name>, delta, delta_pct,
-    dopr_better, one <label> yes/no column per `intervals` entry {label: (low key, high key)}
-    (whether the two optimizers' intervals overlap), and gp_<k>, dopr_<k> for each key in `carry`."""
+def dopr_vs_gp(best: dict, gps: Optional[Iterable[str]], cell: str, score: str, name: str,
+               intervals: dict = None, carry=(), lower_is_better: bool = False) -> list:
+    """DoPr minus its GP per cell. `best`: {(optimizer, cell value): row}; for each GP in `gps` (None:
+    every optimizer that is not dopr_*) and each cell where both `gp` and `dopr_gp` ran: gp_<name>,
+    dopr_<name>, delta, delta_pct, dopr_better (a lower score is better when `lower_is_better`), one
+    <label> yes/no column per `intervals` entry {label: (low key, high key)} (whether the two
+    optimizers' intervals overlap), and gp_<k>, dopr_<k> for each key in `carry` (or each {k: row key}
+    of a dict)."""
+    if gps is None:
+        gps = sorted({k[0] for k in best if not k[0].startswith("dopr_")})
+    carry = carry if isinstance(carry, dict) else {k: k for k in carry}
     out = []
     cells = sorted({k[1] for k in best})
     for gp in gps:
@@ -73,10 +78,11 @@ def dopr_vs_gp(best: dict, gps: Iterable[str], cell: str, score: str, name: str,
                 continue
             a, b = base[score], dp[score]
             row = {"gp": gp, cell: c, f"gp_{name}": a, f"dopr_{name}": b, "delta": b - a,
-                   "delta_pct": 100 * (b - a) / abs(a), "dopr_better": "yes" if b > a else "no"}
+                   "delta_pct": 100 * (b - a) / abs(a) if a else math.nan,
+                   "dopr_better": "yes" if (b < a if lower_is_better else b > a) else "no"}
             for label, (lo, hi) in (intervals or {}).items():
                 row[label] = overlap(dp[lo], dp[hi], base[lo], base[hi])
-            for k in carry:
-                row[f"gp_{k}"], row[f"dopr_{k}"] = base[k], dp[k]
+            for k, key in carry.items():
+                row[f"gp_{k}"], row[f"dopr_{k}"] = base[key], dp[key]
             out.append(row)
     return out

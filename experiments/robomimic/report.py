@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from experiments.common.report import save_figure, write_table
-from experiments.common.stats import bootstrap, group_runs, overlap
+from experiments.common.report import save_figure, seed_band, write_table
+from experiments.common.stats import bootstrap, dopr_vs_gp, group_runs
 
 COLUMNS = ["task", "optimizer", "seeds", "best_success_mean", "best_q10", "best_q50", "best_q90",
            "seed_best_min", "seed_best_median", "seed_best_max", "best_steps", "final_success_median",
@@ -54,28 +54,11 @@ def rows(records) -> list:
 
 
 def deltas(table: list) -> list:
-    by = {(r["task"], r["optimizer"]): r for r in table}
-    out = []
-    for (task, name), gp in sorted(by.items()):
-        dopr = by.get((task, f"dopr_{name}"))
-        if name.startswith("dopr_") or dopr is None:
-            continue
-        out.append({"task": task, "gp": name, "gp_best_median": gp["seed_best_median"],
-                    "dopr_best_median": dopr["seed_best_median"],
-                    "delta": dopr["seed_best_median"] - gp["seed_best_median"],
-                    "dopr_better": "yes" if dopr["seed_best_median"] > gp["seed_best_median"] else "no",
-                    "seed_ranges_overlap": overlap(gp["seed_best_min"], gp["seed_best_max"],
-                                                   dopr["seed_best_min"], dopr["seed_best_max"]),
-                    "gp_train_loss": gp["train_loss_median"], "dopr_train_loss": dopr["train_loss_median"]})
-    return out
-
-
-def _band(ax, curves: list, label: str, color) -> None:
-    """Median over seeds as the line, min..max as the band, on the steps every seed has."""
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    y = np.array([[c[s] for s in steps] for c in curves])
-    ax.plot(steps, np.median(y, 0), label=label, color=color)
-    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+    """DoPr vs its GP on each seed's best success rate (median over seeds) and the training loss."""
+    out = dopr_vs_gp({(r["optimizer"], r["task"]): r for r in table}, None, "task", "seed_best_median",
+                     "best_median", intervals={"seed_ranges_overlap": ("seed_best_min", "seed_best_max")},
+                     carry={"train_loss": "train_loss_median"})
+    return sorted(out, key=lambda r: (r["task"], r["gp"]))
 
 
 def success(records, out_dir, stamp) -> None:
@@ -104,8 +87,8 @@ def success(records, out_dir, stamp) -> None:
                 continue
             curves = [{int(k): v for k, v in r["summary"]["success_curve"].items()} for r in rs]
             best_so_far = [dict(zip(sorted(c), np.maximum.accumulate([c[k] for k in sorted(c)]))) for c in curves]
-            _band(axes[0, j], best_so_far, f"{name} ({len(rs)} seeds)", colors[name])
-            _band(axes[1, j], curves, name, colors[name])
+            seed_band(axes[0, j], best_so_far, f"{name} ({len(rs)} seeds)", colors[name])
+            seed_band(axes[1, j], curves, name, colors[name])
         axes[0, j].set(title=f"{task}: best success rate so far", xlabel="training step", ylabel="success rate")
         axes[1, j].set(title=f"{task}: success rate at each checkpoint", xlabel="training step",
                        ylabel="success rate")
@@ -118,7 +101,7 @@ def success(records, out_dir, stamp) -> None:
         for (t, name), rs in sorted(by_opt.items()):
             if t == task:
                 curves = [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs]
-                _band(axes[0, j], curves, name, colors[name])
+                seed_band(axes[0, j], curves, name, colors[name])
         axes[0, j].set(title=f"{task}: training loss (min/median/max over seeds)", xlabel="training step",
                        ylabel="flow loss", yscale="log")
         axes[0, j].legend(fontsize=8)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from omegaconf import OmegaConf
 from ..common.checkpoint import TrainingState
 from ..common.distributed import data_loader
 from ..common.ema import WeightEMA
+from ..common.loop import Schedule, every, resumable_batches
 from ..common.provenance import atomic_write
 from ..common.schedules import build_schedule
 from .data import RobomimicDataset, read_env_args
@@ -100,11 +100,10 @@ def save_policy(path: Path, policy, normalizer, t, step: int) -> None:
 
 def run(cfg, run) -> dict:
     t = cfg.task
-    if t.threads:
-        torch.set_num_threads(int(t.threads))
-    eval_every = int(t.eval_every)
-    if eval_every < 1 or t.steps < 1:
-        raise ValueError(f"task.steps and task.eval_every must be >= 1, got {t.steps} and {eval_every}")
+    if t.eval_every < 1:
+        raise ValueError(f"task.eval_every must be >= 1, got {t.eval_every}")
+    schedule = Schedule(t.steps, t.log_every, every(t.steps, t.eval_every) if t.eval_episodes > 0 else (),
+                        checkpoint_every=t.checkpoint_every)
     device = run.device
     train_set, valid_set = datasets(t)  # validates the file and every key before anything trains
     torch.manual_seed(int(cfg.seed))
@@ -115,88 +114,63 @@ def run(cfg, run) -> dict:
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))  # flow times, noise and crops
     loader = data_loader(train_set, t.batch_size, seed=int(cfg.seed), workers=t.workers,
                          pin_memory=device.type == "cuda")
-    per_epoch = len(loader)
-    if per_epoch == 0:
+    if len(loader) == 0:
         raise ValueError(f"task.batch_size={t.batch_size} is larger than the {len(train_set)} training sequences")
+    clip = t.grad_clip_norm if t.grad_clip_norm else math.inf
+    primary = f"success_{t.sample_steps[0]}"
 
     state = TrainingState(model=policy, ema=ema, optimizer=opt, scheduler=sched, generators={"flow": gen})
     start, extra = state.resume(run)
-    evals = extra.get("evals", {})
-    train_time, eval_time = extra.get("train_time", 0.0), extra.get("eval_time", 0.0)
-    running, n_running, grad_norm = 0.0, 0, float("nan")
-    last_train_loss = extra.get("train_loss")
-    eval_at = set(range(eval_every, t.steps + 1, eval_every)) | {int(t.steps)}
-    if t.eval_episodes <= 0:
-        eval_at = set()
+    evals, last_train_loss = extra.get("evals", {}), extra.get("train_loss")
+    running, n_running = 0.0, 0
     bar = run.progress(t.steps, initial=start)
-    epoch = start // per_epoch
-    loader.sampler.set_epoch(epoch)
-    batches = itertools.islice(iter(loader), start % per_epoch, None)
-    step = start
-    while step < t.steps:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            epoch += 1
-            loader.sampler.set_epoch(epoch)
-            batches = iter(loader)
-            continue
-        step += 1
-        tic = time.perf_counter()
-        loss = policy.loss(to_device(batch, device), gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                                         t.grad_clip_norm if t.grad_clip_norm else math.inf))
-        opt.step()
-        sched.step()
-        ema.update()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        train_time += time.perf_counter() - tic
-        running += loss.item()
-        n_running += 1
-        if step % t.log_every == 0 or step in eval_at or step == t.steps:
+    batches = resumable_batches(loader, start)
+    for step in range(start + 1, t.steps + 1):
+        epoch, (batch,) = next(batches)
+        with run.clock.training(device):
+            loss = policy.loss(to_device(batch, device), gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), clip))
+            opt.step()
+            sched.step()
+            ema.update()
+        running, n_running = running + loss.item(), n_running + 1
+        if schedule.log(step):
             row = {"train_loss": running / n_running, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-                   "epoch": epoch, "step_time_s": train_time / step}
+                   "epoch": epoch, "step_time_s": run.clock.train / step}
             last_train_loss, running, n_running = row["train_loss"], 0.0, 0
             if valid_set is not None:
                 row["val_loss"] = validation_loss(ema.module, valid_set, t, device, seed=int(cfg.seed))
-            if step in eval_at:
-                tic = time.perf_counter()
-                r = evaluate(t, ema.module, train_set.normalizer, device, seed=t.eval_seed + 1000 * int(cfg.seed),
-                             step=step, out_dir=run.dir)
-                eval_time += time.perf_counter() - tic
-                evals[step] = r
-                row.update({k: v for k, v in r.items() if not k.startswith("successes_")})
-                primary = f"success_{t.sample_steps[0]}"
+            if schedule.evaluate(step):
+                with run.clock.evaluating():
+                    evals[step] = evaluate(t, ema.module, train_set.normalizer, device, step=step, out_dir=run.dir,
+                                           seed=t.eval_seed + 1000 * int(cfg.seed))
+                row.update({k: v for k, v in evals[step].items() if not k.startswith("successes_")})
                 best = max(e[primary] for e in evals.values())
-                if r[primary] >= best:
+                if evals[step][primary] >= best:
                     save_policy(run.dir / "best_policy.pt", ema.module, train_set.normalizer, t, step)
-                bar.set_postfix(success=f"{r[primary]:.2f}", best=f"{best:.2f}")
+                bar.set_postfix(success=f"{evals[step][primary]:.2f}", best=f"{best:.2f}")
             run.log(row, step)
             bar.update(step - bar.n)
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
-            state.save(run, step, evals=evals, train_time=train_time, eval_time=eval_time,
-                       train_loss=last_train_loss)
+        if schedule.checkpoint(step):
+            state.save(run, step, evals=evals, train_loss=last_train_loss)
     bar.close()
-    if hasattr(opt, "close"):
-        opt.close()
-    save_policy(run.dir / "policy.pt", ema.module, train_set.normalizer, t, step)
+    save_policy(run.dir / "policy.pt", ema.module, train_set.normalizer, t, t.steps)
+    return summary(t, cfg, policy, ema, train_set, valid_set, evals, last_train_loss, run.clock.train, device)
+
+
+def summary(t, cfg, policy, ema, train_set, valid_set, evals: dict, train_loss, train_time: float, device) -> dict:
     primary = f"success_{t.sample_steps[0]}"
     best_step = max(evals, key=lambda s: (evals[s][primary], -s)) if evals else None
     return {
         "dataset": str(t.dataset), "train_sequences": len(train_set), "lr": float(cfg.optim.lr),
         "weight_decay": float(cfg.optim.weight_decay), "grad_clip_norm": t.grad_clip_norm, "steps": int(t.steps),
-        "batch_size": int(t.batch_size),
-        **({k: float(cfg.ap[k]) for k in ("damping", "grad_ema", "precond_ema")} if cfg.optim.name.startswith("dopr_")
-           else {"damping": None}),
-        "parameters": sum(p.numel() for p in policy.parameters()),
-        "train_loss": last_train_loss,  # the mean over the last logging window
+        "batch_size": int(t.batch_size), "parameters": sum(p.numel() for p in policy.parameters()),
+        "train_loss": train_loss,  # the mean over the last logging window
         "val_loss": validation_loss(ema.module, valid_set, t, device, int(cfg.seed)) if valid_set is not None else None,
         "best_success": evals[best_step][primary] if evals else None, "best_step": best_step,
         "success_curve": {str(s): e[primary] for s, e in sorted(evals.items())},
         "best_successes": evals[best_step][f"successes_{t.sample_steps[0]}"] if evals else None,
-        "evals": {str(s): e for s, e in sorted(evals.items())},
-        "train_time_s": train_time, "eval_time_s": eval_time, "step_time_s": train_time / max(step, 1),
+        "evals": {str(s): e for s, e in sorted(evals.items())}, "step_time_s": train_time / t.steps,
     }

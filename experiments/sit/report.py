@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from experiments.common.report import save_figure, write_table
-from experiments.common.stats import group_runs, overlap
+from experiments.common.report import save_figure, seed_band, write_table
+from experiments.common.stats import dopr_vs_gp, group_runs
 
 COLUMNS = ["task", "optimizer", "seeds", "metric", "final_min", "final_median", "final_max", "best_median",
            "label_accuracy_median", "train_loss_median", "lr", "steps", "batch_size", "damping", "warmup_steps",
@@ -40,7 +40,7 @@ def rows(records) -> list:
                     "train_loss_median": float(np.median([s["train_loss"] for s in ss])),
                     "lr": ss[0]["lr"], "steps": ss[0]["steps"], "batch_size": ss[0]["batch_size"],
                     "damping": "" if ss[0]["damping"] is None else ss[0]["damping"],
-                    "warmup_steps": "" if ss[0]["warmup_steps"] is None else ss[0]["warmup_steps"],
+                    "warmup_steps": "" if ss[0].get("warmup_steps") is None else ss[0]["warmup_steps"],
                     "damping_mode": conv.get("damping_mode", ""), "adjust_lr_fn": conv.get("adjust_lr_fn", ""),
                     "cholesky_retries": sum(c["cholesky_retries"] for c in counts) if counts else "",
                     "step_time_s": float(np.median([s["step_time_s"] for s in ss]))})
@@ -49,27 +49,13 @@ def rows(records) -> list:
 
 def deltas(table: list) -> list:
     """DoPr vs its GP on the final quality (lower is better) and the final training loss."""
-    by = {(r["task"], r["optimizer"]): r for r in table}
-    out = []
-    for (task, name), gp in sorted(by.items()):
-        dopr = by.get((task, f"dopr_{name}"))
-        if name.startswith("dopr_") or dopr is None:
-            continue
-        out.append({"task": task, "gp": name, "metric": gp["metric"], "gp_final_median": gp["final_median"],
-                    "dopr_final_median": dopr["final_median"], "delta": dopr["final_median"] - gp["final_median"],
-                    "dopr_better": "yes" if dopr["final_median"] < gp["final_median"] else "no",
-                    "seed_ranges_overlap": overlap(gp["final_min"], gp["final_max"], dopr["final_min"],
-                                                   dopr["final_max"]),
-                    "gp_train_loss": gp["train_loss_median"], "dopr_train_loss": dopr["train_loss_median"],
-                    "dopr_lower_loss": "yes" if dopr["train_loss_median"] < gp["train_loss_median"] else "no"})
-    return out
-
-
-def _band(ax, curves: list, label: str, color) -> None:
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    y = np.array([[c[s] for s in steps] for c in curves])
-    ax.plot(steps, np.median(y, 0), label=label, color=color)
-    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+    out = dopr_vs_gp({(r["optimizer"], r["task"]): r for r in table}, None, "task", "final_median", "final_median",
+                     intervals={"seed_ranges_overlap": ("final_min", "final_max")},
+                     carry={"train_loss": "train_loss_median"}, lower_is_better=True)
+    for r in out:
+        r.update(metric=next(t["metric"] for t in table if t["task"] == r["task"]),
+                 dopr_lower_loss="yes" if r["dopr_train_loss"] < r["gp_train_loss"] else "no")
+    return sorted(out, key=lambda r: (r["task"], r["gp"]))
 
 
 def quality(records, out_dir, stamp) -> None:
@@ -99,9 +85,9 @@ def quality(records, out_dir, stamp) -> None:
             if not rs:
                 continue
             color = f"C{k}"
-            _band(axes[0, j], [{int(s): v for s, v in r["summary"]["quality_curve"].items()} for r in rs],
+            seed_band(axes[0, j], [{int(s): v for s, v in r["summary"]["quality_curve"].items()} for r in rs],
                   f"{name} ({len(rs)} seeds)", color)
-            _band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
+            seed_band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
                   name, color)
         axes[0, j].set(title=f"{gp} vs dopr_{gp}: sample quality", xlabel="training step", ylabel=metric,
                        yscale="log")

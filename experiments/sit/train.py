@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ from omegaconf import OmegaConf
 from ..common.checkpoint import TrainingState
 from ..common.distributed import data_loader, gradient_sync, unwrap, world, wrap_ddp
 from ..common.ema import WeightEMA
+from ..common.loop import Schedule, every, resumable_batches
 from ..common.provenance import atomic_write
 from ..common.schedules import build_schedule
 from . import data as sit_data
@@ -185,8 +184,6 @@ def build(t, device):
 
 def run(cfg, run) -> dict:
     t = cfg.task
-    if t.threads:
-        torch.set_num_threads(int(t.threads))
     rank, size = world()
     if t.batch_size % (size * t.grad_accum):
         raise ValueError(f"task.batch_size={t.batch_size} is not divisible by ranks x grad_accum = {size} x {t.grad_accum}")
@@ -194,6 +191,8 @@ def run(cfg, run) -> dict:
     device = run.device
     dataset, to_x1 = training_data(t)          # a missing dataset or VAE fails here, before training
     quality = Quality(t, device) if t.fid.every else None   # and missing Inception weights / reference
+    schedule = Schedule(t.steps, t.log_every, every(t.steps, t.fid.every, "task.fid.every"),
+                        checkpoint_every=t.checkpoint_every)
     torch.manual_seed(int(cfg.seed))
     model = build(t, device)
     ema = WeightEMA(model, t.ema_decay)          # copied before the optimizer hooks the model
@@ -208,89 +207,71 @@ def run(cfg, run) -> dict:
     # dropout and flips use (a resumed job then draws them as an unbroken one does; with workers > 0
     # the workers' flips are reseeded on resume)
     loader.generator = torch.Generator().manual_seed(int(cfg.seed))
-    per_epoch = len(loader) // t.grad_accum
-    if per_epoch == 0:
+    if len(loader) < t.grad_accum:
         raise ValueError(f"task.batch_size={t.batch_size} is larger than the {len(dataset)} training examples")
 
     state = TrainingState(model=model, ema=ema, optimizer=opt, scheduler=sched, generators={"transport": gen})
     start, extra = state.resume(run)
-    evals = extra.get("evals", {})
-    train_time, eval_time = extra.get("train_time", 0.0), extra.get("eval_time", 0.0)
-    losses = extra.get("losses", {})
-    running, n_running, last_loss = 0.0, 0, extra.get("train_loss")
-    eval_at = set(range(int(t.fid.every), t.steps + 1, int(t.fid.every))) | {int(t.steps)} if t.fid.every else set()
+    evals, losses, last_loss = extra.get("evals", {}), extra.get("losses", {}), extra.get("train_loss")
+    running, n_running = 0.0, 0
     grid_at = {int(s) for s in t.grid_at} if quality else set()
     if quality and start == 0 and t.fid.at_init:
         evals[0] = quality.measure(ema.module, seed=int(cfg.seed))
     bar = run.progress(t.steps, initial=start)
-    epoch = start // per_epoch
-    loader.sampler.set_epoch(epoch)
-    batches = itertools.islice(iter(loader), (start % per_epoch) * t.grad_accum, None)
-    step = start
-    while step < t.steps:
-        micro_batches = list(itertools.islice(batches, t.grad_accum))
-        if len(micro_batches) < t.grad_accum:
-            epoch += 1
-            loader.sampler.set_epoch(epoch)
-            batches = iter(loader)
-            continue
-        step += 1
-        tic = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i, (x, y) in enumerate(micro_batches):
-            x1 = to_x1(x, gen, device)
-            with gradient_sync(ddp, i == t.grad_accum - 1):   # DDP all-reduces on the last micro-batch
-                with autocast(t, device):
-                    loss = transport.loss(net, x1, y.to(device), gen) / t.grad_accum
-                loss.backward()
-            total += loss.item()
-        if t.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
-        opt.step()
-        sched.step()
-        ema.update()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        train_time += time.perf_counter() - tic
+    batches = resumable_batches(loader, start, per_step=t.grad_accum)
+    for step in range(start + 1, t.steps + 1):
+        _, micro_batches = next(batches)
+        with run.clock.training(device):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for i, (x, y) in enumerate(micro_batches):
+                x1 = to_x1(x, gen, device)
+                with gradient_sync(ddp, i == t.grad_accum - 1):   # DDP all-reduces on the last micro-batch
+                    with autocast(t, device):
+                        loss = transport.loss(net, x1, y.to(device), gen) / t.grad_accum
+                    loss.backward()
+                total += loss.item()
+            if t.grad_clip_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+            opt.step()
+            sched.step()
+            ema.update()
         running, n_running = running + total, n_running + 1
-        if step % t.log_every == 0 or step in eval_at or step == t.steps:
-            row = {"train_loss": running / n_running, "lr": sched.get_last_lr()[0], "step_time_s": train_time / step}
+        if schedule.log(step):
+            row = {"train_loss": running / n_running, "lr": sched.get_last_lr()[0],
+                   "step_time_s": run.clock.train / step}
             last_loss, running, n_running = row["train_loss"], 0.0, 0
             losses[step] = last_loss
-            if step in eval_at:
-                tic = time.perf_counter()
-                evals[step] = quality.measure(ema.module, seed=int(cfg.seed))
-                eval_time += time.perf_counter() - tic
+            if schedule.evaluate(step):
+                with run.clock.evaluating():
+                    evals[step] = quality.measure(ema.module, seed=int(cfg.seed))
                 row.update(evals[step])
                 bar.set_postfix({quality.name: f"{evals[step][quality.name]:.2f}"})
             run.log(row, step)
             bar.update(step - bar.n)
         if step in grid_at and run.is_main:
             quality.grid(ema.module, run.dir / f"samples_step{step}.png", seed=int(cfg.seed))
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
-            state.save(run, step, evals=evals, losses=losses, train_time=train_time, eval_time=eval_time,
-                       train_loss=last_loss)
+        if schedule.checkpoint(step):
+            state.save(run, step, evals=evals, losses=losses, train_loss=last_loss)
     bar.close()
-    if hasattr(opt, "close"):
-        opt.close()
     if run.is_main:
         atomic_write(run.dir / "ema.pt", lambda p: torch.save(unwrap(ema.module).state_dict(), p))
         if quality and t.grid_at:
-            quality.grid(ema.module, run.dir / f"samples_step{step}.png", seed=int(cfg.seed))
+            quality.grid(ema.module, run.dir / f"samples_step{t.steps}.png", seed=int(cfg.seed))
+    return summary(t, cfg, model, quality, evals, losses, last_loss, run.clock.train)
+
+
+def summary(t, cfg, model, quality, evals: dict, losses: dict, train_loss, train_time: float) -> dict:
     name = quality.name if quality else None
-    final = evals.get(step, {})
+    final = evals.get(int(t.steps), {})
     return {
         "model": t.model, "parameters": sum(p.numel() for p in model.parameters()), "data": t.data,
-        "lr": float(cfg.optim.lr), "weight_decay": float(cfg.optim.weight_decay), "batch_size": int(t.batch_size),
-        "steps": int(t.steps), "damping": float(cfg.ap.damping) if cfg.optim.name.startswith("dopr_") else None,
-        "warmup_steps": int(cfg.ap.warmup_steps) if cfg.optim.name.startswith("dopr_") else None,
-        "train_loss": last_loss, "loss_curve": {str(s): v for s, v in sorted(losses.items())},
+        "lr": float(cfg.optim.lr), "weight_decay": float(cfg.optim.weight_decay), "batch_size": int(t.batch_size), "steps": int(t.steps),
+        "train_loss": train_loss, "loss_curve": {str(s): v for s, v in sorted(losses.items())},
         "quality_metric": name, "quality": final.get(name), "label_accuracy": final.get("label_accuracy"),
         "best_quality": min((e[name] for e in evals.values()), default=None) if name else None,
         "quality_curve": {str(s): e[name] for s, e in sorted(evals.items())} if name else {},
         "evals": {str(s): e for s, e in sorted(evals.items())},
         "classifier_accuracy": quality.classifier_accuracy if quality else None,
-        "sampler": OmegaConf.to_container(t.sampler, resolve=True),
-        "train_time_s": train_time, "eval_time_s": eval_time, "step_time_s": train_time / max(step, 1),
+        "sampler": OmegaConf.to_container(t.sampler, resolve=True), "step_time_s": train_time / t.steps,
     }
