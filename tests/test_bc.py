@@ -278,3 +278,34 @@ def test_report_writes_tables_and_figure(tmp_path):
     # the effective damping differs from the table's where Cholesky retried: the table shows it
     assert table[("dopr_adamw", "10")]["cholesky_retries"] == "4" and table[("adamw", "10")]["cholesky_retries"] == ""
     assert table[("dopr_adamw", "10")]["damping_mode"] == "trace"
+
+
+def test_a_resumed_bc_job_reports_the_train_and_wall_time_of_both_launches(demo_file, tmp_path, monkeypatch):
+    """The first launch's 10 steps are slowed to >= 0.5 s of training, then the job dies after its
+    step-10 checkpoint; the resumed job's summary counts that time (the BC loop used to restart its
+    train time at 0 on resume, and wall time was the last launch's)."""
+    import time as time_module
+
+    from experiments.bc import policy as policy_module
+    from experiments.common import run as run_module
+
+    path = demo_file("HalfCheetah-v5")
+    forward, save = policy_module.ResidualMLP.forward, run_module.Run.save_checkpoint
+
+    def slow_forward(self, x):
+        if torch.is_grad_enabled():      # the training forward, not the evaluation's
+            time_module.sleep(0.05)
+        return forward(self, x)
+
+    def save_then_die(self, state):
+        save(self, state)
+        raise KeyboardInterrupt("preempted")
+
+    monkeypatch.setattr(policy_module.ResidualMLP, "forward", slow_forward)
+    monkeypatch.setattr(run_module.Run, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _bc(path, tmp_path, "task.checkpoint_every=10")
+    monkeypatch.setattr(policy_module.ResidualMLP, "forward", forward)
+    monkeypatch.setattr(run_module.Run, "save_checkpoint", save)
+    s = _bc(path, tmp_path, "task.checkpoint_every=10")
+    assert s["wall_time_s"] >= s["train_time_s"] >= 0.5
