@@ -182,6 +182,30 @@ def build(t, device):
     return build_model(t.model, **kwargs).to(device)
 
 
+def training_loader(t, dataset, micro: int, seed: int, device):
+    loader = data_loader(dataset, micro, seed=seed, workers=t.workers, pin_memory=device.type == "cuda")
+    # the loader's own generator: creating an iterator must not draw from the global RNG, which label
+    # dropout and flips use (a resumed job then draws them as an unbroken one does; with workers > 0
+    # the workers' flips are reseeded on resume)
+    loader.generator = torch.Generator().manual_seed(seed)
+    if len(loader) < t.grad_accum:
+        raise ValueError(f"task.batch_size={t.batch_size} is larger than the {len(dataset)} training examples")
+    return loader
+
+
+def accumulate_gradients(t, net, ddp, transport, micro_batches: list, to_x1, gen, device) -> float:
+    """Backward of the step's micro-batches (DDP all-reduces on the last); the step's mean loss."""
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        x1 = to_x1(x, gen, device)
+        with gradient_sync(ddp, i == len(micro_batches) - 1):
+            with autocast(t, device):
+                loss = transport.loss(net, x1, y.to(device), gen) / len(micro_batches)
+            loss.backward()
+        total += loss.item()
+    return total
+
+
 def run(cfg, run) -> dict:
     t = cfg.task
     rank, size = world()
@@ -202,13 +226,7 @@ def run(cfg, run) -> dict:
     sched = build_schedule(opt, t.schedule, t.steps, t.warmup_frac, t.min_lr_factor)
     transport = Transport(t.path)
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed) * 1000 + rank)
-    loader = data_loader(dataset, micro, seed=int(cfg.seed), workers=t.workers, pin_memory=device.type == "cuda")
-    # the loader's own generator: creating an iterator must not draw from the global RNG, which label
-    # dropout and flips use (a resumed job then draws them as an unbroken one does; with workers > 0
-    # the workers' flips are reseeded on resume)
-    loader.generator = torch.Generator().manual_seed(int(cfg.seed))
-    if len(loader) < t.grad_accum:
-        raise ValueError(f"task.batch_size={t.batch_size} is larger than the {len(dataset)} training examples")
+    loader = training_loader(t, dataset, micro, int(cfg.seed), device)
 
     state = TrainingState(model=model, ema=ema, optimizer=opt, scheduler=sched, generators={"transport": gen})
     start, extra = state.resume(run)
@@ -223,14 +241,7 @@ def run(cfg, run) -> dict:
         _, micro_batches = next(batches)
         with run.clock.training(device):
             opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for i, (x, y) in enumerate(micro_batches):
-                x1 = to_x1(x, gen, device)
-                with gradient_sync(ddp, i == t.grad_accum - 1):   # DDP all-reduces on the last micro-batch
-                    with autocast(t, device):
-                        loss = transport.loss(net, x1, y.to(device), gen) / t.grad_accum
-                    loss.backward()
-                total += loss.item()
+            total = accumulate_gradients(t, net, ddp, transport, micro_batches, to_x1, gen, device)
             if t.grad_clip_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
             opt.step()
