@@ -309,3 +309,27 @@ def test_a_resumed_bc_job_reports_the_train_and_wall_time_of_both_launches(demo_
     monkeypatch.setattr(run_module.Run, "save_checkpoint", save)
     s = _bc(path, tmp_path, "task.checkpoint_every=10")
     assert s["wall_time_s"] >= s["train_time_s"] >= 0.5
+
+
+def test_a_rollout_with_progress_shows_a_bar_that_ends_at_its_total(capsys, monkeypatch):
+    """Evaluation used to leave the training bar frozen for a minute; the rollout's own bar counts
+    environment steps, an episode that ends early counting its remaining steps."""
+    from experiments.bc import evaluate
+
+    closed = []
+
+    class Recorded(evaluate.tqdm):
+        def close(self):
+            if not self.disable:
+                closed.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(evaluate, "tqdm", Recorded)
+    policy = lambda obs: np.zeros((len(obs), 6), np.float32)
+    rollout("HalfCheetah-v5", policy, 2, seed=0, progress="evaluating: 2 episodes")
+    assert "evaluating: 2 episodes" in capsys.readouterr().err
+    assert closed == [("evaluating: 2 episodes", 2000, 2000)]
+    rollout("HalfCheetah-v5", policy, 1, seed=0)
+    assert capsys.readouterr().err == "" and len(closed) == 1
+    hopper = rollout("Hopper-v5", lambda obs: np.ones((len(obs), 3), np.float32), 1, seed=0, progress="hop")
+    assert hopper["lengths"][0] < 1000 and closed[1] == ("hop", 1000, 1000)   # it fell: the rest counted

@@ -122,7 +122,8 @@ def run(cfg, run) -> dict:
         if step > t.learning_starts:
             stats = agent.update(*buf.sample(t.batch_size, rng))
         if step % t.eval_every == 0:
-            res = rollout(t.env, policy_fn(agent.actor, obs_dim), t.eval_episodes, seed=10_000_000 + step)
+            res = rollout(t.env, policy_fn(agent.actor, obs_dim), t.eval_episodes, seed=10_000_000 + step,
+                          progress=f"evaluating: {t.eval_episodes} episodes")
             mean = float(res["returns"].mean())
             sps = (step - last_log) / (time.time() - tic)
             tic, last_log = time.time(), step
@@ -137,7 +138,7 @@ def run(cfg, run) -> dict:
                 break
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             checkpoint(step)
-        if step % 1000 == 0:
+        if step % 100 == 0:
             bar.update(step - bar.n)
     bar.close()
     _save_actor(last_path, agent, t.env, {"step": step, "obs_slice": obs_dim})
@@ -147,7 +148,8 @@ def run(cfg, run) -> dict:
     for name, path in (("best", best_path), ("last", last_path)):
         if path.exists():
             blob, actor = load_expert(path)
-            res = rollout(t.env, policy_fn(actor, blob["obs_slice"]), t.final_eval_episodes, seed=20_000_000)
+            res = rollout(t.env, policy_fn(actor, blob["obs_slice"]), t.final_eval_episodes, seed=20_000_000,
+                          progress=f"final evaluation of the {name} actor: {t.final_eval_episodes} episodes")
             finals[name] = (float(res["returns"].mean()), float(res["returns"].std()), blob, res)
     name = max(finals, key=lambda k: finals[k][0])
     mean, std, blob, res = finals[name]
@@ -163,7 +165,7 @@ def run(cfg, run) -> dict:
 
 def _training_time(metrics_path: Path):
     """SAC time summed over every launch of a resumed run: each evaluation row's steps since the
-    previous one divided by the steps/s it logged (wall_time_s only covers the last launch)."""
+    previous one divided by the steps/s it logged (SAC alone: wall_time_s also counts the evaluations)."""
     import json
 
     if not metrics_path.exists():
@@ -185,7 +187,8 @@ def generate_demos(env_id: str, n: int, out, expert=None, seed: int = 0) -> dict
     if blob["env"] != env_id:
         raise ValueError(f"expert {expert} was trained on {blob['env']}, not {env_id}")
     with torch.inference_mode():
-        traj = rollout(env_id, policy_fn(actor, blob.get("obs_slice")), n, seed=seed, record=True)
+        traj = rollout(env_id, policy_fn(actor, blob.get("obs_slice")), n, seed=seed, record=True,
+                       progress=f"demonstrations: {n} episodes")
     demos.write(out, env_id, traj, expert=str(expert))
     return traj
 

@@ -50,7 +50,8 @@ def evaluate_policy(t, policy, seed: int) -> np.ndarray:
     def act(obs):
         with torch.inference_mode():
             return policy(torch.from_numpy(obs)).numpy()
-    return rollout(t.env, act, t.eval_episodes, seed=seed, batch=t.eval_batch)["returns"]
+    return rollout(t.env, act, t.eval_episodes, seed=seed, batch=t.eval_batch,
+                   progress=f"evaluating: {t.eval_episodes} episodes")["returns"]
 
 
 def run(cfg, run) -> dict:

@@ -68,6 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 #: robosuite <= 1.4 part-controller key names and their robosuite 1.5 spelling
 LEGACY_CONTROLLER_KEYS = {"damping": "damping_ratio", "damping_limits": "damping_ratio_limits"}
@@ -316,8 +317,9 @@ def rollout(policy: Callable[[dict], np.ndarray], env_args: Mapping, cameras: Se
             low_dim_keys: Sequence[str], episodes: int, max_steps: int, obs_steps: int = 2,
             action_steps: int = 8, n_envs: int = 4, seed: int = 0, video_dir=None, video_episodes: int = 0,
             image_size: int | None = None, absolute_actions: bool | None = True, fast_render: bool = True,
-            envs: VectorEnv | None = None) -> dict:
-    """Run ``episodes`` episodes, ``n_envs`` at a time; a finished environment takes the next episode.
+            envs: VectorEnv | None = None, progress: str | None = None) -> dict:
+    """Run ``episodes`` episodes, ``n_envs`` at a time; a finished environment takes the next episode
+    (with ``progress``, a bar of that name over the episodes' steps).
 
     ``policy(obs) -> actions``: ``obs`` is {key: (N, obs_steps, ...)} for the N running environments
     (images uint8 (3, H, W)), called once per chunk for all of them; ``actions`` (N, >= action_steps,
@@ -334,9 +336,12 @@ def rollout(policy: Callable[[dict], np.ndarray], env_args: Mapping, cameras: Se
     lengths = [0] * episodes
     frames: dict[int, list] = {}
     running: dict[int, int] = {}    # env index -> episode
+    bar_done: dict[int, int] = {}   # episode -> its steps shown on the bar
     next_episode = 0
     policy_seconds = env_seconds = 0.0
     env_steps = 0
+    bar = tqdm(total=episodes * max_steps, desc=progress, disable=progress is None, leave=False, unit="step",
+               mininterval=1.0, dynamic_ncols=True)
 
     def start(index: int) -> None:
         nonlocal next_episode, env_seconds
@@ -374,11 +379,14 @@ def rollout(policy: Callable[[dict], np.ndarray], env_args: Mapping, cameras: Se
                         successes[episode], done = success, True
                         break
                 env_seconds += time.perf_counter() - tic
+                bar.update(lengths[episode] - bar_done.get(episode, 0) + (max_steps - lengths[episode]) * done)
+                bar_done[episode] = lengths[episode]
                 if done:
                     del running[index]
                     if next_episode < episodes:
                         start(index)
     finally:
+        bar.close()
         if owned:
             envs.close()
     videos = []

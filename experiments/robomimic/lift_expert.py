@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 from scipy.spatial.transform import Rotation
+from tqdm import tqdm
 
 from .env import make_env, observation, seed_episode
 
@@ -141,6 +142,7 @@ def collect(n_demos: int, seed: int = 0, cameras=CAMERAS, image_size: int = 84, 
     env = make_env(env_args, cameras, image_size, absolute_actions=True, fast_render=fast_render)
     keys = list(cameras) + list(LOW_DIM_KEYS)
     demos, attempt, tic = [], 0, time.perf_counter()
+    bar = tqdm(total=n_demos, desc="Lift demonstrations", unit="demo", mininterval=1.0, dynamic_ncols=True)
     try:
         while len(demos) < n_demos and attempt < max_attempts:
             seed_episode(env, seed, attempt)
@@ -149,7 +151,10 @@ def collect(n_demos: int, seed: int = 0, cameras=CAMERAS, image_size: int = 84, 
             attempt += 1
             if demo is not None:
                 demos.append(demo)
+                bar.update(1)
+            bar.set_postfix(attempts=attempt)
     finally:
+        bar.close()
         env.close()
     if stats is not None:
         stats.update(attempts=attempt, successes=len(demos), seconds=time.perf_counter() - tic)

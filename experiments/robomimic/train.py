@@ -83,7 +83,8 @@ def evaluate(t, policy, normalizer, device, seed: int, step: int, out_dir: Path)
         r = rollout(runner, env_args, list(t.cameras), list(t.low_dim), episodes=t.eval_episodes,
                     max_steps=t.eval_max_steps, obs_steps=t.obs_steps, action_steps=t.action_steps,
                     n_envs=t.eval_envs, seed=seed, video_dir=video_dir, video_episodes=t.video_episodes,
-                    fast_render=t.fast_render, image_size=t.image_size)   # rendered at the training size
+                    fast_render=t.fast_render, image_size=t.image_size,   # rendered at the training size
+                    progress=f"evaluating: {t.eval_episodes} episodes, {steps} sampling steps")
         out[f"success_{steps}"] = float(r["success_rate"])
         out[f"successes_{steps}"] = [bool(s) for s in r["successes"]]
         out[f"env_steps_per_s_{steps}"] = float(r["steps_per_second"])

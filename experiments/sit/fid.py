@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 INCEPTION_FILE = "inception-2015-12-05.pt"
 INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/inception-2015-12-05.pt"
@@ -130,7 +131,8 @@ def train_digit_classifier(images, labels, steps: int = 600, seed: int = 0) -> t
         torch.manual_seed(seed)
         net = DigitClassifier()
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc="FD-digits feature classifier", leave=False, mininterval=1.0,
+                  dynamic_ncols=True):
         idx = tr[torch.randint(len(tr), (128,), generator=gen)]
         x = images[idx]
         shift = torch.randint(-1, 2, (2,), generator=gen).tolist()
