@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +81,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             directions below the damping, the AP's largest relative amplification, the share of M in
             directions the data barely excites; dopr/health.py): ``stats()["health"]``, the coverage
             table, and one warning in the regime where the digits SiT did not train. 0 (default): never.
+        skip_layers: module names (a name also covers the modules inside it) or class names whose
+            parameters go to the GP with raw gradients (named in the coverage report).
 
     Behaviours by design (README, "Loops real code writes"): torch.optim's global step hooks fire
     twice per step; ``eval()`` forwards gather nothing (raw gradients, warned); a plain optimizer's
@@ -105,14 +107,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         warmup_steps: int = 0,
         clip_precond_norm: Optional[float] = None,
         health_every: int = 0,
+        skip_layers: Sequence[str] = (),
     ) -> None:
         self.options = dict(
             damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
             solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
             rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
-            clip_precond_norm=clip_precond_norm, health_every=health_every,
+            clip_precond_norm=clip_precond_norm, health_every=health_every, skip_layers=skip_layers,
         )
-        check_options(self.options)
+        self.options = check_options(self.options)
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
         # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
@@ -205,7 +208,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         rebuild keep the statistics they gathered."""
         helpers, self._coverage = find_layers(
             self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
-            {"homogeneous": self.options["homogeneous"], "conv2d": self.options["conv2d"]})
+            {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
         old = self._capture
         self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
@@ -420,9 +423,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.close()
 
     # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+    _TRANSIENT = ("_capture", "_solver", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
+                  "load_state_dict") for when in ("pre", "post")))
 
     def __getstate__(self) -> dict:
         """Everything but the hooks (as torch.optim drops its hook registries) and the statistics
@@ -433,6 +435,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.update(state)
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
+        self.options.setdefault("skip_layers", ())   # a copy pickled before the option existed
         self._solver = solvers.SOLVERS[self.options["solver"]]
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer

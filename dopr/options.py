@@ -12,8 +12,9 @@ CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 
 
-def check_options(options: dict) -> None:
-    """Raise ValueError naming the first invalid option of DoPr (see its docstring for each)."""
+def check_options(options: dict) -> dict:
+    """Raise ValueError naming the first invalid option of DoPr (see its docstring for each); the
+    options, skip_layers as a tuple."""
     (damping, damping_mode, grad_ema, precond_ema, solver, precond_every, conv2d, homogeneous, rank, eigh_rcond,
      on_nonfinite, warmup_steps, clip_precond_norm, health_every) = (options.get(k) for k in (
         "damping", "damping_mode", "grad_ema", "precond_ema", "solver", "precond_every", "conv2d", "homogeneous",
@@ -44,8 +45,12 @@ def check_options(options: dict) -> None:
         raise ValueError(f"Invalid eigh_rcond: {eigh_rcond} (must be in [0, 1))")
     if not isinstance(homogeneous, bool):
         raise ValueError(f"Invalid homogeneous: {homogeneous!r} (must be True or False)")
+    skip_layers = options.get("skip_layers", ())
+    if isinstance(skip_layers, str) or not all(isinstance(k, str) and k for k in skip_layers):
+        raise ValueError(f"Invalid skip_layers: {skip_layers!r} (must be a list of module or class names)")
     if on_nonfinite not in NONFINITE:
         raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
+    return {**options, "skip_layers": tuple(skip_layers)}
 
 
 def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:

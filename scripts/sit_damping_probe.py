@@ -1,16 +1,17 @@
-"""Why DoPr with the paper's damping fails on the digits SiT (task=sit_digits): 600 steps of the
-analogue's model and data (seed 0, batch 64, lr 1e-3, no EMA, no evaluation) per variant, the mean
-training loss over the last 150 steps.
+"""Which setting makes DoPr train on the digits SiT (task=sit_digits, an adaLN-Zero model with a
+timestep MLP): an ablation of the paper's preset (damping 1e-4 tr(Sigma), no EMA, the AP on every
+layer). 600 steps of the analogue's model and data (batch 64, lr 1e-3, no weight EMA, no evaluation)
+per variant and seed; the mean training loss per 150-step window.
 
-    python scripts/sit_damping_probe.py [--steps 600] [--out results/sit_digits/damping_probe.md]
+    python scripts/sit_damping_probe.py [--steps 600] [--seeds 0 1] [--out results/sit_digits/damping_probe.md]
 
-Variants: AdamW; DoPr-AdamW at damping 1e-4 / 1e-3 / 1e-2 tr(Sigma) on every layer; DoPr-AdamW at 1e-4
-with one module group left to a plain AdamW (the timestep MLP's first layer, the whole timestep MLP,
-the adaLN modulations, the label table); DoPr-AdamW at 1e-4 after 100 / 300 GP-only steps (warmup_steps).
+Each finished (variant, seed) is kept in <out>.json; a rerun with the same --out skips them.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,65 +21,87 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dopr  # noqa: E402
-from experiments.common.provenance import emit_report, git_revision  # noqa: E402
+from experiments.common.provenance import atomic_write, emit_report, git_revision  # noqa: E402
 from experiments.sit.data import digits  # noqa: E402
 from experiments.sit.model import build_model  # noqa: E402
 from experiments.sit.transport import Transport  # noqa: E402
 
-VARIANTS = [("adamw", None, (), 0), ("dopr_adamw", 1e-4, (), 0), ("dopr_adamw", 1e-3, (), 0),
-            ("dopr_adamw", 1e-2, (), 0), ("dopr_adamw", 1e-4, ("t_embedder.mlp.0",), 0),
-            ("dopr_adamw", 1e-4, ("t_embedder",), 0), ("dopr_adamw", 1e-4, ("adaLN_modulation",), 0),
-            ("dopr_adamw", 1e-4, ("y_embedder",), 0), ("dopr_adamw", 1e-4, (), 100), ("dopr_adamw", 1e-4, (), 300)]
+TIME_LAYER = "t_embedder.mlp.0"   # reads the 256-d sinusoid of t
+#: name -> DoPr options (None: AdamW alone) and the clip of G before the step
+VARIANTS = {
+    "adamw": (None, None),
+    "dopr 1e-4 (the paper's preset)": ({"damping": 1e-4}, None),
+    "dopr 1e-3": ({"damping": 1e-3}, None),
+    "dopr 1e-4, timestep layer on the GP": ({"damping": 1e-4, "skip_layers": [TIME_LAYER]}, None),
+    "dopr 1e-4, statistics EMA 0.9": ({"damping": 1e-4, "grad_ema": 0.9, "precond_ema": 0.9}, None),
+    "dopr 1e-4, Sigma EMA 0.9": ({"damping": 1e-4, "precond_ema": 0.9}, None),
+    "dopr 1e-4, 300 GP-only warm-up steps": ({"damping": 1e-4, "warmup_steps": 300}, None),
+    "dopr 1e-4, clip M to 1": ({"damping": 1e-4, "clip_precond_norm": 1.0}, None),
+    "dopr 1e-4, clip G to 1": ({"damping": 1e-4}, 1.0),
+    "dopr 1e-4, EMA 0.9 + clip G to 1 (the Lift preset's)": ({"damping": 1e-4, "grad_ema": 0.9, "precond_ema": 0.9},
+                                                             1.0),
+    "dopr 1e-3, timestep layer on the GP": ({"damping": 1e-3, "skip_layers": [TIME_LAYER]}, None),
+}
 
 
-def probe(name, damping, plain, warmup, steps, lr=1e-3):
+def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3) -> dict:
     x, y = digits()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = build_model("custom", input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=96, num_heads=4,
                         patch_size=2)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    rest = [p for n, p in params if not any(k in n for k in plain)]
-    left = [p for n, p in params if any(k in n for k in plain)]
-    opts = [torch.optim.AdamW(rest, lr=lr, weight_decay=0.0)]
-    if name == "dopr_adamw":
-        opts[0] = dopr.DoPr(model, opts[0], damping=damping, warmup_steps=warmup)
-    if left:
-        opts.append(torch.optim.AdamW(left, lr=lr, weight_decay=0.0))
-    transport, gen = Transport("linear"), torch.Generator().manual_seed(0)
+    opt = dopr.build(model, "adamw" if options is None else "dopr_adamw", lr=lr, weight_decay=0.0, **(options or {}))
+    transport, gen = Transport("linear"), torch.Generator().manual_seed(seed)
     window, curve = [], {}
     for step in range(1, steps + 1):
         idx = torch.randint(len(y), (64,), generator=gen)
         loss = transport.loss(model, x[idx], y[idx], gen)
         loss.backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
+        if clip_g:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_g)
+        opt.step()
+        opt.zero_grad()
         window.append(loss.item())
         if step % 150 == 0:
-            curve[step] = sum(window) / len(window)
+            curve[str(step)] = sum(window) / len(window)
             window = []
+    if hasattr(opt, "close"):
+        opt.close()
     return curve
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    cache_path = Path(args.out).with_suffix(".json") if args.out else None
+    cache = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
+    for name, (options, clip_g) in VARIANTS.items():
+        for seed in args.seeds:
+            key = f"{name} | seed {seed} | steps {args.steps}"
+            if key in cache:
+                continue
+            tic = time.perf_counter()
+            cache[key] = probe(options, clip_g, seed, args.steps)
+            print(key, {k: round(v, 3) for k, v in cache[key].items()}, f"({time.perf_counter() - tic:.0f} s)",
+                  file=sys.stderr, flush=True)
+            if cache_path:
+                atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
+    windows = [str(s) for s in range(150, args.steps + 1, 150)]
     lines = [f"`python scripts/sit_damping_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_digits' model "
-             f"(depth 4, width 96, patch 2) and data, seed 0, batch 64, lr 1e-3, no weight EMA.", "",
-             "| optimizer | damping (x tr Sigma) | left to plain AdamW | GP-only warm-up steps | "
-             + " | ".join(f"loss {s - 149}-{s}" for s in range(150, args.steps + 1, 150)) + " |",
-             "|---|---|---|---|" + "---|" * (args.steps // 150)]
-    for name, damping, plain, warmup in VARIANTS:
-        tic = time.perf_counter()
-        curve = probe(name, damping, plain, warmup, args.steps)
-        lines.append(f"| {name} | {damping if damping else '-'} | {', '.join(plain) or '-'} | {warmup or '-'} | "
-                     + " | ".join(f"{v:.3f}" for v in curve.values()) + " |")
-        print(lines[-1], f"({time.perf_counter() - tic:.0f} s)", file=sys.stderr, flush=True)
+             f"(depth 4, width 96, patch 2) and data, batch 64, lr 1e-3, no weight EMA, seeds {args.seeds}. "
+             "Mean training loss per window (median over seeds), and the last window's range over seeds.", "",
+             "| variant | " + " | ".join(f"loss {int(s) - 149}-{s}" for s in windows) + " | last window, seed range |",
+             "|---|" + "---|" * (len(windows) + 1)]
+    for name in VARIANTS:
+        runs = [cache[f"{name} | seed {s} | steps {args.steps}"] for s in args.seeds]
+        last = [r[windows[-1]] for r in runs]
+        lines.append(f"| {name} | " + " | ".join(f"{statistics.median(r[w] for r in runs):.3f}" for w in windows)
+                     + f" | {min(last):.3f}-{max(last):.3f} |")
     emit_report(lines, args.out)
 
 

@@ -237,6 +237,30 @@ def test_layer_without_forward_passes_its_gradient_through_and_is_reported():
 
 
 # ------------------------------------------------------------------------ coverage and hooks
+def test_skip_layers_leave_the_named_modules_to_the_gp_with_raw_gradients():
+    """A module named in skip_layers (or inside one, or of a named class) is updated exactly as the
+    GP alone would update it; the other layers are preconditioned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(32, 4), torch.randn(32, 2)
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), skip_layers=["0"])
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for m, o in ((model, opt), (plain, ref)):
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    cov = {e.name: e for e in opt.coverage()}
+    assert cov["0.0"].status == "skipped" and cov["0.0"].reason.startswith("named in skip_layers ('0')")
+    assert cov["1"].status == cov["3"].status == "preconditioned"
+    assert torch.equal(model[0][0].weight, plain[0][0].weight)          # raw gradient, plain SGD
+    assert not torch.allclose(model[1].weight, plain[1].weight)         # the AP changed the update
+    with pytest.raises(ValueError, match=r"no preconditionable layer:\n  0.0 \(Linear\): skipped: named in "
+                                         r"skip_layers \('Linear'\)"):   # by class name
+        DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), skip_layers=("Linear",))
+    with pytest.raises(ValueError, match="Invalid skip_layers: '0'"):
+        DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), skip_layers="0")
+
+
 def test_coverage_lists_every_trainable_module_with_mode_or_reason():
     class M(nn.Module):
         def __init__(self):

@@ -130,6 +130,11 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
         if not any(p.requires_grad for p in own):
             entry.reason = "frozen (no parameter requires grad)"
             continue
+        skip = next((k for k in options.get("skip_layers", ()) if name == k or name.startswith(k + ".")
+                     or type(module).__name__ == k), None)
+        if skip is not None:
+            entry.reason = f"named in skip_layers ({skip!r}); its parameters go to the GP unchanged"
+            continue
         parent = next((f for f in functional if name == f or name.startswith(f + ".")), None)
         if parent is not None:
             entry.reason = functional[parent]
