@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test test-kernels demo bench experts bc
+.PHONY: setup test test-fast test-kernels demo bench experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,12 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(PY) -m pytest -q
+
+# The tier to run after every change: every test not marked `slow` (each module of dopr/ and
+# experiments/ is at least imported, tests/test_layout.py). About a minute on 2 cores; `make test`
+# stays the whole suite and what CI runs.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 # The numerically sensitive tests (marker `numerics`) again under other CPU kernels: ATen's portable
 # (non-AVX) kernels and MKL's conditional-numerical-reproducibility path, which change the summation

@@ -140,6 +140,7 @@ def test_missing_or_corrupt_demonstrations_fail_clearly(tmp_path, demo_file):
 
 
 # ---------------------------------------------------------------------------------------------- BC
+@pytest.mark.slow
 @pytest.mark.parametrize("gp", GPS)
 def test_bc_twenty_steps_per_gp_plain_and_dopr(gp, tmp_path, demo_file):
     path = demo_file("HalfCheetah-v5")
@@ -280,6 +281,7 @@ def test_report_writes_tables_and_figure(tmp_path):
     assert table[("dopr_adamw", "10")]["damping_mode"] == "trace"
 
 
+@pytest.mark.slow
 def test_a_resumed_bc_job_reports_the_train_and_wall_time_of_both_launches(demo_file, tmp_path, monkeypatch):
     """The first launch's 10 steps are slowed to >= 0.5 s of training, then the job dies after its
     step-10 checkpoint; the resumed job's summary counts that time (the BC loop used to restart its

@@ -34,6 +34,7 @@ def test_device_cuda_without_a_gpu_is_refused(compose):
         _check(compose, "device=cuda")
 
 
+@pytest.mark.slow
 def test_run_py_prints_one_line_and_exits_2_without_writing_a_job(tmp_path):
     out = tmp_path / "job"
     r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "+task.num_trajectorie=5",
@@ -51,6 +52,7 @@ def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
     _check(compose, "optim=adamw", "ap.damping=-1.0")   # the AP's options apply to dopr_* optimizers only
 
 
+@pytest.mark.slow
 def test_a_family_base_task_is_refused_naming_its_unset_keys_and_the_tasks_built_on_it(compose):
     with pytest.raises(ConfigError, match=r"task=bc leaves task\.env unset .*halfcheetah, hopper, humanoid, walker2d"):
         _check(compose, "task=bc")
@@ -74,6 +76,7 @@ def test_a_job_runs_on_its_task_configs_thread_count(compose, tmp_path, monkeypa
     assert calls == [1]
 
 
+@pytest.mark.slow
 def test_a_job_ends_with_one_line_naming_its_metrics_and_folder_also_in_run_log(tmp_path):
     out = tmp_path / "job"
     r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=sgd", "debug=default",
@@ -85,6 +88,7 @@ def test_a_job_ends_with_one_line_naming_its_metrics_and_folder_also_in_run_log(
     assert "started, writing to" in log and log.strip().endswith(f"wrote {out}")
 
 
+@pytest.mark.slow
 def test_resume_true_continues_the_latest_unfinished_run_of_the_same_command(tmp_path):
     import shutil
 

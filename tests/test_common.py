@@ -139,6 +139,7 @@ def test_distributed_helpers_in_one_process():
 
 
 # ------------------------------------------------------------------------------------ statistics
+@pytest.mark.slow
 def test_bootstrap_quantiles_on_a_known_distribution():
     pool = np.arange(1000, dtype=float)  # mean 499.5, population variance (N^2 - 1) / 12
     m, n = 100, 1000

@@ -51,6 +51,7 @@ def test_the_capture_breaks_no_graph():
     assert opt.pending_samples() == {"0": 0, "1": 0, "3": 0, "5": 0}  # traced, not backpropagated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
 def test_compiled_fullgraph_training_equals_eager(base):
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),

@@ -36,6 +36,7 @@ def _health(model, batches, damping):
     return opt, [str(w.message) for w in caught if "weak directions" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_the_digits_sit_at_damping_1e_4_enters_the_regime_and_at_1e_3_does_not(compose):
     """The digits SiT (results/sit_digits: 1e-4 did not train, 1e-3 did), 20 steps of its real loss.
     Measured here: at 1e-4 the attention layers' inputs collapse to an effective rank of about 2 of

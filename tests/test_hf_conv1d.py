@@ -86,6 +86,7 @@ def test_a_sharded_conv1d_is_skipped_with_the_reason(monkeypatch):
     assert entry.status == "skipped" and "sharded Conv1D" in entry.reason and "input features" in entry.reason
 
 
+@pytest.mark.slow
 def test_importing_dopr_does_not_import_transformers():
     code = "import dopr, sys; assert 'transformers' not in sys.modules, 'dopr imported transformers'"
     subprocess.run([sys.executable, "-c", code], check=True)

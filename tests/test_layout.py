@@ -84,3 +84,15 @@ def test_the_library_imports_nothing_of_the_suite():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_module_of_the_library_and_the_suite_imports():
+    """The fast tier (`make test-fast`) touches every module: each imports (its optional packages are
+    installed by `make test`'s extras), so a broken import shows there, not only in a slow test."""
+    import importlib
+
+    names = sorted(n for n in (_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+                   if not n.endswith("__main__"))
+    assert len(names) > 60
+    for name in names:
+        importlib.import_module(name)

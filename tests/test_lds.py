@@ -196,6 +196,7 @@ def _task_cfg():
     return OmegaConf.merge(cfg, cfg.debug)
 
 
+@pytest.mark.slow
 def test_run_and_report_end_to_end(tmp_path):
     cfg = OmegaConf.create({"seed": 0, "task": _task_cfg()})
     job = tmp_path / "job"

@@ -250,6 +250,7 @@ def _run_in_process_group(cfg, out_dir, init_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_data_parallel_dopr_with_reentrant_checkpointing_matches_the_single_process_run(tmp_path, compose):
     overrides = ["task=sft_llama31_8b", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default"]
     single = run_job(compose(*overrides), tmp_path / "single")
@@ -259,6 +260,7 @@ def test_data_parallel_dopr_with_reentrant_checkpointing_matches_the_single_proc
     assert ddp["val_nll"] == pytest.approx(single["val_nll"], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["dopr_adamw", "dopr_muon"])
 def test_fsdp2_trains_dopr_as_the_unsharded_run_does(tmp_path, compose, optim):
     def cfg(*extra):
@@ -373,6 +375,7 @@ def test_gradient_accumulation_is_a_token_weighted_mean(tok, tmp_path, compose):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compose):
     pre_summary = run_job(compose("task=pretrain_arith", "optim=adamw", "optim.lr=3e-3", "debug=default"),
                           tmp_path / "pre")
@@ -400,6 +403,7 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compos
     assert (tmp_path / "results" / "sft_arith_nll_vs_accuracy.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
 def test_interrupted_sft_resumes_from_its_checkpoint_to_the_same_result(tmp_path, monkeypatch, compose, sharding):
     cfg = compose("task=sft_arith", "+tuned/sft=dopr_adamw", "optim.lr=1e-2", "debug=default",

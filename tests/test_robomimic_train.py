@@ -56,6 +56,7 @@ def _rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gp", ["adamw", "muon", "signum", "adamuon", "sgd"])
 def test_twenty_steps_per_gp_plain_and_dopr(gp, lift_file, tmp_path):
     for name in (gp, f"dopr_{gp}"):
@@ -70,6 +71,7 @@ def test_twenty_steps_per_gp_plain_and_dopr(gp, lift_file, tmp_path):
             assert s["conventions"]["damping_mode"] == "trace"
 
 
+@pytest.mark.slow
 def test_training_learns_the_demonstrations(lift_file, tmp_path):
     s = _train(lift_file, tmp_path, "optim=adamw", "optim.lr=3e-3", "task.steps=120", "task.log_every=20")
     rows = _rows(tmp_path)
@@ -79,6 +81,7 @@ def test_training_learns_the_demonstrations(lift_file, tmp_path):
     assert s["train_loss"] == losses[-1]
 
 
+@pytest.mark.slow
 def test_a_resumed_job_ends_where_an_unbroken_one_does(lift_file, tmp_path, monkeypatch):
     args = ("optim=dopr_adamw", "ap.grad_ema=0.9", "ap.precond_ema=0.9", "task.checkpoint_every=10")
     _train(lift_file, tmp_path / "unbroken", *args)

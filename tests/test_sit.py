@@ -38,6 +38,7 @@ def test_registry_has_the_published_sizes(name, published):
     assert model.x_embedder.out_channels == hidden and model.pos_embed.shape == (1, 256, hidden)
 
 
+@pytest.mark.slow
 def test_sit_s2_shapes_and_patch_sizes():
     torch.manual_seed(0)
     model = SiT_models["SiT-S/2"](input_size=32).eval()
@@ -270,6 +271,7 @@ def _train(out, *overrides):
     return run_job(cfg, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gp", ["adamw", "muon", "signum", "adamuon", "sgd"])
 def test_twenty_steps_per_gp_plain_and_dopr(gp, tmp_path):
     for name in (gp, f"dopr_{gp}"):
@@ -340,6 +342,7 @@ def test_coverage_of_sit_s2_lists_every_layer_kind():
     opt.close()
 
 
+@pytest.mark.slow
 def test_report_writes_the_tables_figures_and_grids(tmp_path):
     sweep = tmp_path / "sweep"
     for i, name in enumerate(("adamw", "dopr_adamw")):
@@ -398,6 +401,7 @@ def test_data_parallel_with_accumulation_matches_the_single_process_run(tmp_path
     assert ddp["quality"] == pytest.approx(single["quality"], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_compiled_training_forward_gives_the_eager_run(tmp_path):
     """task.compile=true: torch.compile'd SiT with DoPr's capture in its graph trains as eager does."""

@@ -165,6 +165,7 @@ def test_interrupted_run_resumes_from_its_checkpoint_to_the_same_result(tmp_path
     assert steps == list(range(0, 61, 5))  # every step logged exactly once
 
 
+@pytest.mark.slow
 def test_slurm_launcher_without_partition_names_the_missing_field(tmp_path):
     res = _run_py("-m", "launcher=slurm", "task=feature_learning", "debug=default", f"hydra.sweep.dir={tmp_path}")
     assert res.returncode != 0 and "Missing mandatory value" in res.stderr and "partition" in res.stderr
@@ -186,6 +187,7 @@ def _values(spec) -> list:
     return [v.strip() for v in spec.split(",")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_every_sweep_preset_composes_every_job_value(sweep, compose):
     cfg = compose(f"sweep={sweep}", hydra_config=True)
@@ -221,6 +223,7 @@ def test_ap_config_and_dopr_signature_cannot_drift_apart():
     assert {k: tuple(v) if isinstance(v, list) else v for k, v in ap.items()} == sig
 
 
+@pytest.mark.slow
 def test_debug_run_records_the_values_that_ran(tmp_path):
     res = _run_py("task=feature_learning", "optim=sgd", "debug=default", f"hydra.run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr[-3000:]

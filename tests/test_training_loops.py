@@ -150,6 +150,7 @@ def test_gradients_taken_with_autograd_grad_and_assigned_by_hand_count():
     for p, q in zip(model.parameters(), _one_step_on(x, y)):
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
 
+@pytest.mark.slow
 def test_a_compiled_forward_follows_the_same_rules():
     model = _net()
     opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=GAMMA)
