@@ -71,7 +71,6 @@ def _save_actor(path: Path, agent: SAC, env_id: str, meta: dict) -> None:
 
 def run(cfg, run) -> dict:
     t = cfg.task
-    torch.set_num_threads(int(t.threads))
     if t.bf16_matmul:  # oneDNN bf16 GEMMs, fp32 accumulation: faster only with native bf16 (AVX512-BF16, AMX)
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     env = make_env(t.env)
