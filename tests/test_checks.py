@@ -133,6 +133,7 @@ def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_
 def test_a_task_that_trains_nothing_is_not_filed_under_an_optimizer(compose):
     cfg = compose("task=lds", hydra_config=True)
     assert "/lds/no_optimizer/seed0_" in cfg.hydra.run.dir
+    assert "/expert/sac/seed0_" in compose("task=expert", hydra_config=True).hydra.run.dir   # SAC's own optimizers
     assert "/feature_learning/dopr_sgd/" in compose("task=feature_learning", hydra_config=True).hydra.run.dir
 
 
