@@ -5,6 +5,14 @@ per variant and seed; the mean training loss per 150-step window.
 
     python scripts/sit_damping_probe.py [--steps 600] [--seeds 0 1] [--out results/sit_digits/damping_probe.md]
 
+`--model s2` confirms on SiT-S/2 at its real size (input 32x32x4, 1000 classes, 33M parameters; the
+same timestep embedder) on the digits brought to that shape (upsampled, the channel repeated), at the
+ImageNet preset's lr 1e-4 and a small batch:
+
+    python scripts/sit_damping_probe.py --model s2 --steps 200 --batch 4 --lr 1e-4 --window 50 --seeds 0 \
+        --variants adamw "dopr 1e-4 (the paper's preset)" "dopr 1e-4, timestep layer on the GP" "dopr 1e-3" \
+        --out results/sit/s2_confirmation.md
+
 Each finished (variant, seed) is kept in <out>.json; a rerun with the same --out skips them.
 """
 from __future__ import annotations
@@ -44,16 +52,24 @@ VARIANTS = {
 }
 
 
-def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3) -> dict:
+def data_and_model(model: str):
     x, y = digits()
+    if model == "s2":
+        x = torch.nn.functional.interpolate(x, size=(32, 32), mode="nearest").repeat(1, 4, 1, 1)
+        return x, y, build_model("SiT-S/2", input_size=32, in_channels=4, num_classes=1000)
+    return x, y, build_model("custom", input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=96,
+                             num_heads=4, patch_size=2)
+
+
+def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3, model_name: str = "digits", batch: int = 64,
+          every: int = 150) -> dict:
     torch.manual_seed(seed)
-    model = build_model("custom", input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=96, num_heads=4,
-                        patch_size=2)
+    x, y, model = data_and_model(model_name)
     opt = dopr.build(model, "adamw" if options is None else "dopr_adamw", lr=lr, weight_decay=0.0, **(options or {}))
     transport, gen = Transport("linear"), torch.Generator().manual_seed(seed)
     window, curve = [], {}
     for step in range(1, steps + 1):
-        idx = torch.randint(len(y), (64,), generator=gen)
+        idx = torch.randint(len(y), (batch,), generator=gen)
         loss = transport.loss(model, x[idx], y[idx], gen)
         loss.backward()
         if clip_g:
@@ -61,7 +77,7 @@ def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3) -> dict:
         opt.step()
         opt.zero_grad()
         window.append(loss.item())
-        if step % 150 == 0:
+        if step % every == 0:
             curve[str(step)] = sum(window) / len(window)
             window = []
     if hasattr(opt, "close"):
@@ -74,31 +90,40 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", choices=("digits", "s2"), default="digits")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--window", type=int, default=150, help="steps per loss window")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cache_path = Path(args.out).with_suffix(".json") if args.out else None
     cache = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
-    for name, (options, clip_g) in VARIANTS.items():
+    setting = "" if args.model == "digits" else f" | {args.model} batch {args.batch} lr {args.lr} window {args.window}"
+    for name in args.variants:
+        options, clip_g = VARIANTS[name]
         for seed in args.seeds:
-            key = f"{name} | seed {seed} | steps {args.steps}"
+            key = f"{name} | seed {seed} | steps {args.steps}{setting}"
             if key in cache:
                 continue
             tic = time.perf_counter()
-            cache[key] = probe(options, clip_g, seed, args.steps)
+            cache[key] = probe(options, clip_g, seed, args.steps, args.lr, args.model, args.batch, args.window)
             print(key, {k: round(v, 3) for k, v in cache[key].items()}, f"({time.perf_counter() - tic:.0f} s)",
                   file=sys.stderr, flush=True)
             if cache_path:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
-    windows = [str(s) for s in range(150, args.steps + 1, 150)]
+    windows = [str(s) for s in range(args.window, args.steps + 1, args.window)]
+    shape = ("task=sit_digits' model (depth 4, width 96, patch 2) and data" if args.model == "digits" else
+             "SiT-S/2 (depth 12, width 384, patch 2, input 32x32x4, 1000 classes) on the digits upsampled to 32x32x4")
     lines = [f"`python scripts/sit_damping_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_digits' model "
-             f"(depth 4, width 96, patch 2) and data, batch 64, lr 1e-3, no weight EMA, seeds {args.seeds}. "
+             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); {shape}, batch "
+             f"{args.batch}, lr {args.lr:g}, no weight EMA, seeds {args.seeds}. "
              "Mean training loss per window (median over seeds), and the last window's range over seeds.", "",
-             "| variant | " + " | ".join(f"loss {int(s) - 149}-{s}" for s in windows) + " | last window, seed range |",
+             "| variant | " + " | ".join(f"loss {int(s) - args.window + 1}-{s}" for s in windows) + " | last window, seed range |",
              "|---|" + "---|" * (len(windows) + 1)]
-    for name in VARIANTS:
-        runs = [cache[f"{name} | seed {s} | steps {args.steps}"] for s in args.seeds]
+    for name in args.variants:
+        runs = [cache[f"{name} | seed {s} | steps {args.steps}{setting}"] for s in args.seeds]
         last = [r[windows[-1]] for r in runs]
         lines.append(f"| {name} | " + " | ".join(f"{statistics.median(r[w] for r in runs):.3f}" for w in windows)
                      + f" | {min(last):.3f}-{max(last):.3f} |")

@@ -122,6 +122,15 @@ def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "") -> 
     refuse_added_keys(cfg, overrides, groups)
     refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
     refuse_bad_optimizer_values(cfg)
+    refuse_missing_rehearsal(cfg)
+
+
+def refuse_missing_rehearsal(cfg: DictConfig) -> None:
+    """rehearse=true is for the paper-scale tasks, whose configs name a `rehearse:` function."""
+    if OmegaConf.select(cfg, "rehearse", default=False) and not OmegaConf.select(cfg, "task.rehearse", default=None):
+        raise ConfigError(f"rehearse=true: task={cfg.task.name} has no rehearsal (it runs on this machine as it is); "
+                          "the paper-scale tasks have one: robomimic_toolhang, robomimic_transport, sit_imagenet, "
+                          "sft_llama32_3b, sft_llama31_8b")
 
 
 def refuse_unwritable_output(argv: list, cwd: Path) -> None:

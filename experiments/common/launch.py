@@ -77,7 +77,7 @@ def finished_summary(cfg: DictConfig, out_dir: Path):
 log = logging.getLogger("experiments")
 
 #: the metrics a job's last line shows, the first three its summary has (in this order)
-HEADLINE = ("return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
+HEADLINE = ("loss_last", "return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
             "final_loss", "error", "train_loss", "lval_closed", "lideal_closed", "ttf_paper_T", "max_relative_gap")
 
 
@@ -116,7 +116,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
 
         torch.set_num_threads(threads)
     seed_everything(int(cfg.seed))
-    task = hydra.utils.get_method(cfg.task.entry)
+    task = hydra.utils.get_method("experiments.common.rehearsal.run_rehearsal" if cfg.get("rehearse")
+                                  else cfg.task.entry)
     run = Run(cfg, out_dir)
     failed = True
     log.info("%s: started, writing to %s", job_name(cfg), out_dir)

@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from dopr import bench as dopr_bench
 
 from ..common.provenance import ROOT, emit_report, git_revision
+from . import rehearse
 
 
 def task_config(task: str, overrides=()):
@@ -43,23 +44,9 @@ class _LossModule(torch.nn.Module):
         return self.policy.loss(batch, gen)
 
 
-def synthetic_batch(t, batch: int, action_dim: int = 10, image_size: int = 84, low_dim=None) -> dict:
-    low_dim = low_dim or {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2}
-    obs = {k: torch.randint(0, 256, (batch, t.obs_steps, 3, image_size, image_size), dtype=torch.uint8)
-           for k in t.cameras}
-    obs.update({k: torch.randn(batch, t.obs_steps, d) for k, d in low_dim.items()})
-    return {"obs": obs, "actions": torch.randn(batch, t.horizon, action_dim)}
-
-
-def paper_policy(t, action_dim: int = 10):
-    from omegaconf import OmegaConf
-
-    from .policy import FlowPolicy
-
-    low_dim = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2}
-    return FlowPolicy(list(t.cameras), low_dim, action_dim, t.horizon, t.obs_steps, t.action_steps,
-                      encoder=OmegaConf.to_container(t.encoder), unet=OmegaConf.to_container(t.unet),
-                      loss_scale=t.loss_scale)
+def paper_policy(t):
+    """The task's paper-size policy, its shapes from the task config (experiments/robomimic/rehearse.py)."""
+    return rehearse.paper_policy(t, *rehearse.shapes(t))
 
 
 def step(argv) -> None:
@@ -70,7 +57,9 @@ def step(argv) -> None:
     t = task_config(args.task)
 
     def make():
-        return _LossModule(paper_policy(t)), synthetic_batch(t, args.batch), None, lambda loss, _: loss
+        low_dim, action_dim = rehearse.shapes(t)
+        return (_LossModule(paper_policy(t)), rehearse.synthetic_batch(t, args.batch, low_dim, action_dim), None,
+                lambda loss, _: loss)
 
     name = f"{args.task}_policy_b{args.batch}"
     dopr_bench.register_task(name, make, {"conv2d": "sua"})

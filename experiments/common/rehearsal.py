@@ -1,0 +1,141 @@
+"""A rehearsal of a paper-scale job on a laptop: `python run.py -m sweep=<paper sweep> rehearse=true`.
+
+Each job builds its real model at its real size (a family may cut the depth of a model that does not
+fit this machine, and says so), feeds it one synthetic batch of the real shapes again and again for
+`task.rehearsal.steps` steps with the job's optimizer (DoPr with its health report on every step),
+and writes in summary.json instead of a training run's metrics: whether the loss is finite and falls
+on the repeated batch, the coverage and the AP health, the step time here, the bytes of parameters,
+optimizer state and DoPr's own state, and the peak memory. A mistake that would waste a cluster run
+(a shape, a config value, a layer DoPr cannot handle, a loss that does not move) shows in minutes.
+
+    python -m experiments.common.rehearsal multirun/rehearsal/* --out results/rehearsal.md   # the table
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import open_dict
+
+import dopr
+from dopr.health import WEAK_SHARE_WARNING
+
+COLUMNS = ["sweep", "task", "optimizer", "model", "batch", "params_M", "loss_first", "loss_last", "falls",
+           "preconditioned", "weak_layers", "worst_weak_share", "step_s", "param_MB", "opt_state_MB",
+           "dopr_state_MB", "peak_rss_MB", "verdict"]
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a (nested) state dict."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux: kB
+
+
+def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: int, clip=None) -> dict:
+    """`task.rehearsal.steps` optimizer steps of `model` on `loss_fn()` (the same synthetic batch each
+    time); the summary.json fields of the rehearsal (see the module docstring)."""
+    steps = int(cfg.task.rehearsal.steps)
+    if steps < 2:
+        raise ValueError(f"task.rehearsal.steps must be >= 2 (a falling loss needs two), got {steps}")
+    if cfg.optim.name.startswith("dopr_"):   # a health report on every step (one eigh per layer)
+        with open_dict(cfg):
+            cfg.ap.health_every = 1
+    opt = run.build_optimizer(model)
+    losses, times, shares = [], [], {}   # shares: each layer's largest weak share over the steps
+    for _ in range(steps):
+        tic = time.perf_counter()
+        loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+        losses.append(float(loss.detach()))
+        for k, h in (opt.stats().get("health", {}) if isinstance(opt, dopr.DoPr) else {}).items():
+            if h.get("weak_share") is not None:
+                shares[k] = max(shares.get(k, 0.0), h["weak_share"])
+        run.log({"train_loss": losses[-1], "step_s": times[-1]}, len(losses))
+    state = opt.state_dict()
+    out = {"rehearsal": True, "model": model_name, "batch": int(batch),
+           "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+           "trainable_M": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,
+           "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
+           "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
+           "falls": losses[-1] < losses[0],
+           "step_s": statistics.median(times[1:]),   # the first step also allocates and factors once
+           "param_MB": tensor_bytes(dict(model.state_dict())) / 2**20,
+           "opt_state_MB": tensor_bytes(state) / 2**20,
+           "dopr_state_MB": tensor_bytes(state.get("dopr", {})) / 2**20}
+    if isinstance(opt, dopr.DoPr):
+        cov = opt.coverage()
+        weak = sorted((k for k, v in shares.items() if v > WEAK_SHARE_WARNING), key=shares.get, reverse=True)
+        out.update(preconditioned=f"{sum(e.status == 'preconditioned' for e in cov)}/{len(cov)}",
+                   weak_layers=len(weak), weak_layer_names=weak, worst_weak_share=max(shares.values(), default=None),
+                   worst_weak_layer=max(shares, key=shares.get) if shares else None)
+    out["peak_rss_MB"] = peak_memory_mb(run.device)
+    problems = ([] if out["finite"] else ["loss not finite"]) + ([] if out["falls"] else ["loss does not fall"])
+    if out.get("weak_layers"):
+        names = ", ".join(out["weak_layer_names"][:3]) + (", ..." if out["weak_layers"] > 3 else "")
+        problems.append(f"{out['weak_layers']} layer(s) in the weak-direction regime ({names})")
+    out["verdict"] = "ok" if not problems else "; ".join(problems)
+    return out
+
+
+def run_rehearsal(cfg, run) -> dict:
+    """The job of `rehearse=true`: the task's `rehearse:` function instead of its training."""
+    import hydra
+
+    return hydra.utils.get_method(cfg.task.rehearse)(cfg, run)
+
+
+def table(sweeps: list) -> list:
+    rows = []
+    for sweep in sweeps:
+        for path in sorted(Path(sweep).rglob("summary.json")):
+            s = json.loads(path.read_text())
+            if not s.get("rehearsal"):
+                continue
+            rows.append({"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"],
+                         **{k: s.get(k, "") for k in COLUMNS[3:]}})
+    return rows
+
+
+def main(argv=None) -> None:
+    from .provenance import git_revision
+    from .report import write_table
+
+    p = argparse.ArgumentParser(description="the rehearsals of paper sweeps (rehearse=true) as one table")
+    p.add_argument("sweeps", nargs="+")
+    p.add_argument("--out", required=True, help="the table's path without suffix, or ending in .md")
+    args = p.parse_args(argv)
+    rows = table(args.sweeps)
+    if not rows:
+        sys.exit(f"no rehearsal summaries under {args.sweeps}: run `python run.py -m sweep=<paper sweep> rehearse=true`")
+    stamp = (f"`python -m experiments.common.rehearsal {' '.join(args.sweeps)} --out {args.out}`, commit "
+             f"{git_revision()}, torch {torch.__version__}")
+    write_table(rows, COLUMNS, Path(args.out).with_suffix(""), stamp,
+                "Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, CPU")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""rehearse=true: a paper-scale job's real model on a synthetic batch for a few steps, and the table."""
+import json
+
+import pytest
+
+from experiments.common import rehearsal
+from experiments.common.checks import ConfigError, check_job
+from experiments.common.launch import run_job
+
+TINY_SIT = ["task.model=custom", "task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}",
+            "task.input_size=8"]
+
+
+def test_a_sit_rehearsal_reports_loss_coverage_health_and_memory_and_the_table_lists_it(tmp_path, compose):
+    cfg = compose("task=sit_imagenet", "+tuned/sit_imagenet=dopr_adamw", "rehearse=true", *TINY_SIT)
+    s = run_job(cfg, tmp_path / "sweep" / "0")
+    assert s["rehearsal"] and s["finite"] and len(s["losses"]) == cfg.task.rehearsal.steps == 4
+    assert s["falls"] == (s["losses"][-1] < s["losses"][0]) and s["loss_last"] == s["losses"][-1]
+    assert s["preconditioned"] == "11/12"            # every module with weights but the fixed position table
+    assert s["param_MB"] == pytest.approx(s["params_M"] * 1e6 * 4 / 2**20)   # float32 weights
+    assert s["opt_state_MB"] > 0 and s["peak_rss_MB"] > 0 and s["step_s"] > 0
+    # the paper's damping on the timestep MLP's input: the health report names the layer in the verdict
+    assert "t_embedder.mlp.0" in s["weak_layer_names"] and s["worst_weak_share"] > 0.5
+    assert s["verdict"].startswith(f"{s['weak_layers']} layer(s) in the weak-direction regime (")
+    assert "t_embedder.mlp.0" in s["verdict"] or s["weak_layers"] > 3
+    assert [json.loads(l)["step"] for l in (tmp_path / "sweep" / "0" / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2, 3, 4]
+    rehearsal.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "rehearsal.md")])
+    md = (tmp_path / "rehearsal.md").read_text()
+    assert "| sweep | sit_imagenet | dopr_adamw | custom, 8x8x4 | 4 |" in md
+    assert md.count("\n| sweep | sit_imagenet") == 1 and "python -m experiments.common.rehearsal" in md
+
+
+def test_rehearse_is_refused_for_a_task_without_a_rehearsal(compose):
+    cfg = compose("task=feature_learning", "rehearse=true")
+    with pytest.raises(ConfigError, match="task=feature_learning has no rehearsal"):
+        check_job(cfg, ["task=feature_learning", "rehearse=true"], set())
