@@ -1,5 +1,6 @@
 """rehearse=true: a paper-scale job's real model on a synthetic batch for a few steps, and the table."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,8 @@ def test_a_sit_rehearsal_reports_loss_coverage_health_and_memory_and_the_table_l
     assert s["preconditioned"] == "11/12"            # every module with weights but the fixed position table
     assert s["param_MB"] == pytest.approx(s["params_M"] * 1e6 * 4 / 2**20)   # float32 weights
     assert s["opt_state_MB"] > 0 and s["peak_rss_MB"] > 0 and s["step_s"] > 0
+    if Path("/proc/self/clear_refs").exists():   # Linux: the peak RSS restarts with each job
+        assert s["peak_since"] == "this job's steps"
     # damping 1e-4 on the timestep MLP's input: the health report names the layer in the verdict
     assert "t_embedder.mlp.0" in s["weak_layer_names"] and s["worst_weak_share"] > 0.5
     assert s["verdict"].startswith(f"{s['weak_layers']} layer(s) in the weak-direction regime (")

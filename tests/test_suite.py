@@ -14,7 +14,7 @@ from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc", "robomimic", "sit"}  # shared settings of the BC / image-policy tasks, not tasks of their own
+BASES = {"bc", "robomimic", "sit", "grafting"}  # shared settings of a family's tasks, not tasks of their own
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
@@ -43,11 +43,21 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
         extra = [f"task.data_path={_latent_dir(tmp_path)}", "task.model=custom", "task.input_size=8",
                  "task.num_classes=2", "task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}",
                  "task.debug.fid.every=0"]
-    for optim in OPTIMS if task != "expert" else ["adamw"]:  # the SAC expert has its own optimizers
+    if task == "grafting_cifar10":   # CIFAR-10's python-format batches of 4 random images each
+        extra = [f"task.data_path={_cifar_dir(tmp_path)}", "task.batch_size=8", "task.debug.steps=1"]
+    # the SAC expert has its own optimizers; grafting_cifar10 factors 3072 x 3072 covariances every step
+    # (tens of seconds here), and grafting_digits runs every optimizer through the same job
+    for optim in OPTIMS if task not in ("expert", "grafting_cifar10") else ["adamw"]:
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
         assert json.loads((tmp_path / optim / "summary.json").read_text())["optim"] == optim
+
+
+def _cifar_dir(tmp_path):
+    from test_appendix import write_cifar_batches
+
+    return write_cifar_batches(tmp_path / "cifar", images_per_batch=4)
 
 
 def _latent_dir(tmp_path):
@@ -177,7 +187,7 @@ TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.y
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
               "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
               "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift",
-              "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet"}
+              "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits"}
 
 
 def _values(spec) -> list:

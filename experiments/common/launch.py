@@ -78,7 +78,7 @@ log = logging.getLogger("experiments")
 
 #: the metrics a job's last line shows, the first three its summary has (in this order)
 HEADLINE = ("loss_last", "return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
-            "final_loss", "error", "train_loss", "lval_closed", "lideal_closed", "ttf_paper_T", "max_relative_gap")
+            "final_loss", "gap_ratio", "error", "train_loss", "lval_closed", "lideal_closed", "ttf_paper_T", "max_relative_gap")
 
 
 def job_name(cfg: DictConfig) -> str:

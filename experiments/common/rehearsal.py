@@ -2,11 +2,13 @@
 
 Each job builds its real model at its real size (a family may cut the depth of a model that does not
 fit this machine, and says so), feeds it one synthetic batch of the real shapes again and again for
-`task.rehearsal.steps` steps with the job's optimizer (DoPr with its health report on every step),
-and writes in summary.json instead of a training run's metrics: whether the loss is finite and falls
-on the repeated batch, the coverage and the AP health, the step time here, the bytes of parameters,
-optimizer state and DoPr's own state, and the peak memory. A mistake that would waste a cluster run
-(a shape, a config value, a layer DoPr cannot handle, a loss that does not move) shows in minutes.
+`task.rehearsal.steps` steps with the job's optimizer (DoPr with its health report on the first and
+last steps), and writes in summary.json instead of a training run's metrics: whether the loss is
+finite and falls on the repeated batch, the coverage and the AP health, the step time here (the median
+of the steps between the first and the last, which neither allocate nor report), the bytes of
+parameters, optimizer state and DoPr's own state, and the peak memory. A mistake that would waste a
+cluster run (a shape, a config value, a layer DoPr cannot handle, a loss that does not move) shows in
+minutes.
 
     python -m experiments.common.rehearsal multirun/rehearsal/* --out results/rehearsal.md   # the table
 """
@@ -42,21 +44,41 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def reset_peak_memory(device) -> bool:
+    """Start this job's peak-memory count afresh (a local sweep runs its jobs in one process): CUDA's
+    allocator peak, or Linux's peak RSS (VmHWM, reset by writing 5 to /proc/self/clear_refs). False
+    where the peak cannot be reset: the count then includes the process's earlier jobs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_mb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux: kB
+    try:   # Linux: the peak RSS since the last reset, in kB
+        status = Path("/proc/self/status").read_text()
+        return int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM:"))) / 2**10
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # the process's peak
 
 
 def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: int, clip=None) -> dict:
     """`task.rehearsal.steps` optimizer steps of `model` on `loss_fn()` (the same synthetic batch each
     time); the summary.json fields of the rehearsal (see the module docstring)."""
     steps = int(cfg.task.rehearsal.steps)
-    if steps < 2:
-        raise ValueError(f"task.rehearsal.steps must be >= 2 (a falling loss needs two), got {steps}")
-    if cfg.optim.name.startswith("dopr_"):   # a health report on every step (one eigh per layer)
+    if steps < 3:
+        raise ValueError(f"task.rehearsal.steps must be >= 3 (the first step allocates, the last reports the AP's "
+                         f"health, the ones between are timed), got {steps}")
+    if cfg.optim.name.startswith("dopr_"):   # health reports (one eigh per layer) on the first and last steps
         with open_dict(cfg):
-            cfg.ap.health_every = 1
+            cfg.ap.health_every = steps - 1
+    fresh = reset_peak_memory(run.device)   # the model is built: the peak counts from its weights on
     opt = run.build_optimizer(model)
     losses, times, shares = [], [], {}   # shares: each layer's largest weak share over the steps
     for _ in range(steps):
@@ -82,7 +104,7 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
            "losses": losses, "loss_first": losses[0], "loss_last": losses[-1],
            "finite": all(map(lambda v: v == v and abs(v) != float("inf"), losses)),
            "falls": losses[-1] < losses[0],
-           "step_s": statistics.median(times[1:]),   # the first step also allocates and factors once
+           "step_s": statistics.median(times[1:-1]),   # the first allocates, the last reports the health
            "param_MB": tensor_bytes(dict(model.state_dict())) / 2**20,
            "opt_state_MB": tensor_bytes(state) / 2**20,
            "dopr_state_MB": tensor_bytes(state.get("dopr", {})) / 2**20}
@@ -93,6 +115,7 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
                    weak_layers=len(weak), weak_layer_names=weak, worst_weak_share=max(shares.values(), default=None),
                    worst_weak_layer=max(shares, key=shares.get) if shares else None)
     out["peak_rss_MB"] = peak_memory_mb(run.device)
+    out["peak_since"] = "this job's steps" if fresh else "the process's start (earlier jobs included)"
     problems = ([] if out["finite"] else ["loss not finite"]) + ([] if out["falls"] else ["loss does not fall"])
     if out.get("weak_layers"):
         names = ", ".join(out["weak_layer_names"][:3]) + (", ..." if out["weak_layers"] > 3 else "")
@@ -115,8 +138,11 @@ def table(sweeps: list) -> list:
             s = json.loads(path.read_text())
             if not s.get("rehearsal"):
                 continue
-            rows.append({"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"],
-                         **{k: s.get(k, "") for k in COLUMNS[3:]}})
+            row = {"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"],
+                   **{k: s.get(k, "") for k in COLUMNS[3:]}}
+            if s.get("peak_since") != "this job's steps":   # counted from the process's start
+                row["peak_rss_MB"] = f"{s['peak_rss_MB']:.4g}*"
+            rows.append(row)
     return rows
 
 
@@ -133,6 +159,10 @@ def main(argv=None) -> None:
         sys.exit(f"no rehearsal summaries under {args.sweeps}: run `python run.py -m sweep=<paper sweep> rehearse=true`")
     stamp = (f"`python -m experiments.common.rehearsal {' '.join(args.sweeps)} --out {args.out}`, commit "
              f"{git_revision()}, torch {torch.__version__}")
+    stamp += (". The AP health is measured on the rehearsal batch: a few samples give a low-rank Sigma, so "
+              "the weak layers flagged here bound those of the real batch from above; peak_rss_MB counts from "
+              "the built model (the synthetic batch, the optimizer and the steps); *: from the process's start, the earlier "
+              "jobs of a local sweep included")
     write_table(rows, COLUMNS, Path(args.out).with_suffix(""), stamp,
                 "Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, CPU")
 

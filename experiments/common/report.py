@@ -100,6 +100,21 @@ def save_figure(fig, path: Path, stamp: str, dpi: int = 150) -> None:
     plt.close(fig)
 
 
+def first_seed_panels(records: list, path: Path, stamp: str, draw) -> None:
+    """One panel per optimizer, drawn by draw(ax, optimizer, record) from the optimizer's first run
+    in `records` (sorted by optimizer and seed beforehand); the figure stamped and written to path."""
+    import matplotlib.pyplot as plt
+
+    shown = {}
+    for r in records:
+        shown.setdefault(r["summary"]["optim"], r)
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], sorted(shown.items())):
+        draw(ax, name, r)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save_figure(fig, path, stamp)
+
+
 def make_stamp(records: list, report_command: str) -> str:
     runs = defaultdict(int)
     for r in records:

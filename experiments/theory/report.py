@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from experiments.common.report import save_figure, write_table
+from experiments.common.report import first_seed_panels, save_figure, write_table
 
 matplotlib.use("Agg")
 
@@ -141,8 +141,6 @@ def feature_learning(records, out_dir, stamp) -> None:
 
 def invariance(records, out_dir, stamp) -> None:
     """The paper's figure: both trajectories per optimizer, and the table of the largest gap."""
-    import matplotlib.pyplot as plt
-
     records = sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["seed"]))
     rows = [{"optimizer": r["summary"]["optim"], "seed": r["summary"]["seed"], "lr": r["summary"]["lr"],
              "final_val_original": r["summary"]["val_loss_original"],
@@ -150,16 +148,13 @@ def invariance(records, out_dir, stamp) -> None:
              "max_relative_gap": r["summary"]["max_relative_gap"]} for r in records]
     write_table(rows, list(rows[0]), out_dir / "invariance", stamp,
                 "Activation invariance: validation loss on x vs on Qx+d (largest relative gap over training)")
-    shown = {}
-    for r in records:
-        shown.setdefault(r["summary"]["optim"], r)  # first seed of each optimizer
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, (name, r) in zip(axes[0], sorted(shown.items())):
+
+    def draw(ax, name, r):
         steps = [m["step"] for m in r["metrics"]]
         ax.plot(steps, [m["val_loss_original"] for m in r["metrics"]], label="original x")
         ax.plot(steps, [m["val_loss_transformed"] for m in r["metrics"]], "--", label="transformed Qx+d")
         ax.set(yscale="log", xlabel="step", ylabel="validation loss",
                title=f"{name}: max relative gap {r['summary']['max_relative_gap']:.1e}")
         ax.legend()
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / "invariance.png", stamp)
+
+    first_seed_panels(records, out_dir / "invariance.png", stamp, draw)
