@@ -36,7 +36,7 @@ test-fast: setup
 # tolerance tuned to one machine's rounding fails here. About 1 minute on 2 cores.
 # torch.compile's C++ code is built in a fresh inductor cache: its precompiled headers are keyed without
 # the CPU capability, so a header that `make test` built for AVX2 broke the portable build here
-# ("'at::vec' has not been declared" in tests/test_sit.py's compiled run, on a clone's second CI run).
+# ("'at::vec' has not been declared" in tests/test_sit.py's compiled run, in a clean clone's CI).
 KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 test-kernels: setup
 	$(KERNELS) TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -m numerics
