@@ -90,18 +90,20 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
     for arm in ("sgd", "dopr_sgd"):
         best_lr = min((lr for o, lr in summaries if o == arm), key=lambda lr: summaries[(arm, lr)]["val_loss"])
         assert float(sel["arms"][arm]["winner"]["optim.lr"]) == best_lr, sel_run.stdout
-    assert {p.name for p in (conf / "tuned" / "fl").iterdir()} == {"sgd.yaml", "dopr_sgd.yaml",
-                                                                  "dopr_sgd_at_gp_lr.yaml"}
+    gp_lr, dopr_lr = (float(sel["arms"][a]["winner"]["optim.lr"]) for a in ("sgd", "dopr_sgd"))
+    # DoPr at the GP's rate is a config of its own only where that rate is not DoPr's winner already
+    assert {p.name for p in (conf / "tuned" / "fl").iterdir()} == {"sgd.yaml", "dopr_sgd.yaml"} | (
+        {"dopr_sgd_at_gp_lr.yaml"} if gp_lr != dopr_lr else set())
     assert "| chosen |" in (out / "selection.md").read_text()
 
     _run("run.py", "-m", "task=feature_learning", "debug=default", f"hydra.searchpath=[file://{conf}]",
-         "+tuned/fl=sgd,dopr_sgd,dopr_sgd_at_gp_lr", "seed=1,2", f"hydra.sweep.dir={fresh}")
+         # what `glob(*)` gives in conf/ (Hydra's glob does not list a group from a command-line searchpath)
+         "+tuned/fl=" + ",".join(sorted(p.stem for p in (conf / "tuned" / "fl").iterdir())), "seed=1,2",
+         f"hydra.sweep.dir={fresh}")
     rerun = [json.loads(p.read_text()) for p in fresh.rglob("summary.json")]
-    gp_lr = float(sel["arms"]["sgd"]["winner"]["optim.lr"])
     assert sorted((s["optim"], s["lr"], s["seed"]) for s in rerun) == sorted(
-        [("sgd", gp_lr, 1), ("sgd", gp_lr, 2), ("dopr_sgd", gp_lr, 1), ("dopr_sgd", gp_lr, 2),
-         ("dopr_sgd", float(sel["arms"]["dopr_sgd"]["winner"]["optim.lr"]), 1),
-         ("dopr_sgd", float(sel["arms"]["dopr_sgd"]["winner"]["optim.lr"]), 2)])
+        {("sgd", gp_lr, 1), ("sgd", gp_lr, 2), ("dopr_sgd", gp_lr, 1), ("dopr_sgd", gp_lr, 2),
+         ("dopr_sgd", dopr_lr, 1), ("dopr_sgd", dopr_lr, 2)})
     assert all(s["conventions"]["damping_mode"] == "trace" for s in rerun if s["optim"] == "dopr_sgd")
 
     _run("-m", "experiments.common.tuning", "report", str(fresh), "--selection", str(out / "selection.json"),
@@ -115,3 +117,24 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
     refused = subprocess.run([sys.executable, "-m", "experiments.common.tuning", "report", str(tune), "--selection",
                               str(out / "selection.json"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode != 0 and "seeds [0] were tuning seeds" in refused.stderr
+
+
+def test_report_counts_each_fresh_seed_once_when_dopr_chose_the_gps_rate():
+    from omegaconf import OmegaConf
+
+    def fresh(name, optim, seed, lr, value):
+        cfg = OmegaConf.create({"optim": {"name": optim, "lr": lr, "weight_decay": 0.0}})
+        return {"summary": {"optim": optim, "seed": seed, "val": value, "overrides": [f"+tuned/p={name}"]},
+                "config": cfg}
+
+    sel = tuning.select(_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
+                        + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"), "val")
+    assert tuning.chosen_settings(sel)["dopr_sgd_at_gp_lr"]["optim.lr"] == "1e-3"  # the same rate as its winner
+    recs = [fresh("sgd", "sgd", s, 1e-3, v) for s, v in ((5, 1.0), (6, 3.0))]
+    recs += [fresh(n, "dopr_sgd", s, 1e-3, v) for n in ("dopr_sgd", "dopr_sgd_at_gp_lr") for s, v in ((5, 0.5), (6, 0.7))]
+    rows = {r["arm"]: r for r in tuning.report(recs, sel, ["val"])}
+    assert rows["dopr_sgd"]["seeds"] == rows["dopr_sgd_at_gp_lr"]["seeds"] == "5 6"
+    assert rows["sgd"]["val_median"] == 2.0 and math.isclose(rows["dopr_sgd"]["val_mean"], 0.6)
+    assert math.isclose(rows["sgd"]["val_se"], math.sqrt(2.0) / math.sqrt(2))  # std (ddof 1) of {1, 3} / sqrt 2
+    with pytest.raises(ValueError, match=r"seeds \[0\] were tuning seeds"):
+        tuning.report(recs + [fresh("sgd", "sgd", 0, 1e-3, 1.0)], sel, ["val"])

@@ -10,7 +10,8 @@ get the same budget and no reported seed took part in the choice.
    config per arm, plus `dopr_<gp>_at_gp_lr`: DoPr's winner at the GP's chosen learning rate, the
    paper's operating guideline ("swap the optimizer to DoPr, maintaining the same learning rate").
 3. Re-run the winners on fresh seeds (at least 3; 5 where a job is under 5 minutes):
-   `python run.py -m +tuned/<group>=<arms> seed=<fresh seeds>` (the task's protocol sweep).
+   `python run.py -m "+tuned/<group>=glob(*)" seed=<fresh seeds>` (the task's protocol sweep; the
+   at-GP-rate config is not written when DoPr's winner already runs at the GP's rate).
 4. Report (`report`): per arm, per-seed min / median / max and mean +- standard error of the task's
    metrics on the fresh seeds only; refused if a fresh seed was also a tuning seed.
 
@@ -178,13 +179,27 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
     write_table(rows, ["arm", "setting", selection["metric"], "per_seed", "chosen"], out / "selection", stamp, title)
     if configs is not None:
         configs.mkdir(parents=True, exist_ok=True)
-        for name, overrides in chosen_settings(selection).items():
+        chosen = chosen_settings(selection)
+        for stale in configs.glob("*.yaml"):  # an earlier selection's files: the protocol sweep globs the folder
+            if stale.stem not in chosen and "chosen by the tuning protocol" in stale.read_text():
+                stale.unlink()
+        for name, overrides in chosen.items():
+            twin = name.removesuffix("_at_gp_lr")
+            if name != twin and _same_settings(overrides, chosen[twin]):
+                (configs / f"{name}.yaml").unlink(missing_ok=True)  # DoPr chose the GP's rate: nothing new to run
+                continue
             note = (f"{name}: chosen by the tuning protocol (experiments/common/tuning.py) on seeds "
                     f"{selection['seeds']} by {selection['metric']} ({selection['mode']}); see {out / 'selection.md'}\n"
                     f"made by: {command}")
             if name.endswith("_at_gp_lr"):
                 note += "\nDoPr's winner at the GP's chosen learning rate (the paper's 'same learning rate' guideline)"
             (configs / f"{name}.yaml").write_text(tuned_config(overrides, note))
+
+
+def _same_settings(a: dict, b: dict) -> bool:
+    norm = lambda d: {k.lstrip("+"): v for k, v in d.items()}
+    a, b = norm(a), norm(b)
+    return a.keys() == b.keys() and all(_same(_value(a[k]), _value(b[k])) for k in a)
 
 
 def _matches(record: dict, overrides: dict) -> bool:
@@ -212,7 +227,11 @@ def report(records: list, selection: dict, metrics: list) -> list:
     rows = []
     for name, overrides in chosen_settings(selection).items():
         arm = name.removesuffix("_at_gp_lr")
-        runs = [r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)]
+        runs = {}  # one run per seed: when DoPr's winner is at the GP's rate, two names launch the same setting
+        for r in sorted((r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)),
+                        key=lambda r: not any(o.endswith(f"={name}") for o in r["summary"].get("overrides", []))):
+            runs.setdefault(r["summary"]["seed"], r)
+        runs = list(runs.values())
         row = {"arm": name, "setting": _fmt({k: v for k, v in overrides.items() if "/" not in k}),
                "seeds": " ".join(str(s) for s in sorted(r["summary"]["seed"] for r in runs))}
         for m in metrics:
