@@ -187,11 +187,16 @@ TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.y
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
               "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
               "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift",
-              "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits"}
+              "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits",
+              # written by the tuning protocol's selection (experiments/common/tuning.py)
+              "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
+              "sft_arith_protocol": "sft_arith"}
 
 
-def _values(spec) -> list:
+def _values(spec, key: str = "") -> list:
     spec = str(spec)
+    if spec == "glob(*)":  # every option of the group (the protocol sweeps glob the selected configs)
+        return sorted(p.stem for p in (CONF / key.lstrip("+")).glob("*.yaml"))
     if spec.startswith("range("):
         return [str(v) for v in eval(spec, {"range": range})]  # noqa: S307 (Hydra's range() sweep syntax)
     return [v.strip() for v in spec.split(",")]
@@ -201,8 +206,8 @@ def _values(spec) -> list:
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_every_sweep_preset_composes_every_job_value(sweep, compose):
     cfg = compose(f"sweep={sweep}", hydra_config=True)
-    params = {k: _values(v) for k, v in cfg.hydra.sweeper.params.items()}
-    assert params, f"sweep={sweep} sweeps nothing"
+    params = {k: _values(v, k) for k, v in cfg.hydra.sweeper.params.items()}
+    assert params and all(params.values()), f"sweep={sweep} sweeps nothing: {params}"
     first = [f"{k}={v[0]}" for k, v in params.items()]
     for i, (key, values) in enumerate(params.items()):  # each value of each parameter, the others at their first
         for v in values:
@@ -217,9 +222,12 @@ def test_every_tuned_preset_composes(tuned, compose):
     extra = ["task.num_trajectories=30"] if group in ("humanoid", "halfcheetah") else []
     cfg = compose(f"task={TUNED_TASK[group]}", f"+tuned/{group}={name}", *extra)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["optim"]["name"] == name
-    if name.startswith("dopr_"):  # every DoPr preset names its damping form
-        assert "damping_mode" in (CONF / "tuned" / f"{tuned}.yaml").read_text()
+    assert resolved["optim"]["name"] == name.removesuffix("_at_gp_lr")  # the protocol's DoPr at the GP's rate
+    if name.startswith("dopr_"):  # every DoPr preset names its damping form, or builds on one that does
+        text = (CONF / "tuned" / f"{tuned}.yaml").read_text()
+        base = next((l.split("/")[2].split("@")[0] + "/" + l.split(":")[-1].strip() for l in text.splitlines()
+                     if l.strip().startswith("- /tuned/")), None)
+        assert "damping_mode" in text or "damping_mode" in (CONF / "tuned" / f"{base}.yaml").read_text()
 
 
 def test_ap_config_and_dopr_signature_cannot_drift_apart():
