@@ -14,7 +14,7 @@ from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc", "robomimic", "sit", "grafting"}  # shared settings of a family's tasks, not tasks of their own
+BASES = {"bc", "robomimic", "sit", "grafting", "mup_mlp"}  # shared settings of a family's tasks, not tasks of their own
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
@@ -45,9 +45,11 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
                  "task.debug.fid.every=0"]
     if task == "grafting_cifar10":   # CIFAR-10's python-format batches of 4 random images each
         extra = [f"task.data_path={_cifar_dir(tmp_path)}", "task.batch_size=8", "task.debug.steps=1"]
+    if task == "mup_mlp_cifar10":
+        extra = [f"task.data_path={_cifar_dir(tmp_path)}", "task.batch_size=8", "task.mup.width=16"]
     # the SAC expert has its own optimizers; grafting_cifar10 factors 3072 x 3072 covariances every step
     # (tens of seconds here), and grafting_digits runs every optimizer through the same job
-    for optim in OPTIMS if task not in ("expert", "grafting_cifar10") else ["adamw"]:
+    for optim in OPTIMS if task not in ("expert", "grafting_cifar10", "mup_mlp_cifar10") else ["adamw"]:
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
@@ -190,7 +192,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits",
               # written by the tuning protocol's selection (experiments/common/tuning.py)
               "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
-              "sft_arith_protocol": "sft_arith"}
+              "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits"}
 
 
 def _values(spec, key: str = "") -> list:

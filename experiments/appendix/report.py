@@ -51,3 +51,85 @@ def grafting(records, out_dir, stamp) -> None:
         ax.legend()
 
     first_seed_panels(records, out_dir / "grafting.png", stamp, draw)
+
+
+def best_multiplier_shift(rows: list) -> dict:
+    """The metric that decides "transfer": per (optimizer, parameterisation), the multiplier log2 k with
+    the lowest final training loss (median over seeds) at each width, and how far it moves across
+    the widths (max - min, in factors of 2). A non-finite loss never wins."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["optimizer"], r["parameterization"], r["width"], r["k"]), []).append(r["train_loss"])
+    best: dict = {}
+    for (opt, par, width, k), losses in cells.items():
+        finite = [v for v in losses if v == v and v != float("inf")]
+        loss = statistics.median(finite) if len(finite) == len(losses) else float("inf")
+        key = (opt, par, width)
+        if key not in best or loss < best[key][1]:
+            best[key] = (k, loss)
+    out: dict = {}
+    for (opt, par, width), (k, loss) in sorted(best.items()):
+        out.setdefault((opt, par), {})[width] = (k, loss)
+    return {key: {"best_k": {w: v[0] for w, v in widths.items()},
+                  "shift": max(v[0] for v in widths.values()) - min(v[0] for v in widths.values())}
+            for key, widths in out.items()}
+
+
+def mup(records, out_dir, stamp) -> None:
+    """The width sweep: per run its final training loss (mean over the last epoch); per optimizer and
+    parameterisation the best multiplier per width and its shift across widths (the transfer metric);
+    the paper's figure: training loss vs multiplier, one curve per width, SP beside muP, one row per
+    optimizer; and, where the sweep varies the weight-decay scaling, the hidden layer's
+    update-to-weight ratio over training."""
+    import matplotlib.pyplot as plt
+
+    from experiments.common.report import save_figure
+
+    rows = sorted(({"optimizer": r["summary"]["optim"], "parameterization": r["summary"]["parameterization"],
+                    "weight_decay_scaling": r["summary"]["weight_decay_scaling"], "width": r["summary"]["width"],
+                    "k": r["summary"]["multiplier_log2"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
+                    "train_loss": r["summary"]["train_loss"]} for r in records),
+                  key=lambda r: (r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"]))
+    write_table(rows, list(rows[0]), out_dir / "mup_runs", stamp,
+                "muP width sweep: final training loss (mean over the last epoch) per run")
+    shifts = best_multiplier_shift(rows)
+    summary = [{"optimizer": opt, "parameterization": par,
+                **{f"best_k_w{w}": k for w, k in v["best_k"].items()}, "shift_log2": v["shift"]}
+               for (opt, par), v in shifts.items()]
+    columns = ["optimizer", "parameterization"] + sorted({c for s in summary for c in s if c.startswith("best_k")},
+                                                         key=lambda c: int(c[8:])) + ["shift_log2"]
+    write_table(summary, columns, out_dir / "mup_transfer", stamp,
+                "muP transfer: the best learning-rate multiplier log2 k per width and how far it moves (shift)")
+    optimizers = sorted({r["optimizer"] for r in rows})
+    pars = [p for p in ("sp", "mup") if any(r["parameterization"] == p for r in rows)]
+    fig, axes = plt.subplots(len(optimizers), len(pars), figsize=(5 * len(pars), 3.6 * len(optimizers)), squeeze=False)
+    widths = sorted({r["width"] for r in rows})
+    cmap = plt.get_cmap("viridis")
+    for i, opt in enumerate(optimizers):
+        for j, par in enumerate(pars):
+            ax = axes[i][j]
+            for c, w in enumerate(widths):
+                pts: dict = {}
+                for r in rows:
+                    if (r["optimizer"], r["parameterization"], r["width"]) == (opt, par, w):
+                        pts.setdefault(r["k"], []).append(r["train_loss"])
+                ks = sorted(pts)
+                ax.plot(ks, [statistics.median(pts[k]) for k in ks], "o-", ms=3,
+                        color=cmap(c / max(1, len(widths) - 1)), label=f"width {w}")
+            ax.set(yscale="log", xlabel="log2 learning-rate multiplier k", ylabel="final training loss",
+                   title=f"{opt}, {'muP' if par == 'mup' else 'SP'}")
+            ax.legend(fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save_figure(fig, out_dir / "mup_lr_sweep.png", stamp)
+    if len({r["summary"]["weight_decay_scaling"] for r in records}) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in sorted(records, key=lambda r: (r["summary"]["weight_decay_scaling"], r["summary"]["width"])):
+            s = r["summary"]
+            curve = s["update_ratio_curve"]
+            ax.plot([int(k) for k in curve], list(curve.values()), lw=0.8,
+                    ls="-" if s["weight_decay_scaling"] == "mup" else "--",
+                    label=f"{s['optim']} w={s['width']} wd {'x w' if s['weight_decay_scaling'] == 'mup' else 'const'}")
+        ax.set(yscale="log", xlabel="step", ylabel="||dW||_F / ||W||_F (hidden layer)")
+        ax.legend(fontsize=6)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        save_figure(fig, out_dir / "mup_update_ratio.png", stamp)

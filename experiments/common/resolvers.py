@@ -2,6 +2,7 @@
 
 ${paper_hparam:<table>,<key>,<field>}: one entry of a hyperparameter table keyed by an integer, e.g.
 the paper's per-trajectory-count tables: ${paper_hparam:${paper_hparams},${task.num_trajectories},lr}.
+${pow2:<base>,<k>}: base * 2**k, the appendix's learning-rate multipliers.
 """
 from omegaconf import OmegaConf
 
@@ -15,3 +16,12 @@ def paper_hparam(table, key, field):
 
 if not OmegaConf.has_resolver("paper_hparam"):
     OmegaConf.register_new_resolver("paper_hparam", paper_hparam)
+
+
+def pow2(base, k):
+    """${pow2:<base>,<k>}: base * 2**k (the appendix's learning-rate multipliers, eta_base * 2^k)."""
+    return float(base) * 2.0 ** float(k)
+
+
+if not OmegaConf.has_resolver("pow2"):
+    OmegaConf.register_new_resolver("pow2", pow2)

@@ -1,0 +1,136 @@
+"""Appendix "Hyperparameter Scaling": the SP and muP rules of experiments/appendix/mup.py against the
+appendix's formulas, as the optimizer applies them, and the width-sweep job and report."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from experiments.appendix import mup
+from experiments.appendix.model import mlp
+from experiments.appendix.report import best_multiplier_shift
+
+
+@pytest.mark.parametrize("parameterization", ["sp", "mup"])
+def test_initial_weights_have_the_appendix_variances(parameterization):
+    d_in, w = 300, 400
+    model = mlp(d_in, w, 10, bias=False)
+    mup.initialize(model, parameterization, torch.Generator().manual_seed(0))
+    want = {"input": 1 / d_in, "hidden": 1 / w, "output": 1 / w if parameterization == "sp" else 1 / w ** 2}
+    for weight, role in mup.roles(model).items():
+        n = weight.numel()
+        var = float(weight.detach().double().pow(2).mean())
+        # the sample second moment of n Gaussians: relative standard deviation sqrt(2 / n); 6 of them
+        assert abs(var / want[role] - 1) < 6 * math.sqrt(2 / n), (role, var, want[role])
+
+
+def _opt(name, model, lr, wd, **kw):
+    import dopr
+
+    return dopr.build(model, name, lr=lr, weight_decay=wd, **kw)
+
+
+@pytest.mark.parametrize("name", ["adamw", "dopr_adamw"])
+def test_adamw_rates_and_weight_decays_per_role(name):
+    eta, lam = 2.0 ** -4, 0.01
+    for w in (32, 128):
+        model = mlp(20, w, 10, bias=False)
+        rates = mup.apply(_opt(name, model, eta, lam), model, "mup", "mup")
+        assert rates["input"] == (eta, lam)
+        for role in ("hidden", "output"):
+            assert math.isclose(rates[role][0], eta / w) and math.isclose(rates[role][1], lam * w)
+            assert math.isclose(rates[role][0] * rates[role][1], eta * lam)   # eta * lambda width-independent
+        model = mlp(20, w, 10, bias=False)
+        assert mup.apply(_opt(name, model, eta, lam), model, "sp", "constant") == {r: (eta, lam) for r in mup.ROLES}
+        model = mlp(20, w, 10, bias=False)  # the weight-decay figure's "SP": muP rates, constant decay
+        rates = mup.apply(_opt(name, model, eta, lam), model, "mup", "constant")
+        assert math.isclose(rates["hidden"][0], eta / w) and rates["hidden"][1] == lam
+
+
+@pytest.mark.parametrize("name", ["muon", "dopr_muon"])
+def test_muon_keeps_its_hidden_rate_and_hands_input_and_output_to_adamws_rules(name):
+    eta, lam, w = 0.05, 0.01, 64
+    model = mlp(20, w, 10, bias=False)
+    opt = _opt(name, model, eta, lam)
+    rates = mup.apply(opt, model, "mup", "mup")
+    assert rates["hidden"] == (eta, lam)
+    assert rates["input"] == (eta, lam)
+    assert math.isclose(rates["output"][0], eta / w) and math.isclose(rates["output"][1], lam * w)
+    hidden = model[2].weight
+    muon_groups = [g for g in mup._members(opt)[0].param_groups]
+    assert [g["params"] for g in muon_groups] == [[hidden]]  # the Muon member holds the hidden matrix alone
+
+
+def test_the_first_adamw_step_moves_each_hidden_weight_by_eta_over_w():
+    torch.manual_seed(0)
+    eta, w = 0.5, 64
+    model = mlp(12, w, 10, bias=False)
+    opt = _opt("adamw", model, eta, 0.0, eps=1e-12)
+    mup.apply(opt, model, "mup", "mup")
+    before = {i: model[i].weight.detach().clone() for i in (0, 2, 4)}
+    torch.nn.functional.cross_entropy(model(torch.randn(32, 12)), torch.randint(0, 10, (32,))).backward()
+    opt.step()
+    # Adam's first step is lr * g / (|g| + eps): lr in every entry with a gradient far above eps
+    for i, lr in ((0, eta), (2, eta / w), (4, eta / w)):
+        step = (model[i].weight.detach() - before[i]).abs()
+        assert torch.allclose(step.max(), torch.tensor(lr), rtol=1e-4), (i, float(step.max()), lr)
+
+
+def test_rates_are_refused_after_the_first_step_and_biases_are_refused():
+    model = mlp(8, 16, 10, bias=False)
+    opt = _opt("adamw", model, 1e-3, 0.0)
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 10, (4,))).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="before the optimizer's first step"):
+        mup.apply(opt, model, "mup", "mup")
+    biased = mlp(8, 16, 10, bias=True)
+    with pytest.raises(ValueError, match="bias-free"):
+        mup.apply(_opt("adamw", biased, 1e-3, 0.0), biased, "mup", "mup")
+
+
+def test_the_transfer_metric_is_the_spread_of_the_best_multiplier_across_widths():
+    rows = [{"optimizer": "adamw", "parameterization": p, "width": w, "k": k, "seed": 0,
+             "train_loss": (k - best) ** 2 + 0.1}
+            for p, bests in (("mup", {64: 0, 128: 0, 256: 1}), ("sp", {64: 1, 128: -1, 256: -3}))
+            for w, best in bests.items() for k in range(-4, 3)]
+    rows.append({"optimizer": "adamw", "parameterization": "mup", "width": 64, "k": 2, "seed": 1,
+                 "train_loss": float("nan")})   # a diverged seed disqualifies its multiplier
+    out = best_multiplier_shift(rows)
+    assert out[("adamw", "mup")] == {"best_k": {64: 0, 128: 0, 256: 1}, "shift": 1}
+    assert out[("adamw", "sp")] == {"best_k": {64: 1, 128: -1, 256: -3}, "shift": 4}
+
+
+def test_the_preset_rate_is_the_base_times_two_to_the_k(compose):
+    from omegaconf import OmegaConf
+
+    for par, base in (("sp", 2.0 ** -10), ("mup", 2.0 ** -4)):
+        cfg = compose("task=mup_mlp_digits", "+tuned/mup=dopr_adamw", f"task.mup.parameterization={par}",
+                      "task.mup.k=-3")
+        c = OmegaConf.to_container(cfg, resolve=True)
+        assert c["optim"]["lr"] == base * 2.0 ** -3 and c["ap"]["precond_ema"] == 0.9 and c["ap"]["damping"] == 1e-3
+
+
+@pytest.mark.slow
+def test_a_width_sweep_runs_and_its_report_names_the_shift(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "task=mup_mlp_digits", "debug=default",
+                          "+tuned/mup=dopr_adamw", "task.mup.width=16,32", "task.mup.k=-1,1",
+                          f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sweep.rglob("summary.json")]
+    assert sorted((s["width"], s["multiplier_log2"]) for s in summaries) == [(16, -1), (16, 1), (32, -1), (32, 1)]
+    for s in summaries:
+        w = s["width"]
+        assert math.isclose(s["rates"]["hidden"]["lr"], s["lr"] / w) and math.isclose(s["lr"], 2.0 ** (-4 + s["multiplier_log2"]))
+        assert all(v > 0 for v in s["update_ratio_curve"].values())
+    rep = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep), "--out", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    md = next((tmp_path / "out").rglob("mup_transfer.md")).read_text()
+    best = {w: min((s for s in summaries if s["width"] == w), key=lambda s: s["train_loss"])["multiplier_log2"]
+            for w in (16, 32)}
+    assert f"| dopr_adamw | mup | {best[16]:g} | {best[32]:g} | {abs(best[16] - best[32]):g} |" in md.replace(".0 |", " |")
+    assert next((tmp_path / "out").rglob("mup_lr_sweep.png")).stat().st_size > 0
