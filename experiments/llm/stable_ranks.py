@@ -1,0 +1,172 @@
+"""Appendix "Stable Ranks of Optimizer and Model Quantities" (figure stable_rank): over finished SFT
+runs (the paper: the 3B run's terminal weights, Muon vs DoPr-Muon; here any `sft_*` run folders with
+an `adapter/`), per LoRA factor (the matrices the GP and the AP act on):
+
+- the nuclear rank of its gradient G and of its AP gradient M = G (Σ + γ·tr(Σ)·I)^-1, on one batch of
+  the run's validation data through its terminal adapter (γ: the run's `ap.damping`, 1e-4 when the run
+  had no AP), against the stable rank of the batch activation covariance Σ of the factor's input;
+- the stable ranks of the weights and of Σ.
+
+The rank measures are the library's (dopr/ranks.py). Σ's stable rank is reported as printed
+(‖Σ‖_F² / ‖Σ‖_2²) and as the activation matrix's (tr Σ / ‖Σ‖_2, `activation_stable_rank`).
+
+    python -m experiments.llm.stable_ranks multirun/<sft sweep>/<muon job> multirun/<...>/<dopr_muon job> \
+        --out results/<task>/stable_ranks [--batches 4]
+
+Writes stable_ranks.csv/.md (one row per run and LoRA factor) and stable_ranks.png (the paper's four
+panels: mean per layer group, one bar per run, and below each the mean difference DoPr minus GP).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from dopr.ranks import activation_stable_rank, nuclear_rank, stable_rank
+
+QUANTITIES = ("nuclear_rank_G", "nuclear_rank_M", "stable_rank_Sigma", "activation_stable_rank_Sigma",
+              "stable_rank_W")
+PANELS = (("nuclear_rank_G", "activation_stable_rank_Sigma"), ("nuclear_rank_M", "activation_stable_rank_Sigma"),
+          ("stable_rank_W", None), ("stable_rank_Sigma", None))
+
+
+def factor_quantities(grad: torch.Tensor, sigma: torch.Tensor, weight: torch.Tensor, gamma: float) -> dict:
+    """The five rank measures of one LoRA factor (weight d_out x d_in, Σ d_in x d_in), in float64."""
+    s = sigma.detach().double()
+    damped = s + gamma * torch.trace(s) * torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
+    m = torch.linalg.solve(damped, grad.detach().double().T).T   # G (Σ + γ tr Σ I)^-1, Σ symmetric
+    return {"nuclear_rank_G": nuclear_rank(grad), "nuclear_rank_M": nuclear_rank(m),
+            "stable_rank_Sigma": stable_rank(s), "activation_stable_rank_Sigma": activation_stable_rank(s),
+            "stable_rank_W": stable_rank(weight)}
+
+
+def layer_group(name: str) -> str:
+    """'base_model.model.model.layers.3.self_attn.q_proj.lora_A.default' -> 'q_proj.A'."""
+    m = re.search(r"\.([a-z_]+_proj)\.lora_([AB])\.", name + ".")
+    return f"{m.group(1)}.{m.group(2)}" if m else name
+
+
+def measure(job: Path, batches: int = 1) -> list:
+    """One row per LoRA factor of the run in `job` (its config, base model and terminal adapter)."""
+    import peft
+
+    from . import arith
+    from .data import PAPER_PROMPT, micro_batches
+    from .model import load_tokenizer, packed_forward
+    from .train import build_sft_model, encode_and_pack, locate_inputs, sft_records
+
+    adapter, config = job / "adapter", job / ".hydra" / "config.yaml"
+    if not (adapter / "adapter_config.json").exists():
+        raise FileNotFoundError(f"{adapter}: no LoRA adapter (a finished SFT run writes adapter/); "
+                                "run the SFT job to the end first")
+    if not config.exists():
+        raise FileNotFoundError(f"{config}: the run's config is missing (Hydra writes it into every job folder)")
+    cfg = OmegaConf.load(config)
+    t = cfg.task
+    local = locate_inputs(t)
+    tokenizer = load_tokenizer(local["tokenizer"]) if t.model.tokenizer is not None else arith.char_tokenizer()
+    _, val_records, _ = sft_records(t, local)
+    blocks = encode_and_pack(tokenizer, val_records, t.data, t.data.prompt or PAPER_PROMPT, shard=False)
+    n = min(len(blocks["input_ids"]), batches * int(t.train.micro_batch_size))
+    if n == 0:
+        raise ValueError(f"{job}: the run's validation data packs into no block")
+    torch.manual_seed(0)
+    model = build_sft_model(t, local, tokenizer, torch.device("cpu"))
+    peft.set_peft_model_state_dict(model, peft.load_peft_weights(str(adapter), device="cpu"))
+    model.eval()   # no dropout: the measured batch is the same for every run
+    factors = {name: mod for name, mod in model.named_modules()
+               if re.search(r"\.lora_[AB]\.default$", name) and isinstance(mod, torch.nn.Linear)}
+    sums: dict = {}
+
+    def hook(name):
+        def record(module, inputs):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            s, count = sums.get(name, (0.0, 0))
+            sums[name] = (s + x.T @ x, count + x.shape[0])
+        return record
+
+    handles = [mod.register_forward_pre_hook(hook(name)) for name, mod in factors.items()]
+    batch = micro_batches(blocks, list(range(n)))
+    out = packed_forward(model, {k: torch.as_tensor(v) for k, v in batch.items()},
+                         labels=torch.as_tensor(batch["labels"]))
+    out.loss.backward()
+    for h in handles:
+        h.remove()
+    gamma = float(cfg.ap.damping) if str(cfg.optim.name).startswith("dopr_") else 1e-4
+    rows = []
+    for name, mod in factors.items():
+        s, count = sums[name]
+        rows.append({"run": str(cfg.optim.name), "lr": float(cfg.optim.lr), "seed": int(cfg.seed),
+                     "factor": name, "group": layer_group(name), "d_in": mod.weight.shape[1],
+                     **factor_quantities(mod.weight.grad, s / count, mod.weight, gamma)})
+    return rows
+
+
+def figure(rows: list, path: Path, stamp: str) -> None:
+    """The paper's four panels: per layer group the mean of each quantity per run (bars; the
+    activation covariance's stable rank as a line where the panel compares with it), and below each
+    panel the mean difference DoPr minus GP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from experiments.common.report import save_figure
+
+    runs = sorted({r["run"] for r in rows})
+    groups = sorted({r["group"] for r in rows})
+    mean = {(run, g, q): float(np.mean([r[q] for r in rows if r["run"] == run and r["group"] == g]))
+            for run in runs for g in groups for q in QUANTITIES}
+    fig, axes = plt.subplots(2, 4, figsize=(20, 6), gridspec_kw={"height_ratios": [3, 1]}, squeeze=False)
+    x = np.arange(len(groups))
+    width = 0.8 / max(1, len(runs))
+    for j, (q, ref) in enumerate(PANELS):
+        ax, diff = axes[0][j], axes[1][j]
+        for i, run in enumerate(runs):
+            ax.bar(x + i * width, [mean[(run, g, q)] for g in groups], width, label=run)
+        if ref is not None:
+            ax.plot(x + 0.4 - width / 2, [mean[(runs[0], g, ref)] for g in groups], "k_", ms=12,
+                    label="stable rank of the activations")
+        ax.set(title=q.replace("_", " "), yscale="log", xticks=x + 0.4 - width / 2)
+        ax.set_xticklabels(groups, rotation=60, fontsize=6)
+        ax.legend(fontsize=6)
+        dopr = [r for r in runs if r.startswith("dopr_")]
+        if dopr and dopr[0].removeprefix("dopr_") in runs:
+            gp = dopr[0].removeprefix("dopr_")
+            diff.bar(x, [mean[(dopr[0], g, q)] - mean[(gp, g, q)] for g in groups], 0.6, color="gray")
+            diff.axhline(0, color="k", lw=0.5)
+            diff.set_title(f"{dopr[0]} minus {gp}", fontsize=7)
+            diff.set_xticks(x)
+            diff.set_xticklabels(groups, rotation=60, fontsize=6)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    save_figure(fig, path, stamp)
+
+
+def main(argv=None) -> None:
+    from experiments.common.provenance import git_revision
+    from experiments.common.report import write_table
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("jobs", nargs="+", help="finished SFT job folders (each with .hydra/ and adapter/)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=int, default=1, help="micro-batches of validation blocks in the measured batch")
+    args = p.parse_args(argv)
+    rows = [row for job in args.jobs for row in measure(Path(job), args.batches)]
+    command = "python -m experiments.llm.stable_ranks " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    stamp = f"Made by `{command}` at commit `{git_revision()}` from the runs {', '.join(args.jobs)}."
+    out = Path(args.out)
+    write_table(rows, ["run", "lr", "seed", "group", "d_in", *QUANTITIES, "factor"], out / "stable_ranks", stamp,
+                "Stable and nuclear ranks per LoRA factor (one validation batch through the terminal adapter)")
+    figure(rows, out / "stable_ranks.png", stamp)
+    print(f"{len(rows)} factors -> {out}")
+
+
+if __name__ == "__main__":
+    main()
