@@ -38,15 +38,16 @@ def test_adamw_rates_and_weight_decays_per_role(name):
     eta, lam = 2.0 ** -4, 0.01
     for w in (32, 128):
         model = mlp(20, w, 10, bias=False)
-        rates = mup.apply(_opt(name, model, eta, lam), model, "mup", "mup")
+        rates = mup.apply(_opt(name, model, eta, lam), mup.roles(model), w, "mup", "mup")
         assert rates["input"] == (eta, lam)
         for role in ("hidden", "output"):
             assert math.isclose(rates[role][0], eta / w) and math.isclose(rates[role][1], lam * w)
             assert math.isclose(rates[role][0] * rates[role][1], eta * lam)   # eta * lambda width-independent
         model = mlp(20, w, 10, bias=False)
-        assert mup.apply(_opt(name, model, eta, lam), model, "sp", "constant") == {r: (eta, lam) for r in mup.ROLES}
+        assert mup.apply(_opt(name, model, eta, lam), mup.roles(model), w, "sp", "constant") == {
+            r: (eta, lam) for r in ("input", "hidden", "output")}
         model = mlp(20, w, 10, bias=False)  # the weight-decay figure's "SP": muP rates, constant decay
-        rates = mup.apply(_opt(name, model, eta, lam), model, "mup", "constant")
+        rates = mup.apply(_opt(name, model, eta, lam), mup.roles(model), w, "mup", "constant")
         assert math.isclose(rates["hidden"][0], eta / w) and rates["hidden"][1] == lam
 
 
@@ -55,7 +56,7 @@ def test_muon_keeps_its_hidden_rate_and_hands_input_and_output_to_adamws_rules(n
     eta, lam, w = 0.05, 0.01, 64
     model = mlp(20, w, 10, bias=False)
     opt = _opt(name, model, eta, lam)
-    rates = mup.apply(opt, model, "mup", "mup")
+    rates = mup.apply(opt, mup.roles(model), model[0].out_features, "mup", "mup")
     assert rates["hidden"] == (eta, lam)
     assert rates["input"] == (eta, lam)
     assert math.isclose(rates["output"][0], eta / w) and math.isclose(rates["output"][1], lam * w)
@@ -69,7 +70,7 @@ def test_the_first_adamw_step_moves_each_hidden_weight_by_eta_over_w():
     eta, w = 0.5, 64
     model = mlp(12, w, 10, bias=False)
     opt = _opt("adamw", model, eta, 0.0, eps=1e-12)
-    mup.apply(opt, model, "mup", "mup")
+    mup.apply(opt, mup.roles(model), model[0].out_features, "mup", "mup")
     before = {i: model[i].weight.detach().clone() for i in (0, 2, 4)}
     torch.nn.functional.cross_entropy(model(torch.randn(32, 12)), torch.randint(0, 10, (32,))).backward()
     opt.step()
@@ -85,10 +86,10 @@ def test_rates_are_refused_after_the_first_step_and_biases_are_refused():
     torch.nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 10, (4,))).backward()
     opt.step()
     with pytest.raises(RuntimeError, match="before the optimizer's first step"):
-        mup.apply(opt, model, "mup", "mup")
+        mup.apply(opt, mup.roles(model), model[0].out_features, "mup", "mup")
     biased = mlp(8, 16, 10, bias=True)
-    with pytest.raises(ValueError, match="bias-free"):
-        mup.apply(_opt("adamw", biased, 1e-3, 0.0), biased, "mup", "mup")
+    with pytest.raises(ValueError, match="no μP role"):
+        mup.apply(_opt("adamw", biased, 1e-3, 0.0), mup.roles(biased), 16, "mup", "mup")
 
 
 def test_the_transfer_metric_is_the_spread_of_the_best_multiplier_across_widths():
@@ -134,3 +135,65 @@ def test_a_width_sweep_runs_and_its_report_names_the_shift(tmp_path):
             for w in (16, 32)}
     assert f"| dopr_adamw | mup | {best[16]:g} | {best[32]:g} | {abs(best[16] - best[32]):g} |" in md.replace(".0 |", " |")
     assert next((tmp_path / "out").rglob("mup_lr_sweep.png")).stat().st_size > 0
+
+
+# ------------------------------------------------------------------ the GPT-2-style language model
+def _gpt(par, width=128, layers=2):
+    from experiments.appendix.gpt import GPT, initialize
+
+    model = GPT(256, 32, width, layers, 64, par)
+    initialize(model, torch.Generator().manual_seed(0))
+    return model
+
+
+def test_gpt_roles_initial_scales_and_attention_scale():
+    from experiments.appendix import gpt
+
+    for par in ("sp", "mup"):
+        model = _gpt(par, width=256)
+        r = gpt.roles(model)
+        assert r[model.wte.weight] == r[model.wpe.weight] == "input" and r[model.head.weight] == "output"
+        assert all(r[b.qkv.weight] == r[b.fc_out.weight] == "hidden" and r[b.ln_1.weight] == "vector"
+                   for b in model.blocks)
+        head_std = float(model.head.weight.detach().std())
+        want = 1 / 256 if par == "mup" else 256 ** -0.5
+        assert abs(head_std / want - 1) < 6 * math.sqrt(2 / model.head.weight.numel())
+        assert model.blocks[0].scale == (1 / 64 if par == "mup" else 64 ** -0.5)
+    # the block's attention is softmax(q k^T * scale) v, causal: compare with the formula written out
+    block = _gpt("mup", width=128).blocks[0]
+    x = torch.randn(2, 5, 128)
+    q, k, v = block.qkv(block.ln_1(x)).view(2, 5, 3, 2, 64).permute(2, 0, 3, 1, 4)
+    att = (q @ k.transpose(-1, -2)) / 64 + torch.triu(torch.full((5, 5), float("-inf")), 1)
+    a = (att.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 128)
+    h = x + block.proj(a)
+    want = h + block.fc_out(torch.nn.functional.gelu(block.fc(block.ln_2(h))))
+    assert torch.allclose(block(x), want, atol=1e-5)
+
+
+def test_gpt_rates_per_role_and_muon_takes_every_block_matrix():
+    from experiments.appendix import gpt
+
+    eta, lam, w = 6e-3, 0.1, 128
+    model = _gpt("mup", w)
+    rates = mup.apply(_opt("dopr_adamw", model, eta, lam), gpt.roles(model), w, "mup", "mup")
+    assert rates["input"] == (eta, lam) and rates["vector"] == (eta, 0.0)
+    assert math.isclose(rates["hidden"][0], eta / w) and math.isclose(rates["output"][1], lam * w)
+    model = _gpt("mup", w)
+    opt = _opt("muon", model, eta, lam, input_layer="muon")
+    rates = mup.apply(opt, gpt.roles(model), w, "mup", "mup")
+    muon_params = {p for g in mup._members(opt)[0].param_groups for p in g["params"]}
+    blocks = {p for b in model.blocks for m in (b.qkv, b.proj, b.fc, b.fc_out) for p in m.parameters()}
+    assert muon_params == blocks and rates["hidden"] == (eta, lam)
+
+
+def test_gpt_data_bytes_ship_with_python_and_openwebtext_names_what_is_missing(tmp_path):
+    from omegaconf import OmegaConf
+
+    import pydoc_data.topics
+    from experiments.appendix import gpt
+
+    d = gpt.tokens(OmegaConf.create({"data": "bytes", "train_fraction": 0.9}))
+    text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
+    assert d["vocab"] == 256 and bytes(torch.cat([d["train"], d["val"]]).to(torch.uint8).tolist()) == text
+    with pytest.raises(FileNotFoundError, match="missing train.bin, val.bin"):
+        gpt.tokens(OmegaConf.create({"data": "openwebtext", "data_path": str(tmp_path), "vocab": 50304}))

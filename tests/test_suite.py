@@ -14,7 +14,7 @@ from experiments.common.launch import run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc", "robomimic", "sit", "grafting", "mup_mlp"}  # shared settings of a family's tasks, not tasks of their own
+BASES = {"bc", "robomimic", "sit", "grafting", "mup_mlp", "mup_gpt"}  # shared settings of a family's tasks, not tasks of their own
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
@@ -47,6 +47,12 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
         extra = [f"task.data_path={_cifar_dir(tmp_path)}", "task.batch_size=8", "task.debug.steps=1"]
     if task == "mup_mlp_cifar10":
         extra = [f"task.data_path={_cifar_dir(tmp_path)}", "task.batch_size=8", "task.mup.width=16"]
+    if task == "mup_gpt_openwebtext":   # nanoGPT's uint16 token files, 2000 random tokens each
+        import numpy as np
+
+        for split in ("train", "val"):
+            np.random.default_rng(0).integers(0, 50304, 2000).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
+        extra = [f"task.data_path={tmp_path}"]
     # the SAC expert has its own optimizers; grafting_cifar10 factors 3072 x 3072 covariances every step
     # (tens of seconds here), and grafting_digits runs every optimizer through the same job
     for optim in OPTIMS if task not in ("expert", "grafting_cifar10", "mup_mlp_cifar10") else ["adamw"]:
@@ -192,7 +198,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits",
               # written by the tuning protocol's selection (experiments/common/tuning.py)
               "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
-              "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits"}
+              "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits", "mup_gpt": "mup_gpt_bytes"}
 
 
 def _values(spec, key: str = "") -> list:

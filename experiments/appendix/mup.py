@@ -29,7 +29,7 @@ from torch import nn
 
 from .model import mlp
 
-ROLES = ("input", "hidden", "output")
+ROLES = ("input", "hidden", "output", "vector")   # vector: norm gains and biases (rate eta, no decay)
 PARAMETERIZATIONS = ("sp", "mup")
 WD_SCALINGS = ("constant", "mup")
 
@@ -62,6 +62,8 @@ def multipliers(role: str, parameterization: str, width: int, matrix_update: boo
         raise ValueError(f"weight_decay_scaling must be one of {WD_SCALINGS}, got {weight_decay_scaling!r}")
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role == "vector":
+        return 1.0, 0.0
     scaled = parameterization == "mup" and role != "input" and not matrix_update
     lr = 1.0 / width if scaled else 1.0
     wd = float(width) if weight_decay_scaling == "mup" and role != "input" and not matrix_update else 1.0
@@ -85,11 +87,10 @@ def _members(opt) -> list:
     return list(base.optimizers.values()) if hasattr(base, "optimizers") else [base]
 
 
-def apply(opt, model: nn.Sequential, parameterization: str, weight_decay_scaling: str) -> dict:
-    """Split the optimizer's groups so that each Linear weight gets its role's rate and weight
-    decay (multiplying the group's own). Call before the first step. Returns {role: (lr, wd)}."""
-    layer_roles = roles(model)
-    width = next(w for w, r in layer_roles.items() if r == "input").shape[0]
+def apply(opt, layer_roles: dict, width: int, parameterization: str, weight_decay_scaling: str) -> dict:
+    """Split the optimizer's groups so that each parameter gets its role's rate and weight decay
+    (`layer_roles`: {parameter: role}, e.g. `roles(model)`; multiplying the group's own). Call before
+    the first step. Returns {role: (lr, wd)}."""
     out = {}
     for member in _members(opt):
         if member.state:
@@ -101,7 +102,8 @@ def apply(opt, model: nn.Sequential, parameterization: str, weight_decay_scaling
             for p in g["params"]:
                 role = layer_roles.get(p)
                 if role is None:
-                    raise ValueError("the MLP has a parameter that is not a Linear weight (μP here is bias-free)")
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} has no μP role (the MLP here is "
+                                     "bias-free: every parameter is a Linear weight)")
                 split.setdefault((role, *multipliers(role, parameterization, width, matrix, weight_decay_scaling)),
                                  []).append(p)
             for (role, m_lr, m_wd), params in split.items():
@@ -129,7 +131,7 @@ def run(cfg, run) -> dict:
     model = mlp(x.shape[1], width, int(t.classes), bias=False)
     initialize(model, m.parameterization, gen)
     opt = run.build_optimizer(model)
-    rates = apply(opt, model, m.parameterization, m.weight_decay_scaling)
+    rates = apply(opt, roles(model), width, m.parameterization, m.weight_decay_scaling)
     hidden = next(w for w, r in roles(model).items() if r == "hidden")
     loss_fn = nn.CrossEntropyLoss()
     batch = min(int(t.batch_size), len(y))
