@@ -39,3 +39,12 @@ def test_rehearse_is_refused_for_a_task_without_a_rehearsal(compose):
     cfg = compose("task=feature_learning", "rehearse=true")
     with pytest.raises(ConfigError, match="task=feature_learning has no rehearsal"):
         check_job(cfg, ["task=feature_learning", "rehearse=true"], set())
+
+
+def test_a_rehearsal_without_the_health_report_says_so(tmp_path, compose):
+    cfg = compose("task=sit_imagenet", "+tuned/sit_imagenet=dopr_adamw", "ap.damping=1e-4", "rehearse=true",
+                  "+task.rehearsal.health=false", *TINY_SIT)
+    s = run_job(cfg, tmp_path / "0")
+    # the same layer as above is in the weak regime, but nothing was measured, so nothing is claimed
+    assert s["weak_layers"] == "not measured" and s["weak_layer_names"] == [] and s["worst_weak_share"] is None
+    assert s["verdict"].endswith("(AP health not measured: task.rehearsal.health=false)") and s["finite"]

@@ -75,7 +75,10 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
     if steps < 3:
         raise ValueError(f"task.rehearsal.steps must be >= 3 (the first step allocates, the last reports the AP's "
                          f"health, the ones between are timed), got {steps}")
-    if cfg.optim.name.startswith("dopr_"):   # health reports (one eigh per layer) on the first and last steps
+    # health reports (one eigh per layer) on the first and last steps, unless the task says the eigh at its
+    # widths costs too much here (task.rehearsal.health=false: the table then says "not measured")
+    health = bool(cfg.task.rehearsal.get("health", True))
+    if cfg.optim.name.startswith("dopr_") and health:
         with open_dict(cfg):
             cfg.ap.health_every = steps - 1
     fresh = reset_peak_memory(run.device)   # the model is built: the peak counts from its weights on
@@ -112,15 +115,18 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
         cov = opt.coverage()
         weak = sorted((k for k, v in shares.items() if v > WEAK_SHARE_WARNING), key=shares.get, reverse=True)
         out.update(preconditioned=f"{sum(e.status == 'preconditioned' for e in cov)}/{len(cov)}",
-                   weak_layers=len(weak), weak_layer_names=weak, worst_weak_share=max(shares.values(), default=None),
+                   weak_layers=len(weak) if health else "not measured", weak_layer_names=weak,
+                   worst_weak_share=max(shares.values(), default=None),
                    worst_weak_layer=max(shares, key=shares.get) if shares else None)
     out["peak_rss_MB"] = peak_memory_mb(run.device)
     out["peak_since"] = "this job's steps" if fresh else "the process's start (earlier jobs included)"
     problems = ([] if out["finite"] else ["loss not finite"]) + ([] if out["falls"] else ["loss does not fall"])
-    if out.get("weak_layers"):
+    if isinstance(out.get("weak_layers"), int) and out["weak_layers"]:
         names = ", ".join(out["weak_layer_names"][:3]) + (", ..." if out["weak_layers"] > 3 else "")
         problems.append(f"{out['weak_layers']} layer(s) in the weak-direction regime ({names})")
     out["verdict"] = "ok" if not problems else "; ".join(problems)
+    if isinstance(opt, dopr.DoPr) and not health:
+        out["verdict"] += " (AP health not measured: task.rehearsal.health=false)"
     return out
 
 
