@@ -29,12 +29,12 @@ def test_the_report_goes_beside_the_sweep_and_says_it_is_from_debug_runs(debug_s
 
 
 def test_the_committed_results_are_refused_without_the_flag_and_always_for_debug_runs(debug_sweep):
-    before = {p: p.read_bytes() for p in (ROOT / "results" / "feature_learning").iterdir()}
+    before = {p: p.read_bytes() for p in (ROOT / "results" / "feature_learning").rglob("*") if p.is_file()}
     with pytest.raises(SystemExit, match="debug runs"):
         report.main([str(debug_sweep), "--out", str(ROOT / "results"), "--replace-results"])
     with pytest.raises(SystemExit, match="debug runs"):
         report.main([str(debug_sweep), "--out", "results"])
-    assert {p: p.read_bytes() for p in (ROOT / "results" / "feature_learning").iterdir()} == before
+    assert {p: p.read_bytes() for p in (ROOT / "results" / "feature_learning").rglob("*") if p.is_file()} == before
 
 
 def test_full_runs_need_the_flag_to_replace_the_committed_tables(debug_sweep, tmp_path):
