@@ -361,6 +361,17 @@ def test_report_writes_the_tables_figures_and_grids(tmp_path):
         assert (out / f).exists(), f
     assert "fd_digits" in (out / "sit_quality.md").read_text()
     assert json.loads((sweep / "0" / "summary.json").read_text())["quality_metric"] == "fd_digits"
+    # a protocol sweep: DoPr at two rates; no DoPr-vs-GP table (which rate?), one band and grid per rate
+    lrs = {records[1]["summary"]["lr"], 3e-3}
+    _train(sweep / "2", "optim=dopr_adamw", "optim.lr=3e-3")
+    (sweep / "2" / ".hydra").mkdir(exist_ok=True)
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    sit_report.quality(load_records([sweep]), out2, "stamp")
+    assert not (out2 / "sit_deltas.md").exists() and (out2 / "sit_samples_adamw.png").exists()
+    assert {p.name for p in out2.glob("sit_samples_dopr_adamw_lr*.png")} == {f"sit_samples_dopr_adamw_lr{lr:g}.png"
+                                                                          for lr in lrs}
+    assert len([r for r in sit_report.rows(load_records([sweep])) if r["optimizer"] == "dopr_adamw"]) == 2
 
 
 def test_coverage_report_command_writes_the_table(tmp_path):

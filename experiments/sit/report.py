@@ -71,24 +71,28 @@ def quality(records, out_dir, stamp) -> None:
     metric = table[0]["metric"] if table else "quality"
     write_table(table, COLUMNS, out_dir / "sit_quality", stamp,
                 f"Sample quality ({metric}, lower is better) at the last step, min/median/max over seeds")
-    write_table(deltas(table), DELTA_COLUMNS, out_dir / "sit_deltas", stamp,
-                f"DoPr vs its GP: median over seeds of the final {metric} and training loss")
+    names = [r["optimizer"] for r in table]
+    if len(names) == len(set(names)):   # one setting per optimizer: DoPr vs its GP is well defined
+        write_table(deltas(table), DELTA_COLUMNS, out_dir / "sit_deltas", stamp,
+                    f"DoPr vs its GP: median over seeds of the final {metric} and training loss")
+    # several settings of one optimizer (a protocol sweep: DoPr at its own and at the GP's rate): no
+    # deltas table (the protocol's report pairs the chosen settings); one band per setting in the figure
     by_opt = defaultdict(list)
     for r in records:
         if r["summary"]["quality_curve"]:
-            by_opt[r["summary"]["optim"]].append(r)
-    gps = sorted({n.removeprefix("dopr_") for n in by_opt})
+            by_opt[(r["summary"]["optim"], r["summary"]["lr"])].append(r)
+    gps = sorted({n.removeprefix("dopr_") for n, _ in by_opt})
     fig, axes = plt.subplots(2, len(gps), figsize=(5.5 * len(gps), 7.5), squeeze=False)
     for j, gp in enumerate(gps):
-        for k, name in enumerate((gp, f"dopr_{gp}")):
-            rs = by_opt.get(name, [])
-            if not rs:
-                continue
-            color = f"C{k}"
+        settings = sorted(key for key in by_opt if key[0] in (gp, f"dopr_{gp}"))
+        several = len(settings) > len({name for name, _ in settings})
+        for k, (name, lr) in enumerate(settings):
+            rs = by_opt[(name, lr)]
+            color, label = f"C{k}", f"{name}, lr {lr:g}" if several else name
             seed_band(axes[0, j], [{int(s): v for s, v in r["summary"]["quality_curve"].items()} for r in rs],
-                  f"{name} ({len(rs)} seeds)", color)
+                  f"{label} ({len(rs)} seeds)", color)
             seed_band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
-                  name, color)
+                  label, color)
         axes[0, j].set(title=f"{gp} vs dopr_{gp}: sample quality", xlabel="training step", ylabel=metric,
                        yscale="log")
         axes[1, j].set(title="training loss (min/median/max over seeds)", xlabel="training step",
@@ -98,8 +102,10 @@ def quality(records, out_dir, stamp) -> None:
     save_figure(fig, out_dir / "sit_quality.png", stamp)
 
     grids = {}
-    for name, rs in sorted(by_opt.items()):
+    for (name, lr), rs in sorted(by_opt.items()):
         r = min(rs, key=lambda r: r["summary"]["seed"])
+        lrs = {l for n, l in by_opt if n == name}
+        name = f"{name}_lr{lr:g}" if len(lrs) > 1 else name
         found = sorted(r["dir"].glob("samples_step*.png"), key=lambda p: int(p.stem.removeprefix("samples_step")))
         if found:
             grids[name] = found[0]
