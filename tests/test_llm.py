@@ -381,9 +381,12 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compos
                           tmp_path / "pre")
     base = tmp_path / "pre" / "base"  # debug: the run directory, not outputs/
     assert pre_summary["saved_to"] == str(base) and (base / "model.safetensors").exists() and pre_summary["val_nll"] > 0
+    quality = json.loads((base / "base_quality.json").read_text())   # what SFT checks before it starts
+    assert quality["accuracy"] == pre_summary["accuracy"] and quality["val_nll"] == pre_summary["val_nll"]
     records = []
     for optim in ("adamw", "dopr_adamw"):
         cfg = compose("task=sft_arith", f"+tuned/sft={optim}", "optim.lr=1e-2", f"task.model.path={base}",
+                      "task.model.min_base_accuracy=null",   # a 3-step base: its accuracy is 0
                        f"task.model.tokenizer={base}", "task.data.train_size=16", "task.data.val_size=4",
                        "task.data.max_steps=2", "task.data.max_length=256", "task.train.max_steps=3", "task.train.checkpoint_every=2",
                        "task.eval.generation.problems=6", "task.eval.generation.max_new_tokens=12")
@@ -449,3 +452,21 @@ def test_a_missing_local_base_model_names_the_command_that_makes_it_not_a_hub_do
     msg = str(info.value)
     assert f"no directory at '{local}'. Make it with `python run.py -m sweep=pretrain_arith`" in msg
     assert "hf download" not in msg and "task.download" not in msg
+
+
+def test_sft_refuses_a_base_that_pretraining_left_unable_to_do_the_task(tmp_path, compose):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "base_quality.json").write_text(json.dumps({"accuracy": 0.0, "val_nll": 0.171, "problems": 128,
+                                                         "steps": 1714}))
+    t = compose("task=sft_arith", f"task.model.path={base}").task
+    with pytest.raises(ValueError, match=r"answers 0.0% of 128 held-out problems \(val NLL 0.171\), below "
+                                         r"task.model.min_base_accuracy=0.9"):
+        train.check_base_quality(t, {"model": str(base)})
+    train.check_base_quality(compose("task=sft_arith", f"task.model.path={base}",
+                                     "task.model.min_base_accuracy=null").task, {"model": str(base)})
+    (base / "base_quality.json").write_text(json.dumps({"accuracy": 0.969, "val_nll": 0.124, "problems": 128,
+                                                         "steps": 1714}))
+    train.check_base_quality(t, {"model": str(base)})   # the committed base's 0.969 passes
+    (base / "base_quality.json").unlink()
+    train.check_base_quality(t, {"model": str(base)})   # a base made elsewhere carries no record: not checked

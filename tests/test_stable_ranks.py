@@ -48,6 +48,7 @@ def test_the_script_measures_every_lora_factor_of_two_finished_runs(tmp_path, co
     jobs = []
     for optim in ("muon", "dopr_muon"):
         cfg = compose("task=sft_arith", f"optim={optim}", "optim.lr=1e-2", f"task.model.path={base}",
+                      "task.model.min_base_accuracy=null",   # a 3-step base
                       f"task.model.tokenizer={base}", "task.data.train_size=16", "task.data.val_size=4",
                       "task.data.max_steps=2", "task.data.max_length=256", "task.train.max_steps=2",
                       "task.eval.generation=null")

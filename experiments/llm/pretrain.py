@@ -9,6 +9,7 @@ OpenMathInstruct-2 does for Llama.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from experiments.common.provenance import atomic_write
 
 from . import arith
 from .data import IGNORE, pack, split_heldout
+
+BASE_QUALITY = "base_quality.json"   # the base's held-out greedy accuracy and NLL, saved beside its weights
 from .evaluate import generation_accuracy, validation_nll
 from .model import small_llama
 from .train import train
@@ -62,9 +65,13 @@ def run(cfg, run) -> dict:
                                        t.eval_max_new_tokens, t.eval_batch_size, device))
     save_to = Path(t.save_to) if t.save_to else run.dir / "base"
 
+    quality = {"accuracy": summary["accuracy"], "val_nll": nll / max(1, count), "problems": len(problems),
+               "steps": summary["steps"]}
+
     def save(tmp: Path) -> None:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        (tmp / BASE_QUALITY).write_text(json.dumps(quality, indent=1) + "\n")   # what SFT checks before it starts
     atomic_write(save_to, save)
     return {**summary, "val_nll": nll / max(1, count), "lr": float(cfg.optim.lr), "saved_to": str(save_to),
             "params": sum(p.numel() for p in model.parameters()), "train_blocks": len(blocks["input_ids"])}

@@ -10,6 +10,7 @@ resume, data parallel over torch.distributed, or FSDP2 parameter sharding (task.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -41,6 +42,28 @@ def check_sharding(cfg) -> None:
         raise ValueError(f"Invalid task.sharding: {sharding!r} (choose from {SHARDINGS})")
     if sharding == "fsdp" and cfg.task.eval.generation is not None:
         raise ValueError("task.sharding=fsdp: eval.generation decodes on rank 0 alone; use task.sharding=none")
+
+
+def check_base_quality(t, local: dict) -> None:
+    """A base that pretraining left unable to do the task makes every SFT number meaningless: refuse
+    it when its recorded held-out accuracy (pretrain.BASE_QUALITY, written beside the weights) is
+    below task.model.min_base_accuracy. Bases without the record (made elsewhere) are not checked."""
+    need = t.model.get("min_base_accuracy")
+    if need is None or t.model.path is None:
+        return
+    from .pretrain import BASE_QUALITY
+
+    record = Path(local["model"]) / BASE_QUALITY
+    if not record.exists():
+        return
+    q = json.loads(record.read_text())
+    if q["accuracy"] < float(need):
+        raise ValueError(
+            f"the base model at {local['model']} answers {q['accuracy']:.1%} of {q['problems']} held-out problems "
+            f"(val NLL {q['val_nll']:.3f}), below task.model.min_base_accuracy={float(need):g}: an SFT from it "
+            f"measures nothing. Pretraining did not learn the task (it can stall before copying every operand: "
+            f"experiments/llm/README.md); re-run {t.model.get('made_by') or 'the pretraining'} or pass "
+            "task.model.min_base_accuracy=null to fine-tune it anyway")
 
 
 # ---------------------------------------------------------------------------------- data
@@ -234,6 +257,7 @@ def run(cfg, run) -> dict:
     t = cfg.task
     check_sharding(cfg)
     local = locate_inputs(t)
+    check_base_quality(t, local)
     device = run.device
     tokenizer = load_tokenizer(local["tokenizer"]) if t.model.tokenizer is not None else arith.char_tokenizer()
     prompt = t.data.prompt or PAPER_PROMPT
