@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+BASE_QUALITY = "base_quality.json"   # a pretrained base's held-out greedy accuracy and NLL, saved beside its weights
+
 
 def load_tokenizer(path):
     """The tokenizer and its chat template; a pad token is only ever used under IGNORE labels, so a

@@ -19,10 +19,8 @@ from experiments.common.provenance import atomic_write
 
 from . import arith
 from .data import IGNORE, pack, split_heldout
-
-BASE_QUALITY = "base_quality.json"   # the base's held-out greedy accuracy and NLL, saved beside its weights
 from .evaluate import generation_accuracy, validation_nll
-from .model import small_llama
+from .model import BASE_QUALITY, small_llama
 from .train import train
 
 ANSWER = re.compile(r"The answer is \\boxed\{(\d+)\}\.")

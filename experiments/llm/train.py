@@ -27,7 +27,7 @@ from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
                    split_heldout, take)
 from .evaluate import extract_boxed, generation_accuracy, lm_eval_run_dir, validation_nll
-from .model import add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
+from .model import BASE_QUALITY, add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
 from .sources import locate_inputs
 
 SHARDINGS = ("none", "fsdp")
@@ -46,13 +46,11 @@ def check_sharding(cfg) -> None:
 
 def check_base_quality(t, local: dict) -> None:
     """A base that pretraining left unable to do the task makes every SFT number meaningless: refuse
-    it when its recorded held-out accuracy (pretrain.BASE_QUALITY, written beside the weights) is
+    it when its recorded held-out accuracy (model.BASE_QUALITY, written beside the weights) is
     below task.model.min_base_accuracy. Bases without the record (made elsewhere) are not checked."""
     need = t.model.get("min_base_accuracy")
     if need is None or t.model.path is None:
         return
-    from .pretrain import BASE_QUALITY
-
     record = Path(local["model"]) / BASE_QUALITY
     if not record.exists():
         return
