@@ -99,9 +99,15 @@ def test_the_transfer_metric_is_the_spread_of_the_best_multiplier_across_widths(
             for w, best in bests.items() for k in range(-4, 3)]
     rows.append({"optimizer": "adamw", "parameterization": "mup", "width": 64, "k": 2, "seed": 1,
                  "train_loss": float("nan")})   # a diverged seed disqualifies its multiplier
+    rows += [{"optimizer": "muon", "parameterization": "sp", "width": w, "k": k, "seed": 0,
+              "train_loss": 1.0 / (k + 5)} for w in (64, 128) for k in range(-4, 3)]  # falls to the grid's end
     out = best_multiplier_shift(rows)
-    assert out[("adamw", "mup")] == {"best_k": {64: 0, 128: 0, 256: 1}, "shift": 1}
-    assert out[("adamw", "sp")] == {"best_k": {64: 1, 128: -1, 256: -3}, "shift": 4}
+    # regret: the widest model's loss at the narrowest's best k over its own best, (0 - 1)^2 + 0.1 over 0.1
+    assert out[("adamw", "mup")] == {"best_k": {64: 0, 128: 0, 256: 1}, "shift": 1, "edge": [],
+                                     "regret": pytest.approx(11.0, rel=1e-12)}
+    assert out[("adamw", "sp")] == {"best_k": {64: 1, 128: -1, 256: -3}, "shift": 4, "edge": [],
+                                    "regret": pytest.approx(161.0, rel=1e-12)}
+    assert out[("muon", "sp")] == {"best_k": {64: 2, 128: 2}, "shift": 0, "edge": [64, 128], "regret": 1.0}
 
 
 def test_the_preset_rate_is_the_base_times_two_to_the_k(compose):
@@ -136,6 +142,36 @@ def test_a_width_sweep_runs_and_its_report_names_the_shift(tmp_path):
     assert f"| dopr_adamw | mup | {best[16]:g} | {best[32]:g} | {abs(best[16] - best[32]):g} |" in md.replace(".0 |", " |")
     assert next((tmp_path / "out").rglob("mup_lr_sweep.png")).stat().st_size > 0
 
+
+
+@pytest.mark.slow
+def test_the_weight_decay_sweep_reports_the_final_update_ratio_per_width(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "sweep=mup_mlp_weight_decay", "debug=default",
+                          "+tuned/mup=adamw", "task.mup.width=16,32", "task.epochs=20", f"hydra.sweep.dir={sweep}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sweep.rglob("summary.json")]
+    assert sorted((s["weight_decay_scaling"], s["width"]) for s in summaries) == [
+        ("constant", 16), ("constant", 32), ("mup", 16), ("mup", 32)]
+    for s in summaries:   # full batch: one step per epoch; muP scales the hidden decay by w, "constant" does not
+        assert s["steps"] == 20 and len(s["update_ratio_curve"]) == 20
+        want = 0.01 * (s["width"] if s["weight_decay_scaling"] == "mup" else 1)
+        assert math.isclose(s["rates"]["hidden"]["weight_decay"], want)
+    rep = subprocess.run([sys.executable, "-m", "experiments.report", str(sweep), "--out", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    out = next((tmp_path / "out").rglob("mup_update_ratio_width.csv"))
+    import csv
+    rows = {r["weight_decay_scaling"]: r for r in csv.DictReader(out.open())}
+    for s in summaries:
+        tail = list(s["update_ratio_curve"].values())[-2:]   # the last 10% of 20 steps
+        got = float(rows[s["weight_decay_scaling"]][f"ratio_w{s['width']}"])
+        assert math.isclose(got, sum(tail) / 2, rel_tol=1e-6)
+    for r in rows.values():
+        assert math.isclose(float(r["widest_over_narrowest"]), float(r["ratio_w32"]) / float(r["ratio_w16"]), rel_tol=1e-6)
+    assert not list((tmp_path / "out").rglob("mup_transfer.md"))   # one multiplier: no transfer table
+    assert next((tmp_path / "out").rglob("mup_update_ratio.png")).stat().st_size > 0
 
 # ------------------------------------------------------------------ the GPT-2-style language model
 def _gpt(par, width=128, layers=2):

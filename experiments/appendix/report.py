@@ -56,23 +56,30 @@ def grafting(records, out_dir, stamp) -> None:
 def best_multiplier_shift(rows: list) -> dict:
     """The metric that decides "transfer": per (optimizer, parameterisation), the multiplier log2 k with
     the lowest final training loss (median over seeds) at each width, and how far it moves across
-    the widths (max - min, in factors of 2). A non-finite loss never wins."""
+    the widths (max - min, in factors of 2). A non-finite loss never wins. Beside it: `edge`, the
+    widths whose best k is the smallest or largest k tried there (the grid is too narrow to place
+    the optimum, so the shift is a lower bound), and `regret`, the widest width's loss at the
+    narrowest width's best k over its own best loss (1.0: tuning the narrow model transfers exactly)."""
     cells: dict = {}
     for r in rows:
         cells.setdefault((r["optimizer"], r["parameterization"], r["width"], r["k"]), []).append(r["train_loss"])
-    best: dict = {}
-    for (opt, par, width, k), losses in cells.items():
+    loss_at: dict = {}
+    for key, losses in cells.items():
         finite = [v for v in losses if v == v and v != float("inf")]
-        loss = statistics.median(finite) if len(finite) == len(losses) else float("inf")
-        key = (opt, par, width)
-        if key not in best or loss < best[key][1]:
-            best[key] = (k, loss)
+        loss_at[key] = statistics.median(finite) if len(finite) == len(losses) else float("inf")
+    grid: dict = {}
+    for (opt, par, width, k) in loss_at:
+        grid.setdefault((opt, par), {}).setdefault(width, []).append(k)
     out: dict = {}
-    for (opt, par, width), (k, loss) in sorted(best.items()):
-        out.setdefault((opt, par), {})[width] = (k, loss)
-    return {key: {"best_k": {w: v[0] for w, v in widths.items()},
-                  "shift": max(v[0] for v in widths.values()) - min(v[0] for v in widths.values())}
-            for key, widths in out.items()}
+    for (opt, par), widths in sorted(grid.items()):
+        best = {w: min(sorted(ks), key=lambda k: loss_at[(opt, par, w, k)]) for w, ks in sorted(widths.items())}
+        narrow, wide = min(best), max(best)
+        wide_best = loss_at[(opt, par, wide, best[wide])]
+        at_narrow = loss_at.get((opt, par, wide, best[narrow]), float("inf"))
+        out[(opt, par)] = {"best_k": best, "shift": max(best.values()) - min(best.values()),
+                           "edge": [w for w, k in best.items() if k in (min(widths[w]), max(widths[w]))],
+                           "regret": at_narrow / wide_best if wide_best > 0 else float("nan")}
+    return out
 
 
 def mup(records, out_dir, stamp) -> None:
@@ -92,44 +99,79 @@ def mup(records, out_dir, stamp) -> None:
                   key=lambda r: (r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"]))
     write_table(rows, list(rows[0]), out_dir / "mup_runs", stamp,
                 "muP width sweep: final training loss (mean over the last epoch) per run")
-    shifts = best_multiplier_shift(rows)
-    summary = [{"optimizer": opt, "parameterization": par,
-                **{f"best_k_w{w}": k for w, k in v["best_k"].items()}, "shift_log2": v["shift"]}
-               for (opt, par), v in shifts.items()]
-    columns = ["optimizer", "parameterization"] + sorted({c for s in summary for c in s if c.startswith("best_k")},
-                                                         key=lambda c: int(c[8:])) + ["shift_log2"]
-    write_table(summary, columns, out_dir / "mup_transfer", stamp,
-                "muP transfer: the best learning-rate multiplier log2 k per width and how far it moves (shift)")
-    optimizers = sorted({r["optimizer"] for r in rows})
-    pars = [p for p in ("sp", "mup") if any(r["parameterization"] == p for r in rows)]
-    fig, axes = plt.subplots(len(optimizers), len(pars), figsize=(5 * len(pars), 3.6 * len(optimizers)), squeeze=False)
     widths = sorted({r["width"] for r in rows})
     cmap = plt.get_cmap("viridis")
-    for i, opt in enumerate(optimizers):
-        for j, par in enumerate(pars):
-            ax = axes[i][j]
-            for c, w in enumerate(widths):
-                pts: dict = {}
-                for r in rows:
-                    if (r["optimizer"], r["parameterization"], r["width"]) == (opt, par, w):
-                        pts.setdefault(r["k"], []).append(r["train_loss"])
-                ks = sorted(pts)
-                ax.plot(ks, [statistics.median(pts[k]) for k in ks], "o-", ms=3,
-                        color=cmap(c / max(1, len(widths) - 1)), label=f"width {w}")
-            ax.set(yscale="log", xlabel="log2 learning-rate multiplier k", ylabel="final training loss",
-                   title=f"{opt}, {'muP' if par == 'mup' else 'SP'}")
-            ax.legend(fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / "mup_lr_sweep.png", stamp)
+    if len({r["k"] for r in rows}) > 1:
+        shifts = best_multiplier_shift(rows)
+        summary = [{"optimizer": opt, "parameterization": par,
+                    **{f"best_k_w{w}": k for w, k in v["best_k"].items()}, "shift_log2": v["shift"],
+                    "regret": v["regret"],
+                    "grid_edge": ("widths " + ", ".join(map(str, v["edge"])) + ": widen the grid") if v["edge"] else ""}
+                   for (opt, par), v in shifts.items()]
+        columns = ["optimizer", "parameterization"] + sorted({c for s in summary for c in s if c.startswith("best_k")},
+                                                             key=lambda c: int(c[8:])) + ["shift_log2", "regret", "grid_edge"]
+        write_table(summary, columns, out_dir / "mup_transfer", stamp,
+                    "muP transfer: the best learning-rate multiplier log2 k per width, how far it moves (shift), and the "
+                    "widest width's loss at the narrowest width's best k over its best loss (regret)")
+        optimizers = sorted({r["optimizer"] for r in rows})
+        pars = [p for p in ("sp", "mup") if any(r["parameterization"] == p for r in rows)]
+        fig, axes = plt.subplots(len(optimizers), len(pars), figsize=(5 * len(pars), 3.6 * len(optimizers)), squeeze=False)
+        for i, opt in enumerate(optimizers):
+            for j, par in enumerate(pars):
+                ax = axes[i][j]
+                for c, w in enumerate(widths):
+                    pts: dict = {}
+                    for r in rows:
+                        if (r["optimizer"], r["parameterization"], r["width"]) == (opt, par, w):
+                            pts.setdefault(r["k"], []).append(r["train_loss"])
+                    ks = sorted(pts)
+                    ax.plot(ks, [statistics.median(pts[k]) for k in ks], "o-", ms=3,
+                            color=cmap(c / max(1, len(widths) - 1)), label=f"width {w}")
+                ax.set(yscale="log", xlabel="log2 learning-rate multiplier k", ylabel="final training loss",
+                       title=f"{opt}, {'muP' if par == 'mup' else 'SP'}")
+                ax.legend(fontsize=7)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        save_figure(fig, out_dir / "mup_lr_sweep.png", stamp)
     if len({r["summary"]["weight_decay_scaling"] for r in records}) > 1:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in sorted(records, key=lambda r: (r["summary"]["weight_decay_scaling"], r["summary"]["width"])):
+        ratio_rows = []
+        for r in sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["weight_decay_scaling"],
+                                                r["summary"]["width"], r["summary"]["seed"])):
             s = r["summary"]
-            curve = s["update_ratio_curve"]
-            ax.plot([int(k) for k in curve], list(curve.values()), lw=0.8,
-                    ls="-" if s["weight_decay_scaling"] == "mup" else "--",
-                    label=f"{s['optim']} w={s['width']} wd {'x w' if s['weight_decay_scaling'] == 'mup' else 'const'}")
-        ax.set(yscale="log", xlabel="step", ylabel="||dW||_F / ||W||_F (hidden layer)")
-        ax.legend(fontsize=6)
+            curve = list(s["update_ratio_curve"].values())
+            tail = curve[-max(1, len(curve) // 10):]
+            ratio_rows.append({"optimizer": s["optim"], "weight_decay_scaling": s["weight_decay_scaling"],
+                               "width": s["width"], "seed": s["seed"], "train_loss": s["train_loss"],
+                               "final_update_ratio": statistics.mean(tail)})
+        write_table(ratio_rows, list(ratio_rows[0]), out_dir / "mup_update_ratio", stamp,
+                    "Weight-decay scaling: the hidden layer's ||dW||_F / ||W||_F, mean over the last 10% of steps")
+        spread = []
+        for opt in sorted({r["optimizer"] for r in ratio_rows}):
+            for scaling in sorted({r["weight_decay_scaling"] for r in ratio_rows}):
+                by_w = {}
+                for r in ratio_rows:
+                    if (r["optimizer"], r["weight_decay_scaling"]) == (opt, scaling):
+                        by_w.setdefault(r["width"], []).append(r["final_update_ratio"])
+                if by_w:
+                    med = {w: statistics.median(v) for w, v in sorted(by_w.items())}
+                    spread.append({"optimizer": opt, "weight_decay_scaling": scaling,
+                                   **{f"ratio_w{w}": v for w, v in med.items()},
+                                   "widest_over_narrowest": med[max(med)] / med[min(med)]})
+        write_table(spread, list(dict.fromkeys(c for row in spread for c in row)), out_dir / "mup_update_ratio_width",
+                    stamp, "Weight-decay scaling: final update-to-weight ratio per width (median over seeds) and "
+                    "the widest width's over the narrowest's (1: width-independent)")
+        ratio_opts = sorted({r["optimizer"] for r in ratio_rows})
+        fig, axes = plt.subplots(1, len(ratio_opts), figsize=(6 * len(ratio_opts), 4), squeeze=False)
+        for ax, opt in zip(axes[0], ratio_opts):
+            for r in sorted(records, key=lambda r: (r["summary"]["weight_decay_scaling"] != "mup", r["summary"]["width"])):
+                s = r["summary"]
+                if s["optim"] != opt:
+                    continue
+                curve = s["update_ratio_curve"]
+                ax.plot([int(k) for k in curve], list(curve.values()), lw=0.8,
+                        color=cmap(widths.index(s["width"]) / max(1, len(widths) - 1)),
+                        ls="-" if s["weight_decay_scaling"] == "mup" else "--",
+                        label=f"w={s['width']}, decay {'x w (muP)' if s['weight_decay_scaling'] == 'mup' else 'constant'}")
+            ax.set(yscale="log", xlabel="step", ylabel="||dW||_F / ||W||_F (hidden layer)", title=opt)
+            ax.legend(fontsize=6)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_update_ratio.png", stamp)
