@@ -206,6 +206,17 @@ def test_report_rows_take_lm_eval_accuracies_and_the_peak_over_training():
     assert [by[("adamw", lr)]["lr_index"] for lr in (1e-4, 5e-4)] == [1, 2]
 
 
+
+def test_report_refuses_to_average_two_settings_of_one_rate_as_seeds():
+    from experiments.llm.report import sweep_rows
+
+    run = lambda wd, seed: {"summary": {"optim": "adamw", "lr": 1e-2, "seed": seed, "weight_decay": wd,
+                                        "val_nll": 0.05, "train_loss": 0.06, "accuracy": 0.1, "accuracy_stderr": 0.02}}
+    with pytest.raises(ValueError, match="several runs with seed 0.*tuning select"):
+        sweep_rows([run(0.01, 0), run(0.1, 0)])   # a tuning sweep: two weight decays on seed 0
+    rows, _ = sweep_rows([run(0.1, 3), run(0.1, 4)])   # two seeds of one setting: averaged
+    assert rows[0]["seeds"] == 2 and rows[0]["exact_match"] == pytest.approx(0.1, rel=1e-12)
+
 # ------------------------------------------------------------------- missing inputs, sharding
 def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

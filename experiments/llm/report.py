@@ -29,6 +29,12 @@ def sweep_rows(records) -> tuple:
     benchmarks = sorted({b for s in (r["summary"] for r in records) for b in accuracies(s)})
     rows = []
     for (opt_name, lr), runs in groups.items():
+        seeds = [s["seed"] for s in runs if s.get("seed") is not None]
+        if len(set(seeds)) < len(seeds):
+            raise ValueError(f"{opt_name} at lr {lr:g}: several runs with seed {max(seeds, key=seeds.count)}, so the "
+                             "sweep varies another setting (weight decay, damping, ...); this table averages seeds "
+                             "per optimizer and rate only: compare such settings with `python -m "
+                             "experiments.common.tuning select`")
         row = {"optimizer": opt_name, "lr": lr, "seeds": len(runs)}
         row["val_nll"], row["val_nll_se"] = mean_and_error([s["val_nll"] for s in runs])
         row["train_loss"] = float(np.mean([s["train_loss"] for s in runs]))
