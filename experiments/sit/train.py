@@ -2,15 +2,17 @@
 sample quality; sample grids at ``grid_at`` steps.
 
     python run.py task=sit_imagenet +tuned/sit_imagenet=dopr_adamw task.data_path=<latents or ImageNet train>
-    python run.py task=sit_digits +tuned/sit_digits=dopr_adamw        # the CPU analogue
+    python run.py task=sit_digits +tuned/sit_digits=dopr_adamw        # the CPU analogue (8x8 digits)
+    python run.py task=sit_mnist +tuned/sit_digits=dopr_adamw         # the larger one (28x28 MNIST)
 
 The loop is SiT's ``train.py``: global batch ``batch_size`` (split over ranks and ``grad_accum``
 micro-batches), the transport loss, the optimizer at a constant rate (no clipping, no warm-up: SiT's
 defaults), EMA of the weights (0.9999) after every step, bf16 autocast on GPU. Data: ``imagenet_latents``
 (stored VAE moments, ``experiments.sit.data encode``), ``imagenet_images`` (an ImageFolder encoded by
-the VAE on the fly, as SiT does), ``digits`` (the analogue: 8x8 digits in pixel space). Quality:
-FID in Inception features of VAE-decoded samples against reference statistics (ImageNet), or FD-digits,
-the Frechet distance in a digit classifier's features against all 1797 real digits (the analogue).
+the VAE on the fly, as SiT does), ``digits`` / ``mnist`` (the analogues: 8x8 digits or 28x28 MNIST digits
+in pixel space). Quality: FID in Inception features of VAE-decoded samples against reference statistics
+(ImageNet), or FD-digits / FD-mnist, the Frechet distance in a digit classifier's features against all
+the real images (1797 / 5000) of the analogue.
 """
 from __future__ import annotations
 
@@ -34,18 +36,18 @@ from .fid import frechet_distance, to_uint8
 from .model import build_model
 from .transport import Sampler, Transport, sample
 
-DATA = ("imagenet_latents", "imagenet_images", "digits")
+DATA = ("imagenet_latents", "imagenet_images", *sit_data.PIXEL_DATA)
 
 
 class Quality:
-    """Sample quality of a model: FID (ImageNet) or FD-digits (the analogue), plus grids."""
+    """Sample quality of a model: FID (ImageNet) or FD-<data> (the analogues), plus grids."""
 
     def __init__(self, t, device) -> None:
         self.t, self.device = t, device
-        self.name = "fd_digits" if t.data == "digits" else "fid"
-        if t.data == "digits":
-            images, labels = sit_data.digits()
-            self.net, self.classifier_accuracy = digit_classifier()
+        self.name = f"fd_{t.data}" if t.data in sit_data.PIXEL_DATA else "fid"
+        if t.data in sit_data.PIXEL_DATA:
+            images, labels = sit_data.PIXEL_DATA[t.data]()
+            self.net, self.classifier_accuracy = digit_classifier(t.data)
             with torch.no_grad():
                 feats = self.net.features(images).numpy()
             self.ref = (feats.mean(0), np.cov(feats, rowvar=False))
@@ -126,12 +128,12 @@ class Quality:
         plt.close(fig)
 
 
-@functools.lru_cache(maxsize=1)
-def digit_classifier():
-    """The analogue's feature network (deterministic: seed 0), trained once per process."""
+@functools.lru_cache(maxsize=2)
+def digit_classifier(data: str = "digits"):
+    """An analogue's feature network for ``task.data`` (deterministic: seed 0), trained once per process."""
     from .fid import train_digit_classifier
 
-    return train_digit_classifier(*sit_data.digits(), seed=0)
+    return train_digit_classifier(*sit_data.PIXEL_DATA[data](), seed=0)
 
 
 def sum_over_ranks(x, device):
@@ -156,8 +158,12 @@ def training_data(t):
     """(dataset, x1 from a batch): what the loop trains on, checked before any model is built."""
     if t.data not in DATA:
         raise ValueError(f"task.data={t.data!r}; choose from {DATA}")
-    if t.data == "digits":
-        images, labels = sit_data.digits()
+    if t.data in sit_data.PIXEL_DATA:
+        images, labels = sit_data.PIXEL_DATA[t.data]()
+        if tuple(images.shape[1:]) != (int(t.in_channels), int(t.input_size), int(t.input_size)):
+            raise ValueError(f"task.data={t.data} holds {images.shape[1]}-channel {images.shape[-1]}x{images.shape[-1]} "
+                             f"images; the task expects in_channels={t.in_channels}, input_size={t.input_size} "
+                             f"(task.in_channels / task.input_size)")
         return torch.utils.data.TensorDataset(images, labels), lambda x, gen, device: x.to(device)
     if t.data_path is None:
         raise ValueError(f"task.data_path is not set: the latent directory (data=imagenet_latents) or the ImageNet "
