@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.common.checks import ConfigError, check_job, refuse_unwritable_output
+from experiments.common.checks import ConfigError, check_job, refuse_empty_protocol_sweep, refuse_unwritable_output
 from experiments.common.launch import run_job
 from experiments.common.resume import with_resume
 
@@ -39,4 +39,5 @@ def main(cfg: DictConfig):
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
+    refuse(refuse_empty_protocol_sweep, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     main()

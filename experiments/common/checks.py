@@ -153,3 +153,22 @@ def refuse_unwritable_output(argv: list, cwd: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write the output folder {path}: {existing} is not writable by this user "
                           f"(set {key}=<a writable folder>)")
+
+
+def refuse_empty_protocol_sweep(argv: list, conf: Path) -> None:
+    """Refuse a sweep preset that globs an empty config group (`+tuned/<task>_protocol: glob(*)`
+    before the tuning selection has written that folder): Hydra would launch 0 jobs and say nothing."""
+    names = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "sweep"]
+    if not names or not ("-m" in argv or "--multirun" in argv):
+        return
+    preset = conf / "sweep" / f"{names[-1]}.yaml"
+    if not preset.is_file():
+        return  # Hydra names the unknown option itself
+    params = OmegaConf.select(OmegaConf.load(preset), "hydra.sweeper.params") or {}
+    for key, spec in params.items():
+        group = conf / key.lstrip("+")
+        if str(spec).strip() == "glob(*)" and not any(group.glob("*.yaml")):
+            raise ConfigError(
+                f"sweep={names[-1]} runs every config in {group.relative_to(conf.parent)}/, which is empty: "
+                f"run its tuning sweeps and `python -m experiments.common.tuning select ...` first "
+                f"(the commands are at the top of {preset.relative_to(conf.parent)})")
