@@ -44,7 +44,7 @@ test-kernels: setup
 DEMO := multirun/demo
 demo: setup
 	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds
-	$(PY) run.py -m sweep=feature_learning hydra.sweep.dir=$(DEMO)/feature_learning
+	$(PY) run.py -m sweep=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning
 	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
 
