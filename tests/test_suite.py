@@ -199,6 +199,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits",
               # written by the tuning protocol's selection (experiments/common/tuning.py)
               "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
+              "sit_digits_muon_protocol": "sit_digits", "sit_mnist_protocol": "sit_mnist",
               "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits", "mup_gpt": "mup_gpt_bytes"}
 
 
