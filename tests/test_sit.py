@@ -448,3 +448,24 @@ def test_the_mnist_analogue_reads_mlxtends_digits_and_checks_the_task_size():
         training_data(OmegaConf.create({"data": "mnist", "in_channels": 1, "input_size": 8}))
     net = DigitClassifier(28)
     assert net.features(x[:3]).shape == (3, 64) and net(x[:3]).shape == (3, 10)
+
+
+def test_a_diverged_run_stops_and_says_so_without_a_quality(tmp_path):
+    """A non-finite training loss ends the run at that step (later steps and evaluations only cost time):
+    the summary names the step, has no final quality (the tuning protocol ranks that as the worst) and
+    no sample grid; an ordinary run reports diverged_at None."""
+    s = _train(tmp_path / "nan", "optim=adamw", "optim.lr=1e30", "task.steps=40", "task.fid.every=20",
+               "task.grid_at=[]")
+    assert s["diverged_at"] is not None and 1 <= s["diverged_at"] < 40
+    assert not math.isfinite(s["train_loss"]) and s["quality"] is None
+    assert max(int(k) for k in s["loss_curve"]) == s["diverged_at"]
+    assert not (tmp_path / "nan" / "samples_step40.png").exists()
+    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["diverged_at"] == s["diverged_at"]
+    ok = _train(tmp_path / "ok", "optim=adamw", "task.grid_at=[]")
+    assert ok["diverged_at"] is None and math.isfinite(ok["train_loss"])
+    for d in ("nan", "ok"):
+        (tmp_path / d / ".hydra").mkdir(exist_ok=True)
+    rows = {r["lr"]: r for r in sit_report.rows(load_records([tmp_path / "nan", tmp_path / "ok"]))}
+    assert rows[1e30]["diverged"] == 1 and rows[1e30]["final_median"] == math.inf   # in the table, the worst
+    assert rows[ok["lr"]]["diverged"] == 0 and rows[ok["lr"]]["final_median"] == pytest.approx(ok["quality"])

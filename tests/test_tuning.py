@@ -138,3 +138,26 @@ def test_report_counts_each_fresh_seed_once_when_dopr_chose_the_gps_rate():
     assert math.isclose(rows["sgd"]["val_se"], math.sqrt(2.0) / math.sqrt(2))  # std (ddof 1) of {1, 3} / sqrt 2
     with pytest.raises(ValueError, match=r"seeds \[0\] were tuning seeds"):
         tuning.report(recs + [fresh("sgd", "sgd", 0, 1e-3, 1.0)], sel, ["val"])
+
+
+def test_report_counts_a_diverged_fresh_seed_as_the_worst_and_says_how_many():
+    """A fresh seed that diverged (summary diverged_at, no final metric) is the worst value of the
+    selection metric (+inf when lower is better, -inf when higher is), not a crash; the row counts it."""
+    from omegaconf import OmegaConf
+
+    def fresh(seed, value, **extra):
+        cfg = OmegaConf.create({"optim": {"name": "sgd", "lr": 1e-3, "weight_decay": 0.0}})
+        return {"summary": {"optim": "sgd", "seed": seed, "val": value, "overrides": ["+tuned/p=sgd"], **extra},
+                "config": cfg}
+
+    grid = (_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
+            + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"))
+    recs = [fresh(5, 1.0), fresh(6, 3.0), fresh(7, None, diverged_at=12)]
+    row = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "min"), ["val"])}["sgd"]
+    assert row["diverged"] == 1 and row["val_median"] == 3.0 and row["val_min"] == 1.0
+    assert row["val_max"] == math.inf
+    assert math.isnan(row["val_se"])   # no standard error with an infinite value
+    grid = (_grid("sgd", {("1e-3", "0"): [2.0], ("1e-2", "0"): [1.0]}, "optim.weight_decay")
+            + _grid("dopr_sgd", {("1e-3", "0"): [2.0], ("1e-2", "0"): [1.0]}, "optim.weight_decay"))
+    high = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "max"), ["val"])}["sgd"]
+    assert high["val_min"] == -math.inf and high["val_median"] == 1.0 and high["val_max"] == 3.0

@@ -234,12 +234,18 @@ def report(records: list, selection: dict, metrics: list) -> list:
         runs = list(runs.values())
         row = {"arm": name, "setting": _fmt({k: v for k, v in overrides.items() if "/" not in k}),
                "seeds": " ".join(str(s) for s in sorted(r["summary"]["seed"] for r in runs))}
+        diverged = sum(1 for r in runs if r["summary"].get("diverged_at") is not None)
+        if diverged:
+            row["diverged"] = diverged
         for m in metrics:
-            v = np.array([float(r["summary"][m]) for r in runs if m in r["summary"]])
+            # a run that diverged has no value of the selection metric: it counts as the worst
+            worst = (math.inf if selection["mode"] == "min" else -math.inf) if m == selection["metric"] else math.nan
+            v = np.array([worst if r["summary"][m] is None else float(r["summary"][m])
+                          for r in runs if m in r["summary"]])
             if v.size:
                 row.update({f"{m}_min": float(v.min()), f"{m}_median": float(np.median(v)), f"{m}_max": float(v.max()),
                             f"{m}_mean": float(v.mean()),
-                            f"{m}_se": float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else float("nan")})
+                            f"{m}_se": float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 and np.isfinite(v).all() else float("nan")})
         rows.append(row)
     return rows
 

@@ -4,6 +4,7 @@ seeds as the line, min and max as the band), the sample grids at an early step s
 table behind them with the DoPr-vs-GP verdict."""
 from __future__ import annotations
 
+import math
 import shutil
 from collections import defaultdict
 
@@ -13,7 +14,7 @@ from experiments.common.report import save_figure, seed_band, write_table
 from experiments.common.stats import dopr_vs_gp, group_runs
 
 COLUMNS = ["task", "optimizer", "seeds", "metric", "final_min", "final_median", "final_max", "best_median",
-           "label_accuracy_median", "train_loss_median", "lr", "steps", "batch_size", "damping", "warmup_steps",
+           "diverged", "label_accuracy_median", "train_loss_median", "lr", "steps", "batch_size", "damping", "warmup_steps",
            "damping_mode", "adjust_lr_fn", "cholesky_retries", "step_time_s"]
 DELTA_COLUMNS = ["task", "gp", "metric", "gp_final_median", "dopr_final_median", "delta", "dopr_better",
                  "seed_ranges_overlap", "gp_train_loss", "dopr_train_loss", "dopr_lower_loss"]
@@ -25,17 +26,24 @@ def _setting(s: dict) -> tuple:
             conv.get("damping_mode", ""), conv.get("adjust_lr_fn", ""))
 
 
+def _worst(quality) -> float:
+    """A run that diverged before (the last) evaluation has no quality: the worst, +inf (lower is better)."""
+    return math.inf if quality is None else float(quality)
+
+
 def rows(records) -> list:
     out = []
-    for (task, name, *_), ss in group_runs((r["summary"] for r in records if r["summary"]["quality_curve"]),
+    for (task, name, *_), ss in group_runs((r["summary"] for r in records
+                                            if r["summary"]["quality_curve"] or r["summary"].get("diverged_at")),
                                            _setting).items():
-        final = [s["quality"] for s in ss]
+        final = [_worst(s["quality"]) for s in ss]
         acc = [s["label_accuracy"] for s in ss if s.get("label_accuracy") is not None]
         counts = [s["dopr"] for s in ss if "dopr" in s]
         conv = ss[0].get("conventions", {})
         out.append({"task": task, "optimizer": name, "seeds": len(ss), "metric": ss[0]["quality_metric"],
                     "final_min": min(final), "final_median": float(np.median(final)), "final_max": max(final),
-                    "best_median": float(np.median([s["best_quality"] for s in ss])),
+                    "best_median": float(np.median([_worst(s["best_quality"]) for s in ss])),
+                    "diverged": sum(1 for s in ss if s.get("diverged_at") is not None),
                     "label_accuracy_median": float(np.median(acc)) if acc else "",
                     "train_loss_median": float(np.median([s["train_loss"] for s in ss])),
                     "lr": ss[0]["lr"], "steps": ss[0]["steps"], "batch_size": ss[0]["batch_size"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from . import data as sit_data
 from .fid import frechet_distance, to_uint8
 from .model import build_model
 from .transport import Sampler, Transport, sample
+
+log = logging.getLogger("experiments")
 
 DATA = ("imagenet_latents", "imagenet_images", *sit_data.PIXEL_DATA)
 
@@ -243,6 +246,7 @@ def run(cfg, run) -> dict:
         evals[0] = quality.measure(ema.module, seed=int(cfg.seed))
     bar = run.progress(t.steps, initial=start)
     batches = resumable_batches(loader, start, per_step=t.grad_accum)
+    diverged_at = None
     for step in range(start + 1, t.steps + 1):
         _, micro_batches = next(batches)
         with run.clock.training(device):
@@ -254,6 +258,11 @@ def run(cfg, run) -> dict:
             sched.step()
             ema.update()
         running, n_running = running + total, n_running + 1
+        if not math.isfinite(total):      # diverged: later steps and evaluations only cost time
+            diverged_at, last_loss, losses[step] = step, total, total
+            run.log({"train_loss": total, "diverged_at": step}, step)
+            log.warning("training loss %s at step %d: stopping this run (diverged)", total, step)
+            break
         if schedule.log(step):
             row = {"train_loss": running / n_running, "lr": sched.get_last_lr()[0],
                    "step_time_s": run.clock.train / step}
@@ -273,12 +282,13 @@ def run(cfg, run) -> dict:
     bar.close()
     if run.is_main:
         atomic_write(run.dir / "ema.pt", lambda p: torch.save(unwrap(ema.module).state_dict(), p))
-        if quality and t.grid_at:
+        if quality and t.grid_at and diverged_at is None:
             quality.grid(ema.module, run.dir / f"samples_step{t.steps}.png", seed=int(cfg.seed))
-    return summary(t, cfg, model, quality, evals, losses, last_loss, run.clock.train)
+    return summary(t, cfg, model, quality, evals, losses, last_loss, run.clock.train, diverged_at)
 
 
-def summary(t, cfg, model, quality, evals: dict, losses: dict, train_loss, train_time: float) -> dict:
+def summary(t, cfg, model, quality, evals: dict, losses: dict, train_loss, train_time: float,
+            diverged_at=None) -> dict:
     name = quality.name if quality else None
     final = evals.get(int(t.steps), {})
     return {
@@ -290,5 +300,6 @@ def summary(t, cfg, model, quality, evals: dict, losses: dict, train_loss, train
         "quality_curve": {str(s): e[name] for s, e in sorted(evals.items())} if name else {},
         "evals": {str(s): e for s, e in sorted(evals.items())},
         "classifier_accuracy": quality.classifier_accuracy if quality else None,
-        "sampler": OmegaConf.to_container(t.sampler, resolve=True), "step_time_s": train_time / t.steps,
+        "sampler": OmegaConf.to_container(t.sampler, resolve=True),
+        "step_time_s": train_time / (diverged_at or t.steps), "diverged_at": diverged_at,
     }
