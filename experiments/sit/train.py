@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ..common.checkpoint import TrainingState
-from ..common.distributed import data_loader, gradient_sync, unwrap, world, wrap_ddp
+from ..common.distributed import all_reduce_sum, data_loader, gradient_sync, unwrap, world, wrap_ddp
 from ..common.ema import WeightEMA
 from ..common.loop import Schedule, every, resumable_batches
 from ..common.provenance import atomic_write
@@ -258,7 +258,8 @@ def run(cfg, run) -> dict:
             sched.step()
             ema.update()
         running, n_running = running + total, n_running + 1
-        if not math.isfinite(total):      # diverged: later steps and evaluations only cost time
+        # diverged: later steps and evaluations only cost time (the sum over ranks, so that every rank stops)
+        if not math.isfinite(all_reduce_sum(total, device)):
             diverged_at, last_loss, losses[step] = step, total, total
             run.log({"train_loss": total, "diverged_at": step}, step)
             log.warning("training loss %s at step %d: stopping this run (diverged)", total, step)
