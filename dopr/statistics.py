@@ -171,11 +171,21 @@ def gram_blocks(n: int, d: int) -> int:
     return 4 if d >= 768 else 2
 
 
+#: rows one GEMM sums. A BLAS may accumulate a long inner dimension in float32 with a few running sums,
+#: an error growing like n units of roundoff: z^T z over the 369664 RGB pixels of a robomimic batch
+#: (SUA's 3 x 3 covariance) came out 1e-3 off, relative, with a negative eigenvalue ten times the
+#: damping. Chunks of this many rows, their grams summed, bound it by (chunk + n / chunk) units.
+GRAM_CHUNK_ROWS = 4096
+
+
 def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
     """z^T z for z of shape (n, d): with b > 1 block rows, the blocks on and above the diagonal (one
     GEMM per block row, (b + 1) / 2b of the FLOPs), the rest mirrored. ``blocks=0``: by gram_blocks.
-    ``out``: a (d, d) view to write into (the top-left block of the homogeneous statistics: no copy)."""
+    ``out``: a (d, d) view to write into (the top-left block of the homogeneous statistics: no copy).
+    More than GRAM_CHUNK_ROWS rows are summed chunk by chunk (see there)."""
     n, d = z.shape
+    if isinstance(n, int) and n > GRAM_CHUNK_ROWS:
+        return _gram_chunked(z, blocks or gram_blocks(GRAM_CHUNK_ROWS, d), out)
     b = blocks or gram_blocks(n, d)
     if torch.compiler.is_compiling():  # out= into views breaks dynamo's graph: assemble the blocks
         full = _gram_assembled(z, b)
@@ -190,6 +200,18 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
         torch.mm(zt[i:i + h], z[:, i:], out=out[i:i + h, i:])
     for i in range(0, d - h, h):
         out[i + h:, i:i + h] = out[i:i + h, i + h:].T
+    return out
+
+
+def _gram_chunked(z: Tensor, b: int, out: Tensor = None) -> Tensor:
+    chunks = z.split(GRAM_CHUNK_ROWS)
+    if torch.compiler.is_compiling():
+        full = sum(_gram_assembled(c, b) for c in chunks)
+        return full if out is None else out.copy_(full)
+    out = gram(chunks[0], b, out=out)
+    part = torch.empty_like(out)
+    for c in chunks[1:]:
+        out.add_(gram(c, b, out=part))
     return out
 
 

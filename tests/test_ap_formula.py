@@ -173,6 +173,27 @@ def test_the_blocked_symmetric_gram_equals_the_full_product(blocks):
     torch.testing.assert_close(_gram_assembled(z, blocks), z.T @ z, rtol=1e-12, atol=1e-10)  # the compiled form
 
 
+def test_the_gram_of_a_long_batch_stays_within_the_chunked_summation_bound():
+    """SUA's 3 x 3 channel covariance sums z z^T over every pixel of a batch (369664 for robomimic's
+    crops). Pixel values repeat, so rounding errors in one float32 running sum do not cancel: one GEMM
+    was 1e-3 off, relative, with a negative eigenvalue. Summed in chunks of GRAM_CHUNK_ROWS, any
+    order of summation inside a chunk and across chunks errs by at most (chunk + n / chunk + 2) units
+    of roundoff times |z|^T |z| (Higham's bound for recursive sums; z is exact in float32)."""
+    from dopr.statistics import GRAM_CHUNK_ROWS, gram
+
+    n = 369664
+    g = torch.Generator().manual_seed(0)
+    z = 0.7 + torch.randint(0, 3, (n, 3), generator=g).float() / 255  # near-constant pixels, as a background
+    exact = z.double().T @ z.double()
+    u = 2.0 ** -24
+    bound = (GRAM_CHUNK_ROWS + n // GRAM_CHUNK_ROWS + 2) * u * (z.double().abs().T @ z.double().abs())
+    err = (gram(z).double() - exact).abs()
+    assert bool((err <= bound).all()), f"gram off by {float((err / bound).max()):.2f} x the bound"
+    s = torch.empty(4, 4)
+    gram(z, out=s[:3, :3])  # into a view, as the homogeneous statistics do
+    assert bool(((s[:3, :3].double() - exact).abs() <= bound).all())
+
+
 def test_symmetric_gram_of_wide_activations_equals_the_full_product():
     from dopr.statistics import gram_blocks
 
