@@ -50,3 +50,37 @@ def test_full_runs_need_the_flag_to_replace_the_committed_tables(debug_sweep, tm
 def test_the_stamp_names_paths_inside_the_repository():
     assert report._in_repo(str(ROOT / "multirun" / "x")) == "multirun/x"
     assert report._in_repo("/elsewhere/sweep") == "/elsewhere/sweep"
+
+
+def test_a_long_stamp_sits_under_the_axes_and_is_saved_whole(tmp_path):
+    """A stamp naming six sweeps used to be drawn over the lowest axes (text anchored inside the figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    stamp = "Runs made by " + "; ".join(f"`python run.py -m sweep=robomimic_lift_rollouts seed={s} "
+                                        f"hydra.sweep.dir=multirun/robomimic_lift_rollouts/pair_s{s}` (2 runs)"
+                                        for s in range(6))
+    fig, axes = plt.subplots(2, 1, figsize=(5.5, 7))
+    for ax in axes:
+        ax.plot([0, 1], [0, 1])
+    report.stamp_figure(fig, stamp)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    text = fig.texts[-1]
+    box = text.get_window_extent(renderer)
+    for ax in axes:
+        assert not box.overlaps(ax.get_tightbbox(renderer)), "the stamp covers an axes"
+    assert text.get_text().replace("\n", " ") == stamp.replace("`", "")    # wrapped, nothing dropped
+    assert box.x1 <= fig.bbox.x1                                           # no line runs off the right edge
+    plt.close(fig)
+
+    heights = []
+    for s in ("short", stamp):
+        fig, ax = plt.subplots(figsize=(5.5, 3))
+        ax.plot([0, 1], [0, 1])
+        report.save_figure(fig, tmp_path / "f.png", s)
+        heights.append(Image.open(tmp_path / "f.png").size[1])
+    assert heights[1] > heights[0] + 6 * 8                                 # the file holds the extra lines

@@ -19,6 +19,7 @@ import csv
 import json
 import shlex
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,6 +77,9 @@ def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: s
     path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
 
 
+STAMP_POINTS = 6
+
+
 def seed_band(ax, curves: list, label: str, color) -> None:
     """Curves of several seeds ({step: value} each): the median as the line, min..max as the band,
     on the steps every seed has."""
@@ -88,7 +92,11 @@ def seed_band(ax, curves: list, label: str, color) -> None:
 
 
 def stamp_figure(fig, stamp: str) -> None:
-    fig.text(0.01, 0.005, stamp.replace("`", ""), fontsize=6, color="0.4", ha="left", va="bottom", wrap=True)
+    """The stamp under the figure, wrapped to its width (saved with a tight box, so it adds height
+    instead of covering the lowest axes, however many commands it names)."""
+    chars = max(40, int(fig.get_figwidth() * 72 / (STAMP_POINTS * 0.6)))  # a 6 pt glyph is ~3.6 pt wide
+    text = "\n".join(textwrap.wrap(stamp.replace("`", ""), chars))
+    fig.text(0.01, -0.01, text, fontsize=STAMP_POINTS, color="0.4", ha="left", va="top")
 
 
 def save_figure(fig, path: Path, stamp: str, dpi: int = 150) -> None:
@@ -96,7 +104,7 @@ def save_figure(fig, path: Path, stamp: str, dpi: int = 150) -> None:
     import matplotlib.pyplot as plt
 
     stamp_figure(fig, stamp)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
 
 
