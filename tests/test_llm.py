@@ -217,6 +217,16 @@ def test_report_refuses_to_average_two_settings_of_one_rate_as_seeds():
     rows, _ = sweep_rows([run(0.1, 3), run(0.1, 4)])   # two seeds of one setting: averaged
     assert rows[0]["seeds"] == 2 and rows[0]["exact_match"] == pytest.approx(0.1, rel=1e-12)
 
+
+def test_the_nll_axis_turns_logarithmic_when_one_rate_sits_ten_times_off_the_rest():
+    from experiments.llm.report import nll_axis_scale
+
+    # the committed sft_arith protocol: NLL 0.006-0.06 beside one diverged rate at 1.45
+    assert nll_axis_scale([0.0063, 0.024, 0.06, 1.45]) == "log"
+    assert nll_axis_scale([0.3, 0.5, 2.9]) == "linear"             # under 10x: a linear axis reads better
+    assert nll_axis_scale([0.3, float("nan"), float("inf"), 0.4]) == "linear"   # non-finite points are not drawn
+    assert nll_axis_scale([]) == "linear"
+
 # ------------------------------------------------------------------- missing inputs, sharding
 def test_missing_weights_data_and_eval_data_fail_before_any_model_is_loaded(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -68,6 +68,7 @@ def sft(records, out_dir, stamp) -> None:
                 f"{task}: final validation NLL and accuracy per optimizer and learning rate (mean, standard error)")
 
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 4), squeeze=False)
+    scale = nll_axis_scale([r["val_nll"] for r in rows])
     for ax, b in zip(axes[0], benchmarks):
         for opt_name in sorted({r["optimizer"] for r in rows}):
             rs = sorted((r for r in rows if r["optimizer"] == opt_name and math.isfinite(r["val_nll"])),
@@ -80,14 +81,22 @@ def sft(records, out_dir, stamp) -> None:
             for r, xi, yi in zip(rs, x, y):
                 ax.annotate(str(r["lr_index"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=bars[0].get_color())
-        ax.set(xlabel="validation NLL (per token)", ylabel=f"{b} accuracy (%)", title=b)
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+        ax.set(xlabel="validation NLL (per token)", ylabel=f"{b} accuracy (%)", title=b, xscale=scale)
+        if scale == "linear":
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
         ax.legend(fontsize=7)
     lrs = sorted({r["lr"] for r in rows})
     fig.suptitle(f"{task}: labels = learning-rate rank: " + ", ".join(f"{i + 1}={lr:g}" for i, lr in enumerate(lrs)),
                  fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save_figure(fig, out_dir / f"{task}_nll_vs_accuracy.png", stamp)
+
+
+def nll_axis_scale(nlls, spread: float = 10.0) -> str:
+    """"log" where the finite, positive NLLs span more than `spread` times (one diverged rate would
+    otherwise squash every other point against the axis), else "linear"."""
+    finite = [v for v in nlls if math.isfinite(v) and v > 0]
+    return "log" if finite and max(finite) > spread * min(finite) else "linear"
 
 
 def pretrain(records, out_dir, stamp) -> None:
