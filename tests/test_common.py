@@ -270,3 +270,35 @@ def test_the_schedule_logs_evaluates_and_checkpoints_when_asked():
         loop.Schedule(10, 1, [11], evaluate_key="task.eval_at")
     with pytest.raises(ValueError, match="task.fid.every must be >= 0"):
         loop.every(10, -1, "task.fid.every")
+
+
+def _metric_steps(folder):
+    import json
+
+    return [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_fresh_start_in_a_used_folder_logs_each_step_once_and_a_resume_keeps_the_checkpointed_rows(tmp_path):
+    from omegaconf import OmegaConf
+
+    from experiments.common.run import Run
+
+    cfg = OmegaConf.create({"device": "cpu", "logger": {"name": "none"}})
+    first = Run(cfg, tmp_path)  # an attempt cut off before its first checkpoint
+    for step in (10, 20):
+        first.log({"loss": 1.0}, step)
+    first.close(failed=True)
+
+    again = Run(cfg, tmp_path)  # the same job again (a resumed sweep): nothing to resume, so from step 0
+    assert again.load_checkpoint() is None
+    again.log({"loss": 1.0}, 10)
+    again.save_checkpoint({"step": 10})
+    again.log({"loss": 1.0}, 20)
+    again.close(failed=True)
+    assert _metric_steps(tmp_path) == [10, 20]
+
+    resumed = Run(cfg, tmp_path)  # with a checkpoint: the rows after it go, the ones before it stay
+    assert resumed.load_checkpoint() == {"step": 10}
+    resumed.log({"loss": 1.0}, 20)
+    resumed.close(failed=False)
+    assert _metric_steps(tmp_path) == [10, 20]

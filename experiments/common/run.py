@@ -94,7 +94,10 @@ class Run:
         self.clock = Clock()   # training, evaluation and wall time; kept across a resume by the checkpoint
         # under torch.distributed only rank 0 writes files and talks to W&B
         self.is_main = is_main()
-        self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "a")
+        # a fresh start (no checkpoint) drops the rows of an earlier attempt cut off before its first
+        # checkpoint, or of a finished run re-run in its folder; a resume cuts them back to its checkpoint
+        fresh = not (self.dir / "checkpoint.pt").exists()
+        self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "w" if fresh else "a")
         self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
         self.summary_path = self.dir / "summary.json"
         self.optimizers: list = []
