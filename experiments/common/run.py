@@ -96,7 +96,7 @@ class Run:
         self.is_main = is_main()
         # a fresh start (no checkpoint) drops the rows of an earlier attempt cut off before its first
         # checkpoint, or of a finished run re-run in its folder; a resume cuts them back to its checkpoint
-        fresh = not (self.dir / "checkpoint.pt").exists()
+        fresh = not self.checkpoint_path.exists()
         self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "w" if fresh else "a")
         self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
         self.summary_path = self.dir / "summary.json"
