@@ -302,3 +302,37 @@ def test_a_fresh_start_in_a_used_folder_logs_each_step_once_and_a_resume_keeps_t
     resumed.log({"loss": 1.0}, 20)
     resumed.close(failed=False)
     assert _metric_steps(tmp_path) == [10, 20]
+
+
+def test_summary_names_the_commit_the_job_ran_at_not_one_made_while_it_trained(tmp_path, monkeypatch):
+    """A long job outlives commits: summary.json's git_revision is the commit read when the job started,
+    and a resume at another commit lists every commit the job ran at, in order."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from experiments.common import run as run_module
+
+    cfg = OmegaConf.create({"device": "cpu", "logger": {"name": "none"}, "task": {"name": "toy"},
+                            "optim": {"name": "adamw"}, "seed": 0})
+    head = {"rev": "aaaaaaa"}
+    monkeypatch.setattr(run_module, "git_revision", lambda: head["rev"])
+
+    job = run_module.Run(cfg, tmp_path / "one")
+    head["rev"] = "bbbbbbb"  # a commit lands while the job trains
+    out = job.finish({"loss": 1.0})
+    job.close(failed=False)
+    assert out["git_revision"] == "aaaaaaa" and "git_revisions" not in out
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["git_revision"] == "aaaaaaa"
+
+    head["rev"] = "aaaaaaa"
+    first = run_module.Run(cfg, tmp_path / "two")
+    first.save_checkpoint({"step": 10})
+    first.close(failed=True)
+    head["rev"] = "bbbbbbb"  # requeued after a commit
+    resumed = run_module.Run(cfg, tmp_path / "two")
+    assert resumed.load_checkpoint() == {"step": 10}
+    head["rev"] = "ccccccc"
+    out = resumed.finish({"loss": 1.0})
+    resumed.close(failed=False)
+    assert out["git_revision"] == "aaaaaaa" and out["git_revisions"] == ["aaaaaaa", "bbbbbbb"]

@@ -4,7 +4,8 @@ Every job writes into its own Hydra output directory:
   .hydra/config.yaml   the resolved config (Hydra)
   metrics.jsonl        one JSON object per logged step, always
   checkpoint.pt        the latest training state (written atomically), for requeue and resume
-  summary.json         final metrics, wall time, git revision, package versions; written last,
+  summary.json         final metrics, wall time, git revision (the commit the job started at; every
+                       commit it ran at when a resume came at another), package versions; written last,
                        atomically, and only when the job finished (never for a failed run)
   wandb/               the W&B run directory when logger=wandb (offline without an API key)
 """
@@ -94,6 +95,8 @@ class Run:
         self.clock = Clock()   # training, evaluation and wall time; kept across a resume by the checkpoint
         # under torch.distributed only rank 0 writes files and talks to W&B
         self.is_main = is_main()
+        # the code this attempt runs, read now: a commit made while a long job trains is not its code
+        self.git_revisions = [git_revision()]
         # a fresh start (no checkpoint) drops the rows of an earlier attempt cut off before its first
         # checkpoint, or of a finished run re-run in its folder; a resume cuts them back to its checkpoint
         fresh = not self.checkpoint_path.exists()
@@ -155,7 +158,8 @@ class Run:
             return
         self._metrics.flush()
         rows = sum(1 for _ in open(self.dir / "metrics.jsonl"))
-        atomic_write(self.checkpoint_path, lambda p: torch.save({"state": state, "metric_rows": rows}, p))
+        atomic_write(self.checkpoint_path, lambda p: torch.save(
+            {"state": state, "metric_rows": rows, "git_revisions": self.git_revisions}, p))
 
     def load_checkpoint(self) -> Optional[dict]:
         """The last saved state (None on a fresh start); metrics.jsonl is cut back to that point, so a
@@ -163,6 +167,9 @@ class Run:
         if not self.checkpoint_path.exists():
             return None
         ckpt = load_plain(self.checkpoint_path, map_location=self.device, allowed=numpy_array_globals())
+        earlier = list(ckpt.get("git_revisions", []))  # the commits of the attempts before this one
+        if earlier:
+            self.git_revisions = earlier + [r for r in self.git_revisions if r != earlier[-1]]
         if not self.is_main:
             return ckpt["state"]
         self._metrics.close()
@@ -178,7 +185,8 @@ class Run:
         out = {
             "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
             **(ap_record(self.cfg) if self.optimizers else {}), **{k: _plain(v) for k, v in summary.items()},
-            **self.clock.times(), "wall_time_s": self.clock.wall(), "git_revision": git_revision(),
+            **self.clock.times(), "wall_time_s": self.clock.wall(), "git_revision": self.git_revisions[0],
+            **({"git_revisions": self.git_revisions} if len(self.git_revisions) > 1 else {}),
             "world_size": world()[1],
             "packages": package_versions(), "overrides": command_line_overrides(),
             **optimizer_record(self.cfg, self.optimizers),
