@@ -323,6 +323,26 @@ def test_training_moves_the_loss_and_resume_is_exact(tmp_path):
     assert resumed["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
 
 
+def test_the_denormal_bench_counts_subnormals_and_times_a_job_from_its_checkpoint(tmp_path):
+    from experiments.sit import bench
+
+    tiny = torch.finfo(torch.float32).tiny
+    assert bench._subnormals({"a": [torch.tensor([tiny / 2, tiny, 0.0, -tiny / 8])], "b": torch.arange(3)}) == 2
+    with pytest.raises(SystemExit, match="has no .hydra/config.yaml or checkpoint.pt"):
+        bench.main(["denormal", str(tmp_path)])
+    job = tmp_path / "job"
+    from conftest import _compose
+    cfg = _compose("task=sit_digits", "task.steps=12", "task.fid.every=0", "task.grid_at=[]", *TINY,
+                   "optim=dopr_adamw", "task.checkpoint_every=10")
+    run_job(cfg, job)
+    (job / ".hydra").mkdir()
+    from omegaconf import OmegaConf
+    OmegaConf.save(cfg, job / ".hydra" / "config.yaml")
+    bench.main(["denormal", str(job), "--steps", "1", "--repeats", "1", "--out", str(tmp_path / "denormal.md")])
+    row = [l for l in (tmp_path / "denormal.md").read_text().splitlines() if l.startswith(f"| {job} (step 10, dopr_adamw")]
+    assert len(row) == 1 and row[0].endswith("x |")
+
+
 def test_coverage_of_sit_s2_lists_every_layer_kind():
     import dopr
 

@@ -103,6 +103,26 @@ def _job_identity(overrides: list) -> list:
     return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in EXECUTION_KEYS]
 
 
+def flushing_denormals() -> bool:
+    """Whether this process flushes subnormal floats to zero now (torch has no getter)."""
+    import torch
+
+    return (torch.tensor([torch.finfo(torch.float32).tiny]) / 2).item() == 0.0
+
+
+def set_cpu_numerics(cfg: DictConfig) -> None:
+    """The job's CPU threads (`task.threads`; 0: torch's default, one per core) and subnormal floats
+    (`flush_denormal`): both are process-wide, so each job of a sweep sets its own."""
+    import torch
+
+    threads = int(OmegaConf.select(cfg, "task.threads", default=0) or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    flush = bool(OmegaConf.select(cfg, "flush_denormal", default=False))
+    if not torch.set_flush_denormal(flush) and flush:
+        log.warning("flush_denormal=true: this CPU cannot flush subnormal floats; they stay (slow, same results)")
+
+
 def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     """Run the task named by `cfg.task.entry`; summary.json is written only if it returns."""
     done = finished_summary(cfg, out_dir)
@@ -110,11 +130,8 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
         return done
     apply_debug(cfg, out_dir)
     init_distributed(cfg)
-    threads = int(OmegaConf.select(cfg, "task.threads", default=0) or 0)
-    if threads:   # each task config names its own (0: torch's default, one per core)
-        import torch
-
-        torch.set_num_threads(threads)
+    flushed_before = flushing_denormals()
+    set_cpu_numerics(cfg)
     seed_everything(int(cfg.seed))
     task = hydra.utils.get_method("experiments.common.rehearsal.run_rehearsal" if cfg.get("rehearse")
                                   else cfg.task.entry)
@@ -129,6 +146,9 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     finally:
         run.close(failed)
         del run, task
+        import torch
+
+        torch.set_flush_denormal(flushed_before)   # the caller's setting again (a job in a notebook or a test)
         if cfg.distributed:
             from .distributed import shutdown
 
