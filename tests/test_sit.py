@@ -394,6 +394,14 @@ def test_report_writes_the_tables_figures_and_grids(tmp_path):
     assert len([r for r in sit_report.rows(load_records([sweep])) if r["optimizer"] == "dopr_adamw"]) == 2
 
 
+def test_the_quality_panel_is_titled_by_the_optimizers_it_shows():
+    # a single-arm tuning sweep used to be titled "adamw vs dopr_adamw" though it held no DoPr run
+    assert sit_report.panel_title([("adamw", 1e-3), ("adamw", 1e-2)]) == "adamw: sample quality"
+    assert sit_report.panel_title([("dopr_adamw", 1e-3)]) == "dopr_adamw: sample quality"
+    assert sit_report.panel_title([("dopr_adamw", 1e-3), ("adamw", 1e-2), ("dopr_adamw", 1e-2)]) == \
+        "adamw vs dopr_adamw: sample quality"
+
+
 def test_coverage_report_command_writes_the_table(tmp_path):
     from experiments.sit import bench
 

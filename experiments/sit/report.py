@@ -31,6 +31,13 @@ def _worst(quality) -> float:
     return math.inf if quality is None else float(quality)
 
 
+def panel_title(settings) -> str:
+    """The quality panel's title names the optimizers it shows: "adamw vs dopr_adamw" for a pair, the one
+    name for a single-arm sweep (a tuning sweep of the GP alone is not a comparison)."""
+    names = sorted({name for name, _ in settings}, key=lambda n: (n.startswith("dopr_"), n))
+    return " vs ".join(names) + ": sample quality"
+
+
 def rows(records) -> list:
     out = []
     for (task, name, *_), ss in group_runs((r["summary"] for r in records
@@ -101,7 +108,7 @@ def quality(records, out_dir, stamp) -> None:
                   f"{label} ({len(rs)} seeds)", color)
             seed_band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
                   label, color)
-        axes[0, j].set(title=f"{gp} vs dopr_{gp}: sample quality", xlabel="training step", ylabel=metric,
+        axes[0, j].set(title=panel_title(settings), xlabel="training step", ylabel=metric,
                        yscale="log")
         axes[1, j].set(title="training loss (min/median/max over seeds)", xlabel="training step",
                        ylabel="velocity loss", yscale="log")
