@@ -497,3 +497,30 @@ def test_a_diverged_run_stops_and_says_so_without_a_quality(tmp_path):
     rows = {r["lr"]: r for r in sit_report.rows(load_records([tmp_path / "nan", tmp_path / "ok"]))}
     assert rows[1e30]["diverged"] == 1 and rows[1e30]["final_median"] == math.inf   # in the table, the worst
     assert rows[ok["lr"]]["diverged"] == 0 and rows[ok["lr"]]["final_median"] == pytest.approx(ok["quality"])
+
+
+def test_evaluate_remeasures_the_final_fd_and_under_other_classifiers(tmp_path):
+    from omegaconf import OmegaConf
+
+    from conftest import _compose
+    from experiments.sit import evaluate
+
+    with pytest.raises(SystemExit, match="has no .hydra/config.yaml, ema.pt, summary.json"):
+        evaluate.main(["classifiers", str(tmp_path)])
+    job = tmp_path / "job"
+    cfg = _compose("task=sit_digits", "task.steps=20", "task.fid.every=10", "task.grid_at=[]", *TINY, "optim=dopr_adamw")
+    s = run_job(cfg, job)
+    (job / ".hydra").mkdir()
+    OmegaConf.save(cfg, job / ".hydra" / "config.yaml")
+    fds = evaluate.classifier_fds(job, [0, 1])
+    # seed 0 is the run's own classifier, and the same samples: the same computation in this process
+    assert fds[0][0] == pytest.approx(s["quality"], rel=1e-9)
+    assert fds[0][1] == pytest.approx(s["classifier_accuracy"], rel=1e-12)
+    # another seed's classifier is another feature space: another (finite, positive) distance
+    assert math.isfinite(fds[1][0]) and fds[1][0] > 0 and fds[1][0] != fds[0][0]
+    out = tmp_path / "fd.md"
+    evaluate.main(["classifiers", str(job), "--seeds", "0", "1", "--out", str(out)])
+    text = out.read_text()
+    row = [l for l in text.splitlines() if l.startswith(f"| {job} | dopr_adamw lr ")]
+    assert len(row) == 1 and row[0].split(" | ")[3] == f"{s['quality']:.2f}"
+    assert f"| dopr_adamw lr {cfg.optim.lr:g} | 1 | {fds[0][0]:.2f} | {fds[1][0]:.2f} |" in text

@@ -45,12 +45,12 @@ DATA = ("imagenet_latents", "imagenet_images", *sit_data.PIXEL_DATA)
 class Quality:
     """Sample quality of a model: FID (ImageNet) or FD-<data> (the analogues), plus grids."""
 
-    def __init__(self, t, device) -> None:
+    def __init__(self, t, device, classifier_seed: int = 0) -> None:
         self.t, self.device = t, device
         self.name = f"fd_{t.data}" if t.data in sit_data.PIXEL_DATA else "fid"
         if t.data in sit_data.PIXEL_DATA:
             images, labels = sit_data.PIXEL_DATA[t.data]()
-            self.net, self.classifier_accuracy = digit_classifier(t.data)
+            self.net, self.classifier_accuracy = digit_classifier(t.data, classifier_seed)
             with torch.no_grad():
                 feats = self.net.features(images).numpy()
             self.ref = (feats.mean(0), np.cov(feats, rowvar=False))
@@ -84,29 +84,40 @@ class Quality:
                 return self.net.features(images.cpu()).numpy()
             return self.net(to_uint8(images)).double().cpu().numpy()
 
-    @torch.no_grad()
-    def measure(self, model, seed: int) -> dict:
-        """Quality of ``model`` on this rank's share of the samples; sums over ranks give the statistics."""
+    def sample_chunks(self, model, seed: int):
+        """This rank's share of the evaluation samples, one (images, labels) chunk at a time."""
         rank, size = world()
-        labels = self.labels[rank::size]
-        s, ss, n, hits, nfe = 0.0, 0.0, 0, 0, 0
         was = model.training
         model.eval()
-        for i, chunk in enumerate(labels.split(int(self.t.fid.batch))):
-            x = self.images(model, chunk, seed=seed + 7919 * rank + i)
-            nfe = self.sampler.nfe
+        try:
+            for i, chunk in enumerate(self.labels[rank::size].split(int(self.t.fid.batch))):
+                yield self.images(model, chunk, seed=seed + 7919 * rank + i), chunk
+        finally:
+            model.train(was)
+
+    @torch.no_grad()
+    def score(self, chunks) -> dict:
+        """The quality of (images, labels) chunks, summed over ranks: FD (or FID), and for the analogues the
+        share of samples the classifier assigns their label."""
+        s, ss, n, hits = 0.0, 0.0, 0, 0
+        for x, chunk in chunks:
             f = self.features(x).astype(np.float64)
             s, ss, n = s + f.sum(0), ss + f.T @ f, n + len(f)
             if self.vae is None:
                 hits += int((self.net(x.cpu()).argmax(1) == chunk).sum())
-        model.train(was)
         s, ss, n, hits = (sum_over_ranks(v, self.device) for v in (s, ss, n, hits))
         mu = s / n
         sigma = (ss - n * np.outer(mu, mu)) / (n - 1)
-        out = {self.name: frechet_distance(mu, sigma, *self.ref), "nfe": nfe}
+        out = {self.name: frechet_distance(mu, sigma, *self.ref), "nfe": self.sampler.nfe}
         if self.vae is None:
             out["label_accuracy"] = float(hits) / float(n)   # samples the classifier assigns their label
         return out
+
+    @torch.no_grad()
+    def measure(self, model, seed: int) -> dict:
+        """Quality of ``model`` on this rank's share of the samples (streamed: ImageNet's 50000 images are
+        never held at once); sums over ranks give the statistics."""
+        return self.score(self.sample_chunks(model, seed))
 
     def grid(self, model, path: Path, seed: int, per_class: int = 8) -> None:
         """A sample grid: ``per_class`` samples of each of the first ten classes, one row per class."""
@@ -131,12 +142,13 @@ class Quality:
         plt.close(fig)
 
 
-@functools.lru_cache(maxsize=2)
-def digit_classifier(data: str = "digits"):
-    """An analogue's feature network for ``task.data`` (deterministic: seed 0), trained once per process."""
+@functools.lru_cache(maxsize=8)
+def digit_classifier(data: str = "digits", seed: int = 0):
+    """An analogue's feature network for ``task.data`` (deterministic; training runs use seed 0), trained once
+    per process."""
     from .fid import train_digit_classifier
 
-    return train_digit_classifier(*sit_data.PIXEL_DATA[data](), seed=0)
+    return train_digit_classifier(*sit_data.PIXEL_DATA[data](), seed=seed)
 
 
 def sum_over_ranks(x, device):
