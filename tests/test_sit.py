@@ -512,7 +512,13 @@ def test_evaluate_remeasures_the_final_fd_and_under_other_classifiers(tmp_path):
     s = run_job(cfg, job)
     (job / ".hydra").mkdir()
     OmegaConf.save(cfg, job / ".hydra" / "config.yaml")
-    fds = evaluate.classifier_fds(job, [0, 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if int(cfg.task.threads) == 1 else 1)   # evaluate must apply the run's own
+    try:
+        fds = evaluate.classifier_fds(job, [0, 1])
+        assert torch.get_num_threads() == int(cfg.task.threads)
+    finally:
+        torch.set_num_threads(threads)
     # seed 0 is the run's own classifier, and the same samples: the same computation in this process
     assert fds[0][0] == pytest.approx(s["quality"], rel=1e-9)
     assert fds[0][1] == pytest.approx(s["classifier_accuracy"], rel=1e-12)

@@ -5,8 +5,8 @@
 `classifiers`: the final FD-<data> of each run under feature classifiers trained with other seeds (the runs
 use seed 0), drawing the same samples as the run's last evaluation; the per-setting medians say whether a
 gap between optimizers is the samples' or the feature network's. A classifier trained with the same seed
-on another CPU can differ too (other BLAS paths), so the seed-0 column is measured here, beside the value
-the run recorded.
+on another CPU or thread count differs too (other float paths): each run is measured with its own
+`task.threads` and `flush_denormal`, and the seed-0 column sits beside the value the run recorded.
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ def _load(folder: Path):
 def classifier_fds(folder: Path, seeds) -> dict:
     """{classifier seed: (FD, classifier accuracy)} for the run's final EMA weights, all on one set of samples
     (the run's last evaluation draws them with the same seeds)."""
+    from ..common.launch import set_cpu_numerics
     from .train import Quality, build
 
     cfg, summary = _load(folder)
     device = torch.device("cpu")
-    torch.set_flush_denormal(bool(cfg.get("flush_denormal", False)))
+    set_cpu_numerics(cfg)   # the run's threads and subnormal flushing: the classifier's float path is the run's
     model = build(cfg.task, device)
     model.load_state_dict(torch.load(folder / "ema.pt", map_location=device))
     quality = {int(s): Quality(cfg.task, device, classifier_seed=int(s)) for s in seeds}
