@@ -1,0 +1,166 @@
+"""Which factorisation suits the device: a Cholesky solve (two triangular solves, trsm) against an explicit
+inverse applied by one GEMM, and against the GEMM-only Newton-Schulz inverse in float32 and bfloat16.
+
+    python scripts/bench_solvers.py [--device cpu|cuda] [--dims 64,256,384,1024,4096] [--rows R]
+        [--batch B] [--repeats 10] [--threads 2] [--out FILE.md]
+
+Per d, a batch of B covariances Sigma = X^T X / n from n = 4d samples whose i-th principal direction has
+scale 1/i (eigenvalues ~ 1/i^2, a random rotation; built in float64, stored float32 as DoPr keeps its
+statistics), DoPr's default damping lam = 1e-4 tr(Sigma) (damping_mode 'trace'; cond(Sigma + lam I)
+about 6e3), and G random (rows x d). M = G (Sigma + lam I)^-1 by
+
+  cholesky_solve    dopr.solvers.factor_cholesky, CholeskyFactor.apply: cholesky_ex, two triangular solves
+  cholesky_inverse  factor_cholesky, CholeskyFactor.cached() (cholesky_inverse), then G @ P: one GEMM
+  ns_fp32           dopr.solvers.factor_newton_schulz, then G @ X
+  ns_bf16           the same iteration on Sigma, lam cast to bfloat16 (A and X bfloat16), X back to float32
+                    for G @ X: the error is the bfloat16 inverse's
+
+DoPr refreshes the factorisation every step by default, so a step pays the factor and one apply: "total".
+FLOPs (multiply and add counted apart, per layer, times B): Cholesky d^3/3; two triangular solves
+2 d^2 rows; cholesky_inverse 2 d^3/3 (triangular inverse d^3/3, then L^-T L^-1 d^3/3, LAPACK potri);
+G @ P 2 d^2 rows; Newton-Schulz 2 GEMMs of 2 d^3 each per step. Its steps are counted by FlopCounterMode
+over one run (the library picks log2(tr A / lam) + 6). Error: ||M - M64||_F / ||M64||_F against a float64
+solve of the same float32 Sigma. Times are medians over --repeats after one warm-up, the methods run in
+turn (so drift hits them alike), CUDA synchronised.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dopr import solvers
+from dopr.bench import environment
+
+DAMPING, RCOND = 1e-4, 1e-6  # DoPr's defaults: damping (mode 'trace') and eigh_rcond
+
+
+def problem(d: int, rows: int, batch: int, device: str, seed: int = 0):
+    """(Sigma float32 (B, d, d), lam (B,), G (B, rows, d)); see the module docstring."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    f64 = dict(dtype=torch.float64, device=device)
+    q, _ = torch.linalg.qr(torch.randn(batch, d, d, generator=gen, **f64))
+    scale = 1.0 / torch.arange(1, d + 1, **f64)
+    x = (torch.randn(batch, 4 * d, d, generator=gen, **f64) * scale) @ q.mT
+    sigma = (x.mT @ x / (4 * d)).float()
+    lam = DAMPING * sigma.diagonal(dim1=-2, dim2=-1).sum(-1)
+    g = torch.randn(batch, rows, d, generator=gen, device=device)
+    return sigma, lam, g
+
+
+def reference(sigma: torch.Tensor, lam: torch.Tensor, g: torch.Tensor) -> tuple:
+    """M in float64, and the largest cond(Sigma + lam I) of the batch."""
+    a = sigma.double() + lam.double()[:, None, None] * torch.eye(sigma.shape[-1], dtype=torch.float64, device=sigma.device)
+    e = torch.linalg.eigvalsh(a)
+    return torch.cholesky_solve(g.double().mT, torch.linalg.cholesky(a)).mT, float((e[:, -1] / e[:, 0]).max())
+
+
+def _cholesky(sigma, lam):
+    return solvers.factor_cholesky(sigma.clone(), lam, RCOND, defaultdict(int))  # it damps its input in place
+
+
+METHODS = {  # name: (factor(sigma, lam) -> operators, flops(d, rows) without Newton-Schulz steps)
+    "cholesky_solve": (_cholesky, lambda d, r: d**3 / 3 + 2 * d * d * r),
+    "cholesky_inverse": (lambda s, l: [op.cached() for op in _cholesky(s, l)], lambda d, r: d**3 + 2 * d * d * r),
+    "ns_fp32": (solvers.factor_newton_schulz, lambda d, r: 2 * d * d * r),
+    "ns_bf16": (lambda s, l: [solvers.ExplicitInverse(op.p.float())
+                              for op in solvers.factor_newton_schulz(s.bfloat16(), l.bfloat16())],
+                lambda d, r: 2 * d * d * r),
+}
+
+
+def newton_schulz_steps(factor, sigma, lam) -> int:
+    """Steps of one run, from its matmul FLOPs: each step is two (d x d) @ (d x d) products per layer."""
+    with FlopCounterMode(display=False) as counter:
+        factor(sigma, lam)
+    b, d, _ = sigma.shape
+    return round(counter.get_total_flops() / (4 * b * d**3))
+
+
+def bench_dim(d: int, rows: int, batch: int, device: str, repeats: int) -> list:
+    sigma, lam, g = problem(d, rows, batch, device)
+    m64, cond = reference(sigma, lam, g)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = {name: ([], []) for name in METHODS}
+    results = {}
+    for rep in range(repeats + 1):  # the first round warms up and is not timed
+        for name, (factor, _) in METHODS.items():
+            sync()
+            t0 = time.perf_counter()
+            ops = factor(sigma, lam)
+            sync()
+            t1 = time.perf_counter()
+            m = torch.stack([op.apply(gi) for op, gi in zip(ops, g)])
+            sync()
+            t2 = time.perf_counter()
+            if rep:
+                times[name][0].append(t1 - t0)
+                times[name][1].append(t2 - t1)
+            results[name] = m
+    out = []
+    for name, (factor, flops) in METHODS.items():
+        steps = newton_schulz_steps(factor, sigma, lam) if name.startswith("ns") else 0
+        f_ms, a_ms = (1e3 * statistics.median(t) for t in times[name])
+        total = 1e3 * statistics.median(a + b for a, b in zip(*times[name]))
+        gflop = batch * (flops(d, rows) + 4 * steps * d**3) / 1e9
+        err = float((results[name].double() - m64).norm() / m64.norm())
+        out.append(dict(d=d, cond=cond, method=name, steps=steps, factor=f_ms, apply=a_ms, total=total, gflop=gflop,
+                        rate=gflop / (total / 1e3), err=err))
+    return out
+
+
+def table(rows: list) -> str:
+    lines = ["| d | cond(A) | method | NS steps | factor ms | apply ms | total ms | GFLOP | GFLOP/s | rel. error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = f"{r['err']:.1e}" + (" (diverged)" if not r["err"] < 1 else "")
+        lines.append(f"| {r['d']} | {r['cond']:.2g} | {r['method']} | {r['steps'] or ''} | {r['factor']:.3g} | "
+                     f"{r['apply']:.3g} | {r['total']:.3g} | {r['gflop']:.3g} | {r['rate']:.3g} | {err} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dims", default="64,256,384,1024,4096")
+    p.add_argument("--rows", type=int, default=None, help="gradient rows (default: d)")
+    p.add_argument("--batch", type=int, default=1, help="layers of equal size factored together")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the report to this markdown file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    commit, device_name = environment(args.device)
+    load0 = os.getloadavg()[0]
+    command = f"python scripts/bench_solvers.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+    dims = [int(s) for s in args.dims.split(",")]
+    rows = [r for d in dims for r in bench_dim(d, args.rows or d, args.batch, args.device, args.repeats)]
+    fastest = {d: min((r for r in rows if r["d"] == d), key=lambda r: r["total"])["method"] for d in dims}
+    lines = [f"`{command}`", "",
+             f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
+             f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, repeats {args.repeats}, "
+             f"rows {args.rows or 'd'}, batch {args.batch}, load average {load0:.2f} at start, "
+             f"{os.getloadavg()[0]:.2f} at end", "",
+             "M = G (Sigma + lam I)^-1, lam = 1e-4 tr(Sigma); factor + one apply per step (DoPr's default refresh). "
+             "Methods, FLOP formulas and the error are defined in the script's docstring.", "",
+             table(rows), "",
+             "Fastest total per d: " + ", ".join(f"{d}: {m}" for d, m in fastest.items()) + "."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
