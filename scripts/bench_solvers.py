@@ -118,13 +118,17 @@ def bench_dim(d: int, rows: int, batch: int, device: str, repeats: int) -> list:
     return out
 
 
+def _g(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
 def table(rows: list) -> str:
     lines = ["| d | cond(A) | method | NS steps | factor ms | apply ms | total ms | GFLOP | GFLOP/s | rel. error |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['err']:.1e}" + (" (diverged)" if not r["err"] < 1 else "")
-        lines.append(f"| {r['d']} | {r['cond']:.2g} | {r['method']} | {r['steps'] or ''} | {r['factor']:.3g} | "
-                     f"{r['apply']:.3g} | {r['total']:.3g} | {r['gflop']:.3g} | {r['rate']:.3g} | {err} |")
+        lines.append(f"| {r['d']} | {r['cond']:.2g} | {r['method']} | {r['steps'] or ''} | {_g(r['factor'])} | "
+                     f"{_g(r['apply'])} | {_g(r['total'])} | {r['gflop']:.3g} | {_g(r['rate'])} | {err} |")
     return "\n".join(lines)
 
 
