@@ -7,7 +7,7 @@ inverse applied by one GEMM, and against the GEMM-only Newton-Schulz inverse in 
 Per d, a batch of B covariances Sigma = X^T X / n from n = 4d samples whose i-th principal direction has
 scale 1/i (eigenvalues ~ 1/i^2, a random rotation; built in float64, stored float32 as DoPr keeps its
 statistics), DoPr's default damping lam = 1e-4 tr(Sigma) (damping_mode 'trace'; cond(Sigma + lam I)
-about 6e3), and G random (rows x d). M = G (Sigma + lam I)^-1 by
+6e2 at d=16 up to 6e3 at d=1024, at most tr / lam = 1e4), and G random (rows x d). M = G (Sigma + lam I)^-1 by
 
   cholesky_solve    dopr.solvers.factor_cholesky, CholeskyFactor.apply: cholesky_ex, two triangular solves
   cholesky_inverse  factor_cholesky, CholeskyFactor.cached() (cholesky_inverse), then G @ P: one GEMM
