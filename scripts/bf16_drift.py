@@ -374,7 +374,7 @@ def analyse(steps: int = STEPS) -> list:
     key["adamw1"], key["dopr1"] = drifts("adamw", BF16)[0], drifts("dopr_adamw", BF16)[0]
 
     # how much the ratio moves with the rounding realisation, and what regressions give
-    lines += ["## 6. The ratio drift(DoPr) / drift(AdamW), full autocast, step 10, under other seeds and regressions",
+    lines += ["", "## 6. The ratio drift(DoPr) / drift(AdamW), full autocast, step 10, under other seeds and regressions",
               "", "Other seeds (net, data) draw other rounding errors and trajectories: the spread a CPU whose "
               "bf16 kernels round differently can move the ratio by. The regressions are temporary changes "
               "of dopr/statistics.py, made here by patching; with Sigma's sums rounded, layer 5's Cholesky "
@@ -386,7 +386,6 @@ def analyse(steps: int = STEPS) -> list:
         with ctx:
             d, a = drift("dopr_adamw", BF16, steps), drift("adamw", BF16, steps)
         lines.append(f"| {case} | {_fmt(d)} | {_fmt(a)} | {d / a:.1f} |")
-    lines.append("")
     lines += ["", "## Reading", "",
               "Nothing in DoPr runs in bf16: Sigma's sums, the gradient and the solve are float32 (dopr/statistics.py "
               "statistics_dtype, dopr/optimizer.py _apply). The drift is the AP's sensitivity to the part of G "
