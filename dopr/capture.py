@@ -45,14 +45,14 @@ def _graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
-def _receives_grad(weight: Tensor) -> bool:
+def _receives_grad(weight: Tensor, node=None) -> bool:
     """Whether the backward pass now running computes `weight`'s gradient: False under
     ``torch.autograd.grad`` with respect to other tensors (an adversarial attack's input gradient, the
     inner derivative of a physics-informed loss) or ``backward(inputs=...)`` without the weight."""
     if not weight.requires_grad:
         return False
     try:
-        return torch._C._will_engine_execute_node(_grad_node(weight))
+        return torch._C._will_engine_execute_node(node if node is not None else _grad_node(weight))
     except RuntimeError:  # autograd.grad with the weight among its inputs: its gradient is returned
         return True
 
@@ -184,6 +184,7 @@ class ActivationCapture:
         self.statistic = statistic
         self.collecting = True
         self._captures: dict = {}
+        self._nodes: dict = {}
         self._cid = itertools.count()
         self.probes = Probes(helpers, statistic)  # compiled forwards (dopr/compiled.py)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
@@ -244,11 +245,22 @@ class ActivationCapture:
         computes the weight's gradient."""
         layer = self.layers[index]
         self.before_accumulation(index)
-        if not _receives_grad(weight):
+        if not _receives_grad(weight, self._accumulator(index, weight)):
             return
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
         self.commit_stat(layer, cap.stat, cap.cid)
+
+    def _accumulator(self, index: int, weight: Tensor):
+        """The weight's AccumulateGrad node, found once per layer and weight (not through a view per
+        layer per backward); None for a non-leaf weight (a parametrization's output). Held beside the
+        weight, which the capture holds anyway."""
+        known = self._nodes.get(index)
+        if known is None or known[0] is not weight:
+            if weight.grad_fn is not None or not weight.requires_grad:
+                return None
+            known = self._nodes[index] = (weight, _grad_node(weight))
+        return known[1]
 
     def weight_pre_accumulate(self, index: int) -> None:
         """The weight's gradient is about to receive a contribution (a tensor hook on the weight)."""

@@ -25,18 +25,35 @@ def unpack_upper(p: Tensor, d: int) -> Tensor:
 
 
 class GradientEMA:
-    """Gbar per layer name. ``buffers`` is what DoPr's state_dict saves: {name: {"t", "g"}}."""
+    """Gbar per layer name. ``buffers`` is what DoPr's state_dict saves: {name: {"t", "g"}}.
+
+    Two phases, so that the step decides what to keep after its one host sync: :meth:`propose` returns
+    the bias-corrected EMA with this step's G and changes nothing; :meth:`commit` keeps the proposals
+    (those of layers skipped this step, for a non-finite G, are dropped)."""
 
     def __init__(self, beta: float) -> None:
-        self.beta, self.buffers = beta, {}
+        self.beta, self.buffers, self.pending = beta, {}, {}
 
-    def __call__(self, name: str, g: Tensor) -> Tensor:
+    def propose(self, name: str, g: Tensor) -> Tensor:
         if self.beta == 0.0:
             return g
-        entry = self.buffers.setdefault(name, {"t": 0, "g": torch.zeros_like(g)})
-        entry["t"] += 1
-        entry["g"].mul_(self.beta).add_(g, alpha=1.0 - self.beta)
-        return entry["g"] / (1.0 - self.beta ** entry["t"])
+        entry = self.buffers.get(name)
+        t = entry["t"] + 1 if entry else 1
+        new = torch.add((entry["g"] if entry else torch.zeros_like(g)) * self.beta, g, alpha=1.0 - self.beta)
+        self.pending[name] = (t, new)
+        return new / (1.0 - self.beta ** t)
+
+    def commit(self, skip=()) -> None:
+        for name, (t, new) in self.pending.items():
+            if name not in skip:
+                self.buffers[name] = {"t": t, "g": new}
+        self.pending = {}
+
+    def __call__(self, name: str, g: Tensor) -> Tensor:
+        """propose and commit at once (a layer's EMA outside a step's batch)."""
+        out = self.propose(name, g)
+        self.commit()
+        return out
 
     def state_dict(self, helpers: Optional[dict] = None, whole: bool = False) -> dict:
         """The buffers; with `whole`, each gathered to its whole layer's matrix by its layer helper
@@ -58,24 +75,36 @@ class CovarianceEMA:
     """Sigmabar per statistics group (its member names joined by "|"). ``buffers``: {name: {"t", "sums"}}."""
 
     def __init__(self, beta: float) -> None:
-        self.beta, self.buffers = beta, {}
+        self.beta, self.buffers, self.pending = beta, {}, {}
 
-    def __call__(self, key: tuple, stat) -> tuple:
+    def propose(self, key: tuple, stat) -> tuple:
         """The EMA of `stat`'s mean (an ActivationStatistics of any kind); `stat` is used up (its sums
-        become the batch mean in place)."""
+        become the batch mean in place). Kept by :meth:`commit` (as GradientEMA's)."""
         mean = stat.mean_()
         if self.beta == 0.0:
             return mean
-        entry = self.buffers.setdefault("|".join(key), {"t": 0, "sums": None})
+        name = "|".join(key)
+        entry = self.buffers.get(name)
         packed = [pack_upper(t) if stat.symmetric else t for t in mean]
-        if entry["sums"] is None:
-            entry["sums"] = [torch.zeros_like(p) for p in packed]
-        entry["t"] += 1
-        for buf, p in zip(entry["sums"], packed):
-            buf.mul_(self.beta).add_(p, alpha=1.0 - self.beta)
-        corr = 1.0 - self.beta ** entry["t"]
-        out = [b / corr for b in entry["sums"]]
-        return tuple(unpack_upper(o, t.shape[0]) if stat.symmetric else o for o, t in zip(out, mean))
+        t = entry["t"] + 1 if entry else 1
+        old = entry["sums"] if entry else [torch.zeros_like(p) for p in packed]
+        new = [torch.add(b * self.beta, p, alpha=1.0 - self.beta) for b, p in zip(old, packed)]
+        self.pending[name] = (t, new)
+        corr = 1.0 - self.beta ** t
+        return tuple(unpack_upper(b / corr, m.shape[0]) if stat.symmetric else b / corr for b, m in zip(new, mean))
+
+    def commit(self, skip=()) -> None:
+        """Keep the proposals but those of the groups in `skip` (tuples of names)."""
+        skip = {"|".join(k) for k in skip}
+        for name, (t, new) in self.pending.items():
+            if name not in skip:
+                self.buffers[name] = {"t": t, "sums": new}
+        self.pending = {}
+
+    def __call__(self, key: tuple, stat) -> tuple:
+        out = self.propose(key, stat)
+        self.commit()
+        return out
 
     def shared_history(self, groups: dict) -> dict:
         """Layers keep one Sigmabar only while they have shared Sigma on every step: this step's groups

@@ -33,7 +33,7 @@ from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, 
 from .checkpoint import KEY
 from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
-from .distributed import agree_groups, all_reduce_statistics, nonfinite_keys
+from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
 from .health import HealthReports
 from .layers import find_layers
@@ -243,51 +243,75 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @torch.no_grad()
     def precondition(self) -> None:
         """Algorithm 2 on every preconditioned layer; called by :meth:`step`. G is replaced by
-        M = Gbar (Sigmabar + lambda I)^-1, which the GP then receives."""
+        M = Gbar (Sigmabar + lambda I)^-1, which the GP then receives.
+
+        Work is grouped by shape, not by layer: one stack, factorisation and solve per size. The step
+        reads one flag back from the device (a non-finite Sigma or G, a Cholesky factor to retry), after
+        every factor and solve is queued; only when it is set does the repair path run, deciding layer
+        by layer as :meth:`_repair` says."""
         grads = {l.helper.name: g for l in self._capture.layers if (g := l.helper.grad_matrix()) is not None}
         if self.collecting:                                   # a refresh step: new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
-            ops, skipped = self._factor(groups, grads)        # Sigmabar, lambda, (Sigmabar + lambda I)^-1
-            if self.options["precond_every"] > 1:
-                self._cache = {key: op.cached() for key, op in ops.items()}
+            batches = self._factor(groups, grads)             # Sigmabar, lambda, factors: nothing read back yet
+            ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
+                   for k, op in zip(keys, res)}
+            ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
+                        for k, op in zip(keys, res.ops())})
         else:                                                 # in between: the cached inverses
-            ops, skipped = self._cache, set()
-        self._apply(ops, grads, skipped)                      # Gbar, M = Gbar A^-1, written back as the grad
+            batches, ops = [], self._cache
+        members = self._members(ops, grads)
+        solved, gflags = self._solve(members, grads, ops)     # Gbar, M = Gbar A^-1 for every layer, speculatively
+        flags = [f for _, finite, res in batches for f in
+                 ([~finite] + ([res.trouble] if isinstance(res, solvers.Deferred) else []))] + gflags
+        if flags and self._any(flags):                        # the one read-back of the step
+            ops, skipped = self._repair(batches, ops, grads)
+            members = self._members(ops, grads, skipped)
+            solved, _ = self._solve(members, grads, ops)
+            self._precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
+            self._grad_ema.commit(skip=skipped)
+        else:
+            self._precond_ema.commit()
+            self._grad_ema.commit()
+        for names, ms in solved:                              # written back as each layer's grad
+            for name, m in zip(names, ms.unbind(0)):
+                self._helpers_now[name].set_grad(m)
+        if self.collecting and self.options["precond_every"] > 1:
+            self._cache = {key: op.cached() for key, op in ops.items()}
+        self._counts["preconditioned"] += sum(len(names) for names, _ in solved)
         self._counts["steps"] += 1
         self._step += 1
         self._capture.collecting = self.collecting
         self._capture.reset()
 
-    def _factor(self, groups: dict, grads: dict) -> tuple:
-        """({group: operator}, groups skipped for a non-finite Sigma). Same-kind, same-size groups
-        are factored in one batched call."""
-        # a non-finite activation makes its own diagonal entry of Sigma non-finite (and a finite
-        # diagonal bounds every entry): checking the diagonals costs O(d), not O(d^2), per group
-        bad = self._nonfinite({k: s.diagonal(s.sums) for k, s in groups.items()}, what="activation covariance",
-                              replicated=True)
+    def _factor(self, groups: dict, grads: dict) -> list:
+        """[(group keys, finite, factors)] per batch of same-kind, same-size groups, factored in one
+        call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
+        solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read."""
+        groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
-        groups = self._precond_ema.shared_history({k: s for k, s in groups.items() if k not in bad})
-        health = self._health.due(self._counts["refreshes"])
         for key, stat in groups.items():
-            mean = self._precond_ema(key, stat)                                    # Sigmabar
-            lam = damping(self.options["damping"], self.options["damping_mode"], stat.diagonal(mean))
-            if health and (warning := self._health.record(key, stat, mean, lam, grads)):  # on request
-                self._warn_once("health", warning)
-            batches[(type(stat), mean[0].shape, mean[0].device)].append((key, mean, lam))
-        ops = {}
+            mean = self._precond_ema.propose(key, stat)                            # Sigmabar
+            batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
+        health = self._health.due(self._counts["refreshes"])
+        out = []
         for (kind, *_), items in batches.items():
-            keys, means, lams = zip(*items)
-            ops.update(zip(keys, kind.factor(list(means), list(lams), self._solver, self.options, self._counts)))
+            keys, stats, means = zip(*items)
+            batch, lam, finite = kind.prepare(list(means), self.options)          # lambda, one stack per size
+            if health:                                                             # on request (syncs)
+                for i, (key, stat, mean) in enumerate(items):
+                    if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], grads)):
+                        self._warn_once("health", warning)
+            out.append((keys, finite, kind.factor(batch, lam, self._solver, self.options, self._counts)))
         self._counts["refreshes"] += 1
-        self._counts["factorizations"] += len(ops)
-        return ops, bad
+        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
+        return out
 
-    def _apply(self, ops: dict, grads: dict, skipped: set) -> None:
-        """M = Gbar A^-1 per group (its members' rows stacked), written back as each layer's grad."""
+    def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
+        """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
+        embedding's restricted to its token columns); warns about layers that had no training forward."""
         group_of = {name: key for key in ops for name in key}
-        skipped = {name for key in skipped for name in key}
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
         if set(self._no_forward) - self._attached_now:   # the attach warning already named the others
             cause = ("a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
@@ -297,27 +321,64 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
                             "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
                             + cause)
-        bad = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
-        members = defaultdict(list)
-        for layer in self._capture.layers:
-            name = layer.helper.name
-            if name in group_of and name not in bad:
-                members[group_of[name]].append(layer)
-        for key, layers in members.items():
-            gs = [self._grad_ema(l.helper.name, grads[l.helper.name].to(statistics_dtype(grads[l.helper.name].dtype)))
-                  for l in layers]
-            op, cols = ops[key], layers[0].helper.local_columns()
-            if cols is not None:                              # a sharded embedding: its token columns
-                op = op.restrict(cols)
-            ms = op.apply(torch.cat(gs)) if len(gs) > 1 else op.apply(gs[0])
-            for l, m in zip(layers, ms.split([g.shape[0] for g in gs])):
-                l.helper.set_grad(m)
-            self._counts["preconditioned"] += len(layers)
+        self._helpers_now = self._helpers()
+        out = {}
+        for name in grads:
+            if name in group_of and name not in skipped:
+                op, cols = ops[group_of[name]], self._helpers_now[name].local_columns()
+                out[name] = op.restrict(cols) if cols is not None else op
+        return out
+
+    def _solve(self, members: dict, grads: dict, ops: dict) -> tuple:
+        """([(layer names, M stacked)], [per-bucket non-finite flags of G]): the layers bucketed by
+        operator type and gradient shape, each bucket one stack, one batched solve, no host sync."""
+        buckets = defaultdict(list)
+        for name, op in members.items():
+            g = grads[name]
+            buckets[(type(op), g.shape, g.dtype, g.device)].append(name)
+        solved, flags = [], []
+        for (_, _, dtype, _), names in buckets.items():
+            gs = [grads[n] for n in names]
+            g = (torch.stack(gs) if len(gs) > 1 else gs[0].unsqueeze(0)).to(statistics_dtype(dtype))
+            flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
+            if self._grad_ema.beta:
+                g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
+            solved.append((names, solvers.apply_stack([members[n] for n in names], g)))
+        return solved, flags
+
+    def _any(self, flags: list) -> bool:
+        """Whether any flag is set: the step's one host sync (under sharding, agreed by all ranks)."""
+        flag = torch.cat([f.reshape(-1) for f in flags]).any()
+        if self._sharded and is_distributed():
+            flag = flag.float()
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
+    def _repair(self, batches: list, ops: dict, grads: dict) -> tuple:
+        """The rare path, layer by layer: groups with a non-finite Sigma and layers with a non-finite G
+        get their raw gradient (counted, warned once, or raised), Cholesky factors in trouble are retried
+        (dopr.solvers.CholeskyBatch.finish). Returns (operators, skipped group keys and layer names)."""
+        bad = self._skip({k for keys, fin, _ in batches for k, f in zip(keys, fin.tolist()) if not f},
+                         "activation covariance")
+        self._counts["factorizations"] -= len(bad)
+        ops = dict(ops)
+        for keys, _, res in batches:
+            if isinstance(res, solvers.Deferred):
+                ops.update(zip(keys, res.finish(self._counts)))
+        for k in bad:
+            ops.pop(k, None)
+        group_of = {name: key for key in ops for name in key}
+        bad_g = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
+        return ops, frozenset(bad) | frozenset(bad_g) | frozenset(n for k in bad for n in k)
 
     def _nonfinite(self, tensors: dict, what: str = "gradient", replicated: bool = False) -> set:
         """Keys whose tensor has a non-finite entry (one device sync for all of them). Under sharding a
         gradient's rows are spread over ranks: unless `replicated`, the ranks agree by one all-reduce."""
-        bad = nonfinite_keys(tensors, across_ranks=self._sharded and not replicated)
+        return self._skip(nonfinite_keys(tensors, across_ranks=self._sharded and not replicated), what)
+
+    def _skip(self, bad: set, what: str) -> set:
+        """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and
+        warned once (the AP is skipped for them this step)."""
         if not bad:
             return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))

@@ -54,10 +54,10 @@ def check_options(options: dict) -> dict:
 
 
 def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:
-    """The absolute damping lambda added to Sigma's diagonal (``diag``): gamma * tr(Sigma) ("trace"),
-    gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
+    """The absolute damping lambda added to Sigma's diagonal (``diag``, or a batch of diagonals on its
+    last axis): gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
     if mode == "trace":
-        return gamma * diag.sum()
+        return gamma * diag.sum(-1)
     if mode == "trace_per_dim":
-        return gamma * diag.sum() / diag.numel()
-    return torch.tensor(gamma, device=diag.device)
+        return gamma * diag.sum(-1) / diag.shape[-1]
+    return torch.full(diag.shape[:-1], gamma, dtype=diag.dtype, device=diag.device)

@@ -3,7 +3,7 @@
 ``lam`` is the absolute damping (the optimizer turns the trace-relative gamma * tr(Sigma) / d into
 it). Every solver takes a batch of same-size covariances and factors them in one call.
 
-* ``cholesky``: cholesky_ex, then cholesky_solve. A failed factor, or one whose smallest pivot is
+* ``cholesky``: cholesky_ex, then two triangular solves. A failed factor, or one whose smallest pivot is
   under half the damping (``unreliable``: rounding ate the damping), is retried with 10x, 100x,
   1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
   eigendecomposition pseudo-inverse. With damping 0, a numerically singular Sigma (a pivot under
@@ -42,6 +42,10 @@ class ExplicitInverse:
     def apply(self, g: Tensor) -> Tensor:
         return g @ self.p
 
+    @staticmethod
+    def apply_stack(ops: list, gs: Tensor) -> Tensor:
+        return torch.bmm(gs, torch.stack([op.p for op in ops])) if len(ops) > 1 else gs @ ops[0].p
+
     def cached(self):
         return self
 
@@ -50,13 +54,31 @@ class ExplicitInverse:
 
 
 class CholeskyFactor:
-    """M = G A^-1 by two triangular solves with A = L L^T."""
+    """M = G A^-1 by two triangular solves with A = L L^T: Y L^T = G, then M L = Y (``solve_triangular``
+    has no info check, so no host sync, where ``cholesky_solve`` reads its status back)."""
 
-    def __init__(self, l: Tensor) -> None:
-        self.l = l
+    def __init__(self, l: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
+        self._l, self.batch, self.index = l, batch, index   # L itself, or member `index` of a batch of them
+
+    @property
+    def l(self) -> Tensor:
+        if self._l is None:
+            self._l = self.batch[self.index]
+        return self._l
 
     def apply(self, g: Tensor) -> Tensor:
-        return torch.cholesky_solve(g.T, self.l).T
+        return self.apply_stack([self], g.unsqueeze(0))[0]
+
+    @staticmethod
+    def apply_stack(ops: list, gs: Tensor) -> Tensor:
+        batch = ops[0].batch
+        if (batch is not None and len(ops) == len(batch)
+                and all(op.batch is batch and op.index == i for i, op in enumerate(ops))):
+            l = batch                                            # the factor batch as it is: no stack
+        else:
+            l = torch.stack([op.l for op in ops]) if len(ops) > 1 else ops[0].l.unsqueeze(0)
+        y = torch.linalg.solve_triangular(l.mT, gs, upper=True, left=False)
+        return torch.linalg.solve_triangular(l, y, upper=False, left=False)
 
     def cached(self):  # reused many times: one matmul per step beats two triangular solves
         return ExplicitInverse(torch.cholesky_inverse(self.l))
@@ -114,6 +136,15 @@ class LowRankDiagonal:
         return {"dinv": self.dinv, "v": self.v, "k": self.k}
 
 
+def apply_stack(ops: list, gs: Tensor) -> Tensor:
+    """M for a stack of gradient matrices ``gs`` (B, rows, d), ``ops[i]`` the operator of ``gs[i]``: one
+    batched call where the operators' type has one (same-size Cholesky factors, explicit inverses)."""
+    kind = type(ops[0])
+    if hasattr(kind, "apply_stack") and all(type(op) is kind for op in ops):
+        return kind.apply_stack(ops, gs)
+    return torch.stack([op.apply(g) for op, g in zip(ops, gs.unbind(0))])
+
+
 OPERATORS = {cls.__name__: cls for cls in (ExplicitInverse, DiagonalInverse, Rank1Diagonal, LowRankDiagonal)}
 
 
@@ -149,41 +180,72 @@ def unreliable(l: Tensor, lam: Tensor) -> Tensor:
     return (lam > 0) & (pivots < 0.5 * lam)
 
 
+class Deferred:
+    """A batch factored without a host sync: ``trouble`` (a device bool per member) flags what
+    :meth:`finish` must look at. The optimizer reads every batch's flags (and the gradients' finiteness)
+    in one sync per step; :meth:`ops` is the answer when none is set."""
+
+    trouble: Tensor
+
+    def ops(self) -> list:
+        raise NotImplementedError
+
+    def finish(self, counts: dict) -> list:
+        """The operators after the repair path (retries, fallbacks), counted in `counts`."""
+        raise NotImplementedError
+
+
+class CholeskyBatch(Deferred):
+    """cholesky_ex of the damped batch. Trouble: a failed factor, one whose smallest pivot is under half
+    the damping (``unreliable``), or, with damping 0, a numerically singular Sigma (a pivot under rcond
+    times its largest diagonal entry: it gets the pseudo-inverse, so that M stays in the span of the
+    inputs, where a near-zero pivot would blow rounding up along directions the batch never saw)."""
+
+    def __init__(self, sigma: Tensor, lam: Tensor, rcond: float) -> None:
+        self.sigma, self.lam, self.rcond = sigma, lam, rcond   # sigma: damped in place (the caller's copy)
+        sigma.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
+        self.l, info = torch.linalg.cholesky_ex(sigma)
+        pivots = self.l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+        self.weak = (info == 0) & (lam > 0) & (pivots < 0.5 * lam)
+        self.singular = (lam <= 0) & ((info > 0) | (pivots < rcond * sigma.diagonal(dim1=-2, dim2=-1).amax(-1)))
+        self.bad = ((info > 0) | self.weak) & ~self.singular
+        self.trouble = self.bad | self.singular
+
+    def ops(self) -> list:
+        return [CholeskyFactor(batch=self.l, index=i) for i in range(len(self.l))]
+
+    def finish(self, counts: dict) -> list:
+        """Retry with 10x, 100x, 1000x the damping (at least 1e-6 tr(Sigma) / d); what still fails, and
+        the singular ones, get the eigendecomposition pseudo-inverse. Restores sigma first."""
+        bad, singular, lam, sigma, l = self.bad, self.singular, self.lam, self.sigma, self.l
+        if not bool((bad | singular).any()):
+            return self.ops()
+        d = sigma.shape[-1]
+        counts["unreliable_factors"] += int(self.weak.sum())
+        sigma.diagonal(dim1=-2, dim2=-1).sub_(lam[:, None])
+        floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
+        for retry in range(1, CHOLESKY_RETRIES + 1):
+            idx = bad.nonzero().flatten()
+            if idx.numel() == 0:
+                break
+            counts["cholesky_retries"] += idx.numel()
+            lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
+            l_r, info_r = torch.linalg.cholesky_ex(_damped(sigma[idx], lam_r))
+            l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
+            bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(l_r, lam_r))
+        ops = [CholeskyFactor(batch=l, index=i) for i in range(len(l))]
+        idx = (bad | singular).nonzero().flatten()
+        if idx.numel():
+            counts["eigh_fallbacks"] += idx.numel()
+            p = pseudo_inverse(sigma[idx], lam[idx], self.rcond)
+            for j, i in enumerate(idx.tolist()):
+                ops[i] = ExplicitInverse(p[j])
+        return ops
+
+
 def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
-    """Damps ``sigma`` in place (the batch is the caller's own copy) and restores it only on the rare
-    path that retries; one host sync when every factor is sound."""
-    d = sigma.shape[-1]
-    sigma.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
-    l, info = torch.linalg.cholesky_ex(sigma)
-    weak = (info == 0) & unreliable(l, lam)
-    # damping 0 asks for Sigma^-1 itself: a Sigma the factor shows to be (numerically) singular, a pivot
-    # under rcond * its largest diagonal entry, gets the pseudo-inverse, so that M stays in the span of
-    # the inputs (a near-zero pivot would blow rounding up along directions the batch never saw)
-    singular = (lam <= 0) & ((info > 0) | (l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
-                                           < rcond * sigma.diagonal(dim1=-2, dim2=-1).amax(-1)))
-    bad = ((info > 0) | weak) & ~singular
-    if not bool((bad | singular).any()):
-        return [CholeskyFactor(l[i]) for i in range(len(l))]
-    counts["unreliable_factors"] += int(weak.sum())
-    sigma.diagonal(dim1=-2, dim2=-1).sub_(lam[:, None])
-    floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
-    for retry in range(1, CHOLESKY_RETRIES + 1):
-        idx = bad.nonzero().flatten()
-        if idx.numel() == 0:
-            break
-        counts["cholesky_retries"] += idx.numel()
-        lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
-        l_r, info_r = torch.linalg.cholesky_ex(_damped(sigma[idx], lam_r))
-        l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
-        bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(l_r, lam_r))
-    ops = [CholeskyFactor(l[i]) for i in range(len(l))]
-    idx = (bad | singular).nonzero().flatten()
-    if idx.numel():
-        counts["eigh_fallbacks"] += idx.numel()
-        p = pseudo_inverse(sigma[idx], lam[idx], rcond)
-        for j, i in enumerate(idx.tolist()):
-            ops[i] = ExplicitInverse(p[j])
-    return ops
+    """The operators of :class:`CholeskyBatch` at once (one host sync); damps ``sigma`` in place."""
+    return CholeskyBatch(sigma, lam, rcond).finish(counts)
 
 
 def factor_eigh(sigma: Tensor, lam: Tensor, rcond: float) -> list:
@@ -254,7 +316,8 @@ def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
 class Solver:
     """A solver by name: the kind of statistic it consumes ("dense" or "moments", see
     dopr.statistics.STATISTICS; embeddings always use the exact diagonal one) and, for dense
-    statistics, its batched factorisation ``factor(sigma, lam, options, counts) -> operators``."""
+    statistics, its batched factorisation ``factor(sigma, lam, options, counts)``: a list of operators, or
+    a :class:`Deferred` whose trouble flags the optimizer reads with everything else in one sync."""
 
     name: str
     statistic: str
@@ -268,7 +331,7 @@ def register_solver(name: str, statistic: str, factor: Optional[Callable] = None
     SOLVERS[name] = Solver(name, statistic, factor)
 
 
-register_solver("cholesky", "dense", lambda sigma, lam, o, counts: factor_cholesky(sigma, lam, o["eigh_rcond"], counts))
+register_solver("cholesky", "dense", lambda sigma, lam, o, counts: CholeskyBatch(sigma, lam, o["eigh_rcond"]))
 register_solver("eigh", "dense", lambda sigma, lam, o, counts: factor_eigh(sigma, lam, o["eigh_rcond"]))
 register_solver("rank1_diag", "moments")
 register_solver("newton_schulz", "dense", lambda sigma, lam, o, counts: factor_newton_schulz(sigma, lam))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .options import damping
 from .solvers import factor_diagonal, factor_rank1
 
 
@@ -48,16 +49,27 @@ class ActivationStatistics:
         return tuple(s / self.count for s in self.sums)
 
     def mean_(self) -> tuple:
-        """:meth:`mean` in place: the sums become the means (for statistics used once, at a step)."""
-        return tuple(s.div_(self.count) for s in self.sums)
+        """:meth:`mean` in place: the sums become the means (for statistics used once, at a step). The
+        count goes in as a CPU scalar tensor of the sums' dtype: the same division as by the float, two
+        ops instead of five (a Python scalar is wrapped and converted on every call)."""
+        return tuple(s.div_(torch.scalar_tensor(self.count, dtype=s.dtype)) for s in self.sums)
 
     @staticmethod
     def diagonal(mean: tuple) -> Tensor:
         raise NotImplementedError
 
     @classmethod
-    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
-        """Operators M = G (Sigma + lam I)^-1 for a batch of this kind's means (same shape and device);
+    def prepare(cls, means: list, options: dict) -> tuple:
+        """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
+        :meth:`factor` takes, the damping of each member (a (B,) tensor) and whether its Sigma is finite
+        (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
+        every entry: O(d) to check). No host sync."""
+        diags = torch.stack([cls.diagonal(m) for m in means])
+        return means, damping(options["damping"], options["damping_mode"], diags), diags.isfinite().all(-1)
+
+    @classmethod
+    def factor(cls, batch, lam: Tensor, solver, options: dict, counts: dict):
+        """Operators M = G (Sigma + lam I)^-1 for a prepared batch, or a dopr.solvers.Deferred of them;
         `solver` is the dopr.solvers.Solver chosen, retries and fallbacks are added to `counts`."""
         raise NotImplementedError
 
@@ -74,17 +86,26 @@ class DenseCovariance(ActivationStatistics):
 
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool) -> "DenseCovariance":
-        """Sum of [z; 1][z; 1]^T without materialising the column of ones."""
-        z = z.to(statistics_dtype(z.dtype))
+        """Sum of [z; 1][z; 1]^T without materialising the column of ones. Half-precision z is not
+        copied to float32 where the GEMM can accumulate it in float32 (:func:`gram`): exact on the inputs.
+        The blocks are written through ``as_strided`` views (one op each: this runs per layer per forward)."""
         n, d = z.shape
+        dtype = statistics_dtype(z.dtype)
+        if z.dtype != dtype and not _low_precision_gram(z):
+            z = z.to(dtype)
         if not homogeneous:
             return cls((gram(z),), n)
-        s = torch.empty(d + 1, d + 1, dtype=z.dtype, device=z.device)
-        gram(z, out=s[:d, :d])
-        colsum = z.sum(0)
-        s[:d, d] = colsum
-        s[d, :d] = colsum
-        s[d, d] = n
+        s = torch.empty(d + 1, d + 1, dtype=dtype, device=z.device)
+        if torch.compiler.is_compiling():   # a traced graph keeps to plain slices
+            gram(z, out=s[:d, :d])
+            s[:d, d] = s[d, :d] = z.sum(0, dtype=dtype)
+            s[d, d] = n
+            return cls((s,), n)
+        gram(z, out=s.as_strided((d, d), (d + 1, 1)), zt=_transposed(z))
+        row = s.as_strided((d,), (1,), d * (d + 1))
+        torch.sum(z, 0, dtype=dtype, out=row)
+        s.as_strided((d,), (d + 1,), d).copy_(row)
+        s.as_strided((1,), (1,), (d + 1) * (d + 1) - 1).fill_(n)
         return cls((s,), n)
 
     @staticmethod
@@ -92,11 +113,22 @@ class DenseCovariance(ActivationStatistics):
         return mean[0].diagonal()
 
     @classmethod
-    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
-        # the solver may damp the batch in place: a stack is a copy, a lone mean is the step's own
+    def prepare(cls, means: list, options: dict) -> tuple:
+        """One stack (a copy the solver may damp in place; a lone mean is the step's own), batched damping,
+        and a non-finite member replaced by the identity (damping 1), so that every solver factors the
+        batch; the optimizer then leaves that member out."""
         sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
-        lam = torch.stack([lam.reshape(()) for lam in lams]).to(sigma.dtype)
-        return solver.factor(sigma, lam, options, counts)
+        diag = sigma.diagonal(dim1=-2, dim2=-1)
+        finite = diag.isfinite().all(-1)
+        lam = damping(options["damping"], options["damping_mode"], diag)
+        bad = ~finite
+        sigma.masked_fill_(bad[:, None, None], 0.0)
+        diag.add_(bad[:, None].to(sigma.dtype))
+        return sigma, torch.where(finite, lam, torch.ones_like(lam)), finite
+
+    @classmethod
+    def factor(cls, sigma, lam: Tensor, solver, options: dict, counts: dict):
+        return solver.factor(sigma, lam.to(sigma.dtype), options, counts)
 
 
 class Moments(ActivationStatistics):
@@ -123,8 +155,8 @@ class Moments(ActivationStatistics):
         return mean[1]
 
     @classmethod
-    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
-        return [factor_rank1(m[0], m[1], lam) for m, lam in zip(means, lams)]
+    def factor(cls, means, lam: Tensor, solver, options: dict, counts: dict) -> list:
+        return [factor_rank1(m[0], m[1], x) for m, x in zip(means, lam.unbind(0))]
 
 
 class Diagonal(ActivationStatistics):
@@ -145,17 +177,22 @@ class Diagonal(ActivationStatistics):
         return mean[0]
 
     @classmethod
-    def factor(cls, means: list, lams: list, solver, options: dict, counts: dict) -> list:
-        return [factor_diagonal(m[0], lam) for m, lam in zip(means, lams)]
+    def factor(cls, means, lam: Tensor, solver, options: dict, counts: dict) -> list:
+        return [factor_diagonal(m[0], x) for m, x in zip(means, lam.unbind(0))]
 
 
 #: the statistic kinds by the name a solver gives (dopr.solvers.Solver.statistic)
 STATISTICS = {cls.kind: cls for cls in (DenseCovariance, Moments, Diagonal)}
 
 
+_STATISTICS_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32,
+                      torch.float64: torch.float64}
+
+
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half-precision activations, float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
+    """float32 for half-precision activations, float64 stays float64 (a table: this runs per layer)."""
+    out = _STATISTICS_DTYPES.get(dtype)
+    return out if out is not None else torch.promote_types(dtype, torch.float32)
 
 
 #: z^T z is formed block row by block row above the diagonal and mirrored (a symmetric rank-n update
@@ -178,12 +215,32 @@ def gram_blocks(n: int, d: int) -> int:
 GRAM_CHUNK_ROWS = 4096
 
 
-def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
+#: devices whose GEMM takes half-precision inputs with a float32 output and accumulator (``out_dtype``):
+#: Sigma is formed there from the autocast activations as they are, on the tensor cores, with no
+#: float32 copy. Exact on the inputs (their products are exact in float32); elsewhere z is upcast.
+LOW_PRECISION_GRAM_DEVICES = {"cuda"}
+
+
+def _low_precision_gram(z: Tensor) -> bool:
+    return (z.dtype in (torch.bfloat16, torch.float16) and z.device.type in LOW_PRECISION_GRAM_DEVICES
+            and not torch.compiler.is_compiling())
+
+
+def _transposed(z: Tensor) -> Tensor:
+    """z^T: one as_strided op for a row-major z (``z.T`` costs three)."""
+    n, d = z.shape
+    return z.as_strided((d, n), (1, d), z.storage_offset()) if z.stride() == (d, 1) else z.mT
+
+
+def gram(z: Tensor, blocks: int = 0, out: Tensor = None, zt: Tensor = None) -> Tensor:
     """z^T z for z of shape (n, d): with b > 1 block rows, the blocks on and above the diagonal (one
     GEMM per block row, (b + 1) / 2b of the FLOPs), the rest mirrored. ``blocks=0``: by gram_blocks.
     ``out``: a (d, d) view to write into (the top-left block of the homogeneous statistics: no copy).
-    More than GRAM_CHUNK_ROWS rows are summed chunk by chunk (see there)."""
+    More than GRAM_CHUNK_ROWS rows are summed chunk by chunk (see there). Off the CPU: one GEMM, or one
+    batched GEMM over the chunks (:func:`_gram_device`)."""
     n, d = z.shape
+    if z.device.type != "cpu" or _low_precision_gram(z):
+        return _gram_device(z, out)
     if isinstance(n, int) and n > GRAM_CHUNK_ROWS:
         return _gram_chunked(z, blocks or gram_blocks(GRAM_CHUNK_ROWS, d), out)
     b = blocks or gram_blocks(n, d)
@@ -193,7 +250,7 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
     if out is None:
         out = torch.empty(d, d, dtype=z.dtype, device=z.device)
     if b == 1:
-        return torch.mm(z.T, z, out=out)
+        return torch.mm(z.T if zt is None else zt, z, out=out)
     h = -(-d // b)
     zt = z.T
     for i in range(0, d, h):
@@ -201,6 +258,34 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None) -> Tensor:
     for i in range(0, d - h, h):
         out[i + h:, i:i + h] = out[i:i + h, i + h:].T
     return out
+
+
+#: the batched GEMM of _gram_device holds one (d, d) float32 partial per chunk: at most this many floats
+DEVICE_GRAM_MAX_PARTIALS = 2**26
+
+
+def _gram_device(z: Tensor, out: Tensor = None) -> Tensor:
+    """z^T z on an accelerator: the CPU's block rows and chunk loop (tuned for a 2-core CPU) become one
+    GEMM, or for n > GRAM_CHUNK_ROWS one batched GEMM over the full chunks (the same roundoff bound:
+    each chunk's sum, then c partials) plus one for the remainder. Half-precision z goes in as it is
+    where the device accumulates it in float32 (:func:`_low_precision_gram`)."""
+    n, d = z.shape
+    kw = {"out_dtype": torch.float32} if _low_precision_gram(z) else {}
+    c = n // GRAM_CHUNK_ROWS if isinstance(n, int) else 0
+    if c == 0 or n == GRAM_CHUNK_ROWS:
+        full = torch.mm(z.mT, z, **kw)
+    elif c * d * d <= DEVICE_GRAM_MAX_PARTIALS:
+        head = z[:c * GRAM_CHUNK_ROWS].reshape(c, GRAM_CHUNK_ROWS, d)
+        full = torch.bmm(head.mT, head, **kw).sum(0)
+        if n > c * GRAM_CHUNK_ROWS:
+            tail = z[c * GRAM_CHUNK_ROWS:]
+            full += torch.mm(tail.mT, tail, **kw)
+    else:
+        chunks = z.split(GRAM_CHUNK_ROWS)
+        full = torch.mm(chunks[0].mT, chunks[0], **kw)
+        for ch in chunks[1:]:
+            full += torch.mm(ch.mT, ch, **kw)
+    return full if out is None else out.copy_(full)
 
 
 def _gram_chunked(z: Tensor, b: int, out: Tensor = None) -> Tensor:

@@ -62,7 +62,7 @@ class LayerHelper:
     def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
         """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes
         (DenseCovariance: z z^T, Moments: z and z*z)."""
-        return kind.from_activations(self.activations(x.detach()), self.homogeneous)
+        return kind.from_activations(self.activations(x), self.homogeneous)  # under no_grad (the capture's)
 
     # --- gradient in matrix form ------------------------------------------------------------
     def grad_matrix(self) -> Optional[Tensor]:
@@ -110,16 +110,20 @@ class LayerHelper:
         gb = self._grad(self.module.bias)
         if gb is None:
             gb = torch.zeros(g_weight.shape[0], dtype=g_weight.dtype, device=g_weight.device)
-        return torch.cat([g_weight, gb.reshape(-1, 1).to(g_weight.dtype)], dim=1)
+        gb = gb.unsqueeze(1) if gb.dim() == 1 else gb.reshape(-1, 1)
+        return torch.cat([g_weight, gb if gb.dtype == g_weight.dtype else gb.to(g_weight.dtype)], dim=1)
 
     def _split_bias_column(self, m: Tensor) -> Tensor:
-        """Write the bias column (if any) into bias.grad; return the weight part."""
+        """Write the bias column (if any) into bias.grad; return the weight part (``as_strided`` views:
+        one op each, per layer per step)."""
         if not self.homogeneous:
             return m
+        rows, cols = m.shape
         gb = self._grad(self.module.bias)
         if gb is not None:
-            gb.copy_(m[:, -1].reshape(gb.shape))
-        return m[:, :-1]
+            col = m.as_strided((rows,), (m.stride(0),), m.storage_offset() + (cols - 1) * m.stride(1))
+            gb.copy_(col if gb.dim() == 1 else col.reshape(gb.shape))
+        return m.as_strided((rows, cols - 1), m.stride(), m.storage_offset())
 
     def parameters(self) -> list:
         ps = [self.module.weight]

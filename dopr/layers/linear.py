@@ -20,7 +20,7 @@ class LinearHelper(LayerHelper):
         return ("linear", self.homogeneous)
 
     def activations(self, x: Tensor) -> Tensor:
-        return x.reshape(-1, x.shape[-1])
+        return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
     def grad_matrix(self):
         g = self._grad(self.module.weight)
