@@ -54,8 +54,9 @@ class ExplicitInverse:
 
 
 class CholeskyFactor:
-    """M = G A^-1 by two triangular solves with A = L L^T: Y L^T = G, then M L = Y (``solve_triangular``
-    has no info check, so no host sync, where ``cholesky_solve`` reads its status back)."""
+    """M = G A^-1 by two triangular solves with A = L L^T, on G^T as cholesky_solve does (the same two
+    trsm calls, bit for bit on the CPU) but through ``solve_triangular``, which has no info check, so no
+    host sync, where ``cholesky_solve`` reads its status back."""
 
     def __init__(self, l: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
         self._l, self.batch, self.index = l, batch, index   # L itself, or member `index` of a batch of them
@@ -77,8 +78,8 @@ class CholeskyFactor:
             l = batch                                            # the factor batch as it is: no stack
         else:
             l = torch.stack([op.l for op in ops]) if len(ops) > 1 else ops[0].l.unsqueeze(0)
-        y = torch.linalg.solve_triangular(l.mT, gs, upper=True, left=False)
-        return torch.linalg.solve_triangular(l, y, upper=False, left=False)
+        y = torch.linalg.solve_triangular(l, gs.mT, upper=False)          # L Y = G^T
+        return torch.linalg.solve_triangular(l.mT, y, upper=True).mT       # L^T M^T = Y: cholesky_solve's two trsm
 
     def cached(self):  # reused many times: one matmul per step beats two triangular solves
         return ExplicitInverse(torch.cholesky_inverse(self.l))

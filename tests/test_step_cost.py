@@ -76,7 +76,7 @@ def test_same_size_layers_are_solved_in_one_batched_call(monkeypatch):
                         lambda a, b, **k: calls.append(tuple(b.shape)) or real(a, b, **k))
     model(torch.randn(32, 8)).pow(2).sum().backward()
     opt.step()
-    assert calls == [(3, 8, 9), (3, 8, 9)]   # M L L^T = G: two triangular solves for the three layers
+    assert calls == [(3, 9, 8), (3, 9, 8)]   # L L^T M^T = G^T: two triangular solves for the three layers
 
 
 class _GemmDtypes(TorchDispatchMode):
