@@ -278,7 +278,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             for name, m in zip(names, ms.unbind(0)):
                 self._helpers_now[name].set_grad(m)
         if self.collecting and self.options["precond_every"] > 1:
-            self._cache = {key: op.cached() for key, op in ops.items()}
+            self._cache = solvers.cached(ops)
         self._counts["preconditioned"] += sum(len(names) for names, _ in solved)
         self._counts["steps"] += 1
         self._step += 1

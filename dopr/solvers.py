@@ -82,7 +82,25 @@ class CholeskyFactor:
         return torch.linalg.solve_triangular(l.mT, y, upper=True).mT       # L^T M^T = Y: cholesky_solve's two trsm
 
     def cached(self):  # reused many times: one matmul per step beats two triangular solves
-        return ExplicitInverse(torch.cholesky_inverse(self.l))
+        return ExplicitInverse(inverse_from_factor(self.l.unsqueeze(0))[0])
+
+
+def inverse_from_factor(l: Tensor) -> Tensor:
+    """A^-1 = L^-T L^-1 for a batch of Cholesky factors: a triangular solve against I and one batched
+    GEMM (cholesky_inverse reads its status back to the host, once per call)."""
+    eye = torch.eye(l.shape[-1], dtype=l.dtype, device=l.device).expand_as(l)
+    linv = torch.linalg.solve_triangular(l, eye, upper=False)
+    return linv.mT @ linv
+
+
+def cached(ops: dict) -> dict:
+    """{key: op.cached()}, the Cholesky factors of one batch inverted in one batched call."""
+    whole = {}
+    for op in ops.values():
+        if isinstance(op, CholeskyFactor) and op.batch is not None and id(op.batch) not in whole:
+            whole[id(op.batch)] = inverse_from_factor(op.batch)
+    return {key: ExplicitInverse(whole[id(op.batch)][op.index])
+            if isinstance(op, CholeskyFactor) and op.batch is not None else op.cached() for key, op in ops.items()}
 
 
 class DiagonalInverse:

@@ -143,3 +143,32 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert collections.Counter(c[1] for c in gram_calls) == {torch.bfloat16: 2}
+
+
+def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once():
+    # precond_every=2: the refresh step inverts each size's factors in one batched call, without
+    # cholesky_inverse's status read (one per call); the step in between applies the cached inverses
+    model = _mlp(4, width=16)
+    opt = dopr.build(model, "dopr_adamw", lr=1e-3, precond_every=2)
+    x = torch.randn(32, 16)
+    reads = []
+    for _ in range(4):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x).square().mean().backward()
+            opt.precondition()
+        reads.append(sum(e.name in SYNCS for e in prof.events()))
+        opt.zero_grad()
+    assert reads == [1, 1, 1, 1]
+
+
+def test_the_cached_inverse_is_the_damped_inverse():
+    torch.manual_seed(0)
+    x = torch.randn(64, 12, dtype=torch.float64)
+    sigma = x.T @ x / 64
+    lam = torch.tensor([1e-3 * float(sigma.trace())], dtype=torch.float64)
+    from dopr import solvers
+    op = solvers.CholeskyBatch(sigma[None].clone(), lam, 1e-6).ops()[0]
+    p = solvers.cached({("a",): op})[("a",)].p
+    want = torch.linalg.inv(sigma + lam * torch.eye(12, dtype=torch.float64))
+    # float64: the inverse's error is ~cond(A) * eps, cond(A) <= (tr + lam) / lam ~ 1e3
+    torch.testing.assert_close(p, want, rtol=1e-10, atol=1e-10 * float(want.abs().max()))
