@@ -338,8 +338,10 @@ class Row:
         return row
 
 
-def bench_model(name, args, every):
-    """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike."""
+def bench_model(name, args, every, inspect=None):
+    """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike.
+    ``inspect(rows)``, if given, sees each GP's timed rows before their optimizers close (e.g. to
+    profile a few more of their steps: dopr.profiling)."""
     model, x, y, loss_fn = make_task(name, args.device)
     flops, vectors = step_flops_and_vectors(model, x, y, loss_fn)
     n_params, results = sum(p.numel() for p in model.parameters()), []
@@ -350,6 +352,8 @@ def bench_model(name, args, every):
         while not all(r.done(args.repeats, args.budget) for r in rows):
             for r in rows:  # every row steps every round, so all rows sample the same time window
                 r.step()
+        if inspect is not None:
+            inspect(rows)
         t_gp = rows[0].result()["t"]
         for r in rows:
             results.append(r.result())
