@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test test-fast test-kernels demo bench experts bc
+.PHONY: setup test test-fast test-kernels demo bench gpu-check gpu-deps experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +50,16 @@ demo: setup
 
 bench: setup
 	$(PY) -m dopr.bench --out results/bench/cpu.md
+
+# The GPU check (docs/gpu.md): DoPr's cost and numerics on one GPU, under 5 minutes, into
+# results/bench/gpu_<device>.md. No virtual environment: the machine's python3 with a CUDA torch, the
+# repository and the pure-Python dependencies carried in .gpu/deps (`make gpu-deps` where .venv is, then
+# carry .gpu/ with the checkout). GPU_CHECK_ARGS go to scripts/gpu_check.py (e.g. --smoke --device cpu).
+gpu-check:
+	scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-deps: setup
+	PYTHON=$(PY) scripts/gpu_deps.sh
 
 # MuJoCo behaviour cloning (issue "MuJoCo BC"): SAC experts (resumable: rerun the same line), then the
 # paper grids. Experts take tens of minutes (HalfCheetah) to hours (Humanoid) on CPU.

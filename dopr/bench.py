@@ -174,13 +174,40 @@ def make_task(name, device):
 
 
 # ---------------------------------------------------------------------------- measurements
-# FlopCounterMode has no formula for the CPU SDPA kernels: use torch's own SDPA formulas.
-SDPA_CPU = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v),
-}
+# FlopCounterMode has no formula for the CPU SDPA kernels, and in torch 2.11 (seen on a GPU machine) its
+# CUDA ones assert that q, k and v have as many heads, which grouped-query attention breaks (Llama-3.1-8B:
+# 32 query heads, 8 key/value heads). Every SDPA op is counted here as if k and v were repeated to q's
+# heads: the products a GQA kernel computes.
+def sdpa_flops(q, k, v):
+    """Forward FLOPs of attention, q (b, h, s_q, d), k (b, h_kv, s_k, d), v (b, h_kv, s_k, d_v):
+    Q K^T and P V, a multiply-add as 2, causal masking not discounted."""
+    b, h, s_q, d = q
+    return 2 * b * h * s_q * k[-2] * (d + v[-1])
+
+
+def sdpa_backward_flops(q, k, v):
+    """Backward FLOPs: Q K^T recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q."""
+    b, h, s_q, d = q
+    return 2 * b * h * s_q * k[-2] * (3 * d + 2 * v[-1])
+
+
+def _sdpa_mapping():
+    """{aten SDPA op: formula on shapes} for the ops this torch has: forwards take (q, k, v, ...),
+    backwards (grad_out, q, k, v, ...)."""
+    kernels = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    out = {}
+    for name in kernels:
+        for suffix, formula in (("", lambda q, k, v, *a, out_shape=None, **kw: sdpa_flops(q, k, v)),
+                                ("_backward", lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flops(q, k, v))):
+            try:
+                out[getattr(torch.ops.aten, name + suffix)] = formula
+            except (AttributeError, RuntimeError):   # an op this build does not have
+                pass
+    return out
+
+
+SDPA_FLOPS = _sdpa_mapping()
 
 
 def step_flops_and_vectors(model, x, y, loss_fn):
@@ -195,7 +222,7 @@ def step_flops_and_vectors(model, x, y, loss_fn):
         if isinstance(m, nn.Conv2d):  # SUA: its covariance is over input pixels, N H W of them
             hooks.append(m.register_forward_hook(
                 lambda m, i, o, name=name: vectors.__setitem__((name, "in"), i[0].numel() // m.in_channels)))
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=SDPA_CPU) as counter:
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS) as counter:
         loss_fn(model(x), y).backward()
     for h in hooks:
         h.remove()
@@ -311,8 +338,10 @@ class Row:
         return row
 
 
-def bench_model(name, args, every):
-    """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike."""
+def bench_model(name, args, every, inspect=None):
+    """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike.
+    ``inspect(rows)``, if given, sees each GP's timed rows before their optimizers close (e.g. to
+    profile a few more of their steps: dopr.profiling)."""
     model, x, y, loss_fn = make_task(name, args.device)
     flops, vectors = step_flops_and_vectors(model, x, y, loss_fn)
     n_params, results = sum(p.numel() for p in model.parameters()), []
@@ -323,6 +352,8 @@ def bench_model(name, args, every):
         while not all(r.done(args.repeats, args.budget) for r in rows):
             for r in rows:  # every row steps every round, so all rows sample the same time window
                 r.step()
+        if inspect is not None:
+            inspect(rows)
         t_gp = rows[0].result()["t"]
         for r in rows:
             results.append(r.result())
@@ -358,9 +389,9 @@ embedding's diagonal AP (O(N + vocab*d)) is left out of R_model; a Conv2d under 
 C_in x C_in covariance over the input pixels. For k>1 rows R_model divides the
 covariance and factorisation terms by k (the cached inverse is still applied every step), and t is
 the amortised ((k-1) median(other steps) + median(refresh steps)) / k. FLOPs count a multiply-add as 2,
-as the paper's N d^2 (symmetric X^T X) and 2 d^2 d_out (two triangular solves) do; CPU attention is
-counted with torch's SDPA formula (causal masking not discounted). "opt state" is persistent state
-only: with precond_ema=0 (default) DoPr keeps no covariance between steps, and k>1 keeps the cached
+as the paper's N d^2 (symmetric X^T X) and 2 d^2 d_out (two triangular solves) do; attention is
+counted by `sdpa_flops` (causal masking not discounted; grouped-query attention as if k and v were
+repeated to q's heads). "opt state" is persistent state only: with precond_ema=0 (default) DoPr keeps no covariance between steps, and k>1 keeps the cached
 inverses. "step transient" is the memory a step allocates above what it started with (activations
 saved for backward, gradients, DoPr's covariances, factors and unfolded patches)."""
 UNET_NOTE = """\

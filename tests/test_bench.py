@@ -61,3 +61,48 @@ def test_the_cost_model_reads_a_hugging_face_conv1d_output_width_from_its_in_out
     first = 16 * 6 ** 2 + 6 ** 3 / 3 + 2 * 6 ** 2 * 24      # d = 5 + 1 (bias), d_out = 24 (weight is 5 x 24)
     second = 16 * 25 ** 2 + 25 ** 3 / 3 + 2 * 25 ** 2 * 3
     assert bench.overhead_flops(opt, model, vectors, 1) == first + second
+
+
+class _GQA(torch.nn.Module):
+    """One attention layer with 4 query heads and 2 key/value heads (Llama's grouped-query layout)."""
+
+    def __init__(self, d=16, heads=4, kv_heads=2, repeat=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.repeat = heads, kv_heads, repeat
+        self.q, self.kv = torch.nn.Linear(d, d), torch.nn.Linear(d, 2 * d * kv_heads // heads)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k, v = (y.view(b, t, self.kv_heads, -1).transpose(1, 2) for y in self.kv(x).chunk(2, -1))
+        if self.repeat:   # the same products with k and v repeated to q's heads
+            k, v = (y.repeat_interleave(self.heads // self.kv_heads, 1) for y in (k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.repeat)
+        return a.transpose(1, 2).reshape(b, t, d)
+
+
+def test_grouped_query_attention_is_counted_as_if_k_and_v_were_repeated(monkeypatch):
+    from torch.utils import flop_counter
+
+    def equal_heads_only(fn):   # torch 2.11's SDPA formulas assert h_q == h_kv
+        def count(*shapes):
+            assert len({s[1] for s in shapes}) == 1, "heads differ"
+            return fn(*shapes)
+        return count
+
+    x, loss = torch.randn(2, 8, 16), lambda out, _: out.square().mean()
+    torch.manual_seed(0)
+    repeated, _ = bench.step_flops_and_vectors(_GQA(repeat=True), x, None, loss)
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", equal_heads_only(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", equal_heads_only(flop_counter.sdpa_backward_flop_count))
+    torch.manual_seed(0)
+    grouped, _ = bench.step_flops_and_vectors(_GQA(), x, None, loss)
+    # the repeat_interleave model's attention is SDPA with 4 heads each (no GQA): its count is the reference
+    assert grouped == repeated > 0
+    # the CUDA kernels (flash, efficient, cudnn) have the same formulas, GQA shapes included
+    q, kv, g = (2, 32, 64, 128), (2, 8, 64, 128), (2, 32, 64, 128)
+    for name in ("flash", "efficient", "cudnn"):
+        fwd = bench.SDPA_FLOPS[getattr(torch.ops.aten, f"_scaled_dot_product_{name}_attention")]
+        bwd = bench.SDPA_FLOPS[getattr(torch.ops.aten, f"_scaled_dot_product_{name}_attention_backward")]
+        assert fwd(q, kv, kv, 0.0, True) == 2 * (2 * 2 * 32 * 64 * 64 * 128)            # Q K^T and P V
+        assert bwd(g, q, kv, kv, g) == 5 * (2 * 2 * 32 * 64 * 64 * 128)                 # five products

@@ -20,7 +20,7 @@ def test_a_sit_rehearsal_reports_loss_coverage_health_and_memory_and_the_table_l
     assert s["falls"] == (s["losses"][-1] < s["losses"][0]) and s["loss_last"] == s["losses"][-1]
     assert s["preconditioned"] == "11/12"            # every module with weights but the fixed position table
     assert s["param_MB"] == pytest.approx(s["params_M"] * 1e6 * 4 / 2**20)   # float32 weights
-    assert s["opt_state_MB"] > 0 and s["peak_rss_MB"] > 0 and s["step_s"] > 0
+    assert s["opt_state_MB"] > 0 and s["peak_rss_MB"] > 0 and s["step_s"] > 0 and s["device"] == "cpu"
     if Path("/proc/self/clear_refs").exists():   # Linux: the peak RSS restarts with each job
         assert s["peak_since"] == "this job's steps"
     # damping 1e-4 on the timestep MLP's input: the health report names the layer in the verdict
@@ -48,3 +48,28 @@ def test_a_rehearsal_without_the_health_report_says_so(tmp_path, compose):
     # the same layer as above is in the weak regime, but nothing was measured, so nothing is claimed
     assert s["weak_layers"] == "not measured" and s["weak_layer_names"] == [] and s["worst_weak_share"] is None
     assert s["verdict"].endswith("(AP health not measured: task.rehearsal.health=false)") and s["finite"]
+
+
+def _summary(folder, **fields):
+    folder.mkdir(parents=True)
+    s = {"rehearsal": True, "task": "sit_imagenet", "optim": "adamw", "model": "SiT-S/2", "batch": 256,
+         "peak_since": "this job's steps", "verdict": "ok", **fields}
+    (folder / "summary.json").write_text(json.dumps(s))
+
+
+def test_the_table_names_the_device_and_the_memory_measure_of_its_rows(tmp_path):
+    _summary(tmp_path / "gpu" / "0", device="cuda (NVIDIA H100 80GB HBM3)", peak_cuda_alloc_MB=2048.0)
+    _summary(tmp_path / "cpu" / "0", peak_rss_MB=512.0)   # written before summaries named their device
+    rehearsal.main([str(tmp_path / "gpu"), "--out", str(tmp_path / "gpu.md")])
+    md = (tmp_path / "gpu.md").read_text()
+    assert md.splitlines()[0].endswith("synthetic batches, CUDA (NVIDIA H100 80GB HBM3)") and "CPU" not in md
+    header = next(line for line in md.splitlines() if line.startswith("| sweep"))
+    assert "peak_cuda_alloc_MB" in header and "peak_rss_MB" not in header and "| 2048 | ok |" in md
+    rehearsal.main([str(tmp_path / "cpu"), "--out", str(tmp_path / "cpu.md")])
+    md = (tmp_path / "cpu.md").read_text()
+    assert md.splitlines()[0].endswith("synthetic batches, CPU") and "| peak_rss_MB | verdict |" in md
+    # both kinds in one table: a device column and both measures, each row in its own
+    rehearsal.main([str(tmp_path / "cpu"), str(tmp_path / "gpu"), "--out", str(tmp_path / "both.md")])
+    md = (tmp_path / "both.md").read_text()
+    assert md.splitlines()[0].endswith("CPU and CUDA (NVIDIA H100 80GB HBM3)")
+    assert "| peak_rss_MB | peak_cuda_alloc_MB | verdict |" in md and "| sweep | task | optimizer | device |" in md

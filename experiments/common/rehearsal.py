@@ -6,7 +6,8 @@ fit this machine, and says so), feeds it one synthetic batch of the real shapes 
 last steps), and writes in summary.json instead of a training run's metrics: whether the loss is
 finite and falls on the repeated batch, the coverage and the AP health, the step time here (the median
 of the steps between the first and the last, which neither allocate nor report), the bytes of
-parameters, optimizer state and DoPr's own state, and the peak memory. A mistake that would waste a
+parameters, optimizer state and DoPr's own state, and the peak memory (on CPU the process's peak RSS,
+on CUDA the peak of memory allocated by tensors: `peak_rss_MB` or `peak_cuda_alloc_MB`). A mistake that would waste a
 cluster run (a shape, a config value, a layer DoPr cannot handle, a loss that does not move) shows in
 minutes.
 
@@ -31,6 +32,8 @@ from dopr.health import WEAK_SHARE_WARNING
 COLUMNS = ["sweep", "task", "optimizer", "model", "batch", "params_M", "loss_first", "loss_last", "falls",
            "preconditioned", "weak_layers", "worst_weak_share", "step_s", "param_MB", "opt_state_MB",
            "dopr_state_MB", "peak_rss_MB", "verdict"]
+#: the peak-memory column by device: what each measures differs (peak_memory_mb)
+MEMORY_COLUMNS = {"cpu": "peak_rss_MB", "cuda": "peak_cuda_alloc_MB"}
 
 
 def tensor_bytes(obj) -> int:
@@ -66,6 +69,11 @@ def peak_memory_mb(device) -> float:
         return int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM:"))) / 2**10
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # the process's peak
+
+
+def device_label(device) -> str:
+    """"cpu", or "cuda (<GPU name>)": the rehearsal table's title names where its rows ran."""
+    return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
 
 
 def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: int, clip=None) -> dict:
@@ -118,7 +126,8 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
                    weak_layers=len(weak) if health else "not measured", weak_layer_names=weak,
                    worst_weak_share=max(shares.values(), default=None),
                    worst_weak_layer=max(shares, key=shares.get) if shares else None)
-    out["peak_rss_MB"] = peak_memory_mb(run.device)
+    out["device"] = device_label(run.device)
+    out[MEMORY_COLUMNS.get(run.device.type, "peak_rss_MB")] = peak_memory_mb(run.device)
     out["peak_since"] = "this job's steps" if fresh else "the process's start (earlier jobs included)"
     problems = ([] if out["finite"] else ["loss not finite"]) + ([] if out["falls"] else ["loss does not fall"])
     if isinstance(out.get("weak_layers"), int) and out["weak_layers"]:
@@ -138,16 +147,20 @@ def run_rehearsal(cfg, run) -> dict:
 
 
 def table(sweeps: list) -> list:
+    """One row per rehearsal summary under `sweeps`, with its device and its peak in the column of
+    that device's measure (summaries written before the device was recorded ran on CPU)."""
     rows = []
     for sweep in sweeps:
         for path in sorted(Path(sweep).rglob("summary.json")):
             s = json.loads(path.read_text())
             if not s.get("rehearsal"):
                 continue
-            row = {"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"],
-                   **{k: s.get(k, "") for k in COLUMNS[3:]}}
-            if s.get("peak_since") != "this job's steps":   # counted from the process's start
-                row["peak_rss_MB"] = f"{s['peak_rss_MB']:.4g}*"
+            device = s.get("device") or ("cuda" if MEMORY_COLUMNS["cuda"] in s else "cpu")
+            memory = MEMORY_COLUMNS.get(device.split()[0], "peak_rss_MB")
+            row = {"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"], "device": device,
+                   **{k: s.get(k, "") for k in COLUMNS[3:] if k != "peak_rss_MB"}, memory: s.get(memory, "")}
+            if s.get("peak_since") != "this job's steps" and memory in s:   # counted from the process's start
+                row[memory] = f"{s[memory]:.4g}*"
             rows.append(row)
     return rows
 
@@ -163,14 +176,23 @@ def main(argv=None) -> None:
     rows = table(args.sweeps)
     if not rows:
         sys.exit(f"no rehearsal summaries under {args.sweeps}: run `python run.py -m sweep=<paper sweep> rehearse=true`")
+    devices = sorted({r["device"] for r in rows})
+    memory = [c for c in MEMORY_COLUMNS.values() if any(c in r for r in rows)]
+    columns = [c for c in COLUMNS if c != "peak_rss_MB"][:-1] + memory + ["verdict"]
     stamp = (f"`python -m experiments.common.rehearsal {' '.join(args.sweeps)} --out {args.out}`, commit "
              f"{git_revision()}, torch {torch.__version__}")
     stamp += (". The AP health is measured on the rehearsal batch: a few samples give a low-rank Sigma, so "
-              "the weak layers flagged here bound those of the real batch from above; peak_rss_MB counts from "
-              "the built model (the synthetic batch, the optimizer and the steps); *: from the process's start, the earlier "
-              "jobs of a local sweep included")
-    write_table(rows, COLUMNS, Path(args.out).with_suffix(""), stamp,
-                "Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, CPU")
+              "the weak layers flagged here bound those of the real batch from above; the peak memory ("
+              + "; ".join({"peak_rss_MB": "peak_rss_MB: the process's peak RSS on CPU",
+                           "peak_cuda_alloc_MB": "peak_cuda_alloc_MB: the peak of CUDA memory allocated by tensors, "
+                                                 "torch.cuda.max_memory_allocated"}[c] for c in memory)
+              + ") counts from the built model (the synthetic batch, the optimizer and the steps); *: from the "
+              "process's start, the earlier jobs of a local sweep included")
+    if len(devices) > 1:
+        columns.insert(3, "device")
+    where = " and ".join(d.upper() if d == "cpu" else "CUDA" + d[4:] for d in devices)
+    write_table(rows, columns, Path(args.out).with_suffix(""), stamp,
+                f"Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, {where}")
 
 
 if __name__ == "__main__":

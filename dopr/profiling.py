@@ -1,0 +1,91 @@
+"""Where the time of a training step goes: wall time against the device's busy time, kernels, host
+syncs and the top kernels, from torch.profiler over a few steps.
+
+The FLOP model (``dopr.bench``'s R_model) cannot see what makes a step slow on a GPU besides its
+arithmetic: hundreds of small kernels (launch-bound: busy time far below wall time) or the host waiting
+on the device (a ``.item()``, a Python branch on a GPU value: each is a sync that empties the queue).
+``profile_steps`` counts both for any step function; ``table`` writes a markdown row per profiled step.
+
+    from dopr.profiling import profile_steps, table
+    p = profile_steps(lambda: (loss_fn(model(x), y).backward(), opt.step(), opt.zero_grad()), steps=3, device="cuda")
+    print(table([("dopr_adamw", p)]))
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+#: runtime calls that block the host until the device has caught up (cudaMemcpy without Async is
+#: synchronous; a .item() shows as cudaMemcpyAsync followed by cudaStreamSynchronize)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpy")
+#: device-side events that are copies or fills, not kernels
+_NOT_KERNELS = ("Memcpy", "Memset", "memcpy", "memset")
+
+
+def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
+    """Profile ``steps`` calls of ``step()`` (warm it up first: the first steps allocate and compile).
+
+    Per step: ``wall_ms`` (under the profiler, which adds a little per op), ``busy_ms`` (the sum of the
+    device's kernel, copy and fill times; None on CPU), ``kernels`` (kernels the device ran, by its own
+    events, so those of CUDA graphs and library calls count too; None on CPU), ``syncs`` ({runtime call:
+    count}, the one synchronize that closes the measurement left out) and ``top``: [(name, ms per step,
+    share of busy time)] of the kernels (CPU: the ops, by self time) that took longest."""
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if cuda:
+        on_device = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        busy = sum(e.self_device_time_total for e in on_device) / 1e3
+        kernels = sum(e.count for e in on_device if not any(s in e.key for s in _NOT_KERNELS))
+        ranked = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)
+        timed = [(e.key, e.self_device_time_total / 1e3) for e in ranked[:top]]
+        syncs = {e.key: e.count for e in events if e.key in SYNCS}
+        syncs["cudaDeviceSynchronize"] = syncs.get("cudaDeviceSynchronize", 1) - 1   # the measurement's own
+        syncs = {k: v / steps for k, v in syncs.items() if v}
+    else:
+        busy = kernels = None
+        syncs = {}
+        ranked = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                        reverse=True)
+        timed = [(e.key, e.self_cpu_time_total / 1e3) for e in ranked[:top]]
+    total = busy if cuda else wall * 1e3
+    return {"steps": steps, "device": "cuda" if cuda else "cpu", "wall_ms": wall * 1e3 / steps,
+            "busy_ms": None if busy is None else busy / steps,
+            "kernels": None if kernels is None else kernels / steps, "syncs": syncs,
+            "top": [(name, ms / steps, ms / total if total else 0.0) for name, ms in timed]}
+
+
+def _short(name: str, width: int = 48) -> str:
+    name = name.replace("|", "/").replace("`", "'")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def table(rows) -> str:
+    """Markdown: one line per (label, profile_steps result)."""
+    cuda = any(p["device"] == "cuda" for _, p in rows)
+    what = "top kernels (ms/step, share of busy)" if cuda else "top ops by self CPU time (ms/step, share of wall)"
+    out = [f"| row | steps | wall ms/step | GPU busy ms/step | busy / wall | kernels/step | host syncs/step | {what} |",
+           "|---|---|---|---|---|---|---|---|"]
+    for label, p in rows:
+        busy = p["busy_ms"]
+        cells = [label, str(p["steps"]), f"{p['wall_ms']:.1f}", "-" if busy is None else f"{busy:.1f}",
+                 "-" if busy is None else f"{busy / p['wall_ms']:.2f}",
+                 "-" if p["kernels"] is None else f"{p['kernels']:.0f}",
+                 ("-" if p["device"] != "cuda" else
+                  ", ".join(f"{k} {v:g}" for k, v in p["syncs"].items()) or "0"),
+                 "; ".join(f"`{_short(n)}` {ms:.2f} ({share:.0%})" for n, ms, share in p["top"])]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)

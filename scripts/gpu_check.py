@@ -1,0 +1,664 @@
+"""The GPU check (docs/gpu.md): one command that anyone with one GPU runs in under 5 minutes, and one
+report of what DoPr costs there and whether it computes there what it computes on the CPU.
+
+    make gpu-check                  # = scripts/gpu_check.sh: the machine's python3, no virtual environment
+    scripts/gpu_check.sh [--device cuda] [--out results/bench/gpu_<device>.md] [--workdir .gpu/work]
+        [--parts bench_sit,agreement,...] [--smoke] [--fail PART]
+
+The report (`--out`, default results/bench/gpu_<device>.md) has, after a header naming the command, the
+commit, the device and the torch / CUDA versions, and a table of the parts with their status:
+  bench_*     dopr.bench's rows (t, R = t_dopr / t_gp, R_model, memory) of AdamW and Muon, each alone and
+              under DoPr with precond_every k = 1 and 10, and dopr.profiling's summary of one step of
+              every row (wall and GPU-busy time, kernels, host syncs, top kernels; of a k>1 row a step
+              that refreshes the AP's inverse and one that does not): SiT-S/2 at batch 256 under bf16
+              autocast, Tool Hang's policy at batch 256 with Conv2d by SUA, Llama-3.1-8B's widths with 2 decoder layers, LoRA r=64, bf16, 1 x 2048 tokens
+  agreement   DoPr-SGD / -AdamW / -Muon on the device vs on the CPU in float64, torch.compile vs eager,
+              bf16 autocast's drift from float32 against the GP's own drift
+  rehearse_*  `python run.py -m sweep=<paper sweep> rehearse=true` at the real per-GPU batch (paper_sit,
+              paper_toolhang, sft_llama31_8b: its micro-batch of 2 x 4096 tokens) and their table
+  solvers     scripts/bench_solvers.py, when the checkout has it (its own report solvers_<device>.md)
+  targets     R <= 1.25 at k=1 for SiT-S/2 and Tool Hang, |R / R_model - 1| <= 0.10 on every DoPr row,
+              R <= 2 for Llama
+Each part runs in its own process under its own time limit (PARTS: seconds on one H100; together under
+5 minutes). A part that raises or runs out of time is reported FAIL with its one-line error and what it
+wrote before, and the others still run; a part whose package is absent is SKIPPED with the reason.
+Every part's log is <workdir>/<part>.log. This file imports no torch: only the parts do, each in its own
+process, so a CUDA error in one (a poisoned context) cannot take the others down.
+
+``--smoke`` runs every part at tiny shapes (seconds each; any device, the tests use the CPU) into the
+same report: a check that the check runs, with no verdict on the targets. ``--fail PART`` makes PART
+raise before it starts (a check of the report's failure path).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the repository and the carried pure-Python dependencies (scripts/gpu_deps.sh), for this process, the
+#: parts and what they start (run.py): the check needs no virtual environment
+PATHS = [str(ROOT)] + [str(ROOT / ".gpu" / "deps")] * (ROOT / ".gpu" / "deps").is_dir()
+
+
+def setup_paths() -> None:
+    sys.path[:0] = [d for d in PATHS if d not in sys.path]
+    os.environ["PYTHONPATH"] = os.pathsep.join(PATHS + [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if d and d not in PATHS])
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # nothing is downloaded: the models are built from their configs
+
+
+#: name: (limit in seconds on one H100, limit in --smoke, what it runs). The H100 limits sum to 297 s:
+#: the whole check ends within 5 minutes even when every part runs to its limit.
+PARTS = {
+    "env": (15, 60, "device, torch, CUDA and the packages found"),
+    "bench_sit": (35, 120, "SiT-S/2 b256 bf16 autocast: rows and profiles"),
+    "bench_toolhang": (40, 120, "Tool Hang policy b256, Conv2d by SUA: rows and profiles"),
+    "bench_llama": (45, 120, "Llama-3.1-8B widths, 2 layers, LoRA r=64, bf16, 1x2048 tokens: rows and profiles"),
+    "agreement": (45, 120, "device vs CPU float64, compiled vs eager, bf16 drift vs the GP's"),
+    "rehearse_paper_sit": (25, 120, "rehearse=true, sweep=paper_sit, batch 256"),
+    "rehearse_paper_toolhang": (30, 120, "rehearse=true, sweep=paper_toolhang, batch 256"),
+    "rehearse_sft_llama31_8b": (40, 120, "rehearse=true, sweep=sft_llama31_8b, 2 x 4096 tokens, bf16"),
+    "rehearsal_table": (10, 60, "python -m experiments.common.rehearsal over the three sweeps"),
+    "solvers": (12, 120, "scripts/bench_solvers.py, if present"),
+}
+#: dopr.bench's timing: at least `repeats` timed steps per row, fewer once a row has run `budget` seconds
+#: (but 3, and a k=10 row one refresh and one other step: about 10 rounds of all three rows, enough for
+#: medians on a GPU, and what lets the Llama part fit its limit); the smoke mode's rows run a handful
+BENCH = {"repeats": 10, "budget": 2.0}
+BENCH_SMOKE = {"repeats": 3, "budget": 0.2}
+EVERY, EVERY_SMOKE = [1, 10], [1, 2]   # precond_every of the DoPr rows (smoke: a cycle of 2 steps, not 10)
+#: targets (issue "DoPr at the paper's cost on a GPU")
+MAX_R_K1, MODEL_SLACK, LLAMA_MAX_R = 1.25, 0.10, 2.0
+
+#: rehearse=true overrides per paper sweep: at the real per-GPU batch, and tiny for --smoke (one optimizer)
+TINY_SIT = ["task.model=custom", "task.model_kwargs={depth: 1, hidden_size: 32, num_heads: 2, patch_size: 2}",
+            "task.input_size=8", "task.rehearsal.batch=2"]
+TINY_TOOLHANG = ["task.encoder.feature_dim=8", "task.encoder.width=4", "task.encoder.crop=[12,12]",
+                 "task.unet.model_dim=8", "task.unet.emb_dim=8", "task.unet.dim_mult=[1,2]", "task.unet.n_groups=2",
+                 "task.horizon=8", "task.action_steps=4", "task.image_size=16"]
+TINY_LLAMA_ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "vocab_size": 256}
+REHEARSALS = {
+    "paper_sit": (["seed=0", "task.rehearsal.batch=${task.batch_size}"],
+                  ["seed=0", "+tuned/sit_imagenet=dopr_adamw", *TINY_SIT]),
+    "paper_toolhang": (["seed=42", "task.rehearsal.batch=${task.batch_size}"],
+                       ["seed=42", "+tuned/robomimic_toolhang=dopr_adamw", *TINY_TOOLHANG, "task.rehearsal.batch=2"]),
+    "sft_llama31_8b": (["launcher=local", "optim.lr=1e-4", "task.rehearsal.batch=${task.train.micro_batch_size}",
+                        "task.rehearsal.seq_len=${task.data.max_length}", "task.rehearsal.dtype=bfloat16"],
+                       ["launcher=local", "optim.lr=1e-4", "+tuned/sft=dopr_adamw", "task.lora.r=4",
+                        "task.rehearsal.seq_len=16",
+                        "task.rehearsal.arch={" + ", ".join(f"{k}: {v}" for k, v in TINY_LLAMA_ARCH.items()) + "}"]),
+}
+HINTS = {"hydra": "carry it: scripts/gpu_deps.sh, docs/gpu.md", "omegaconf": "carry it: scripts/gpu_deps.sh, docs/gpu.md",
+         "transformers": "pip install transformers peft (the llm extra)", "peft": "pip install peft (the llm extra)"}
+
+
+class Skipped(Exception):
+    """The part cannot run here (a package is absent, a script is missing): reported SKIPPED, not FAIL."""
+
+
+class CheckFailed(Exception):
+    """The part ran and a check in it failed (its section says which)."""
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+# ------------------------------------------------------------------------------- the parts
+class Context:
+    """What a part gets: the device, the mode, and where its section (<workdir>/<part>.md, written as it
+    goes, so a part stopped at its limit still shows what it measured) and its data (<part>.json) go."""
+
+    def __init__(self, args):
+        self.part, self.device, self.smoke = args.part, args.device, args.smoke
+        self.cuda, self.workdir, self.out_dir = args.device == "cuda", Path(args.workdir), Path(args.out_dir)
+        self.md = self.workdir / f"{self.part}.md"
+
+    def write(self, *blocks) -> None:
+        """Append markdown blocks (a line, a table), a blank line after each."""
+        with open(self.md, "a") as f:
+            f.write("".join(b.rstrip("\n") + "\n\n" for b in blocks))
+
+    def save(self, data) -> None:
+        (self.workdir / f"{self.part}.json").write_text(json.dumps(data, indent=1))
+
+    def need(self, *modules) -> None:
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise Skipped(f"{', '.join(missing)} not installed ({HINTS.get(missing[0], 'pip install it')})")
+
+
+def device_name(ctx) -> str:
+    import torch
+
+    from dopr.bench import environment
+
+    return torch.cuda.get_device_name() if ctx.cuda else environment("cpu")[1]
+
+
+def part_env(ctx) -> str:
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    if ctx.cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    info = {"device": device_name(ctx), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(), "packages": {}}
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(0)
+        info.update(memory_GiB=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
+                    driver_cuda=torch._C._cuda_getDriverVersion() if hasattr(torch._C, "_cuda_getDriverVersion") else None)
+    for dist, module in [("numpy", "numpy"), ("transformers", "transformers"), ("peft", "peft"),
+                         ("accelerate", "accelerate"), ("torchdiffeq", "torchdiffeq"), ("hydra-core", "hydra"),
+                         ("omegaconf", "omegaconf"), ("antlr4-python3-runtime", "antlr4"), ("submitit", "submitit")]:
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            info["packages"][dist] = "absent"
+            continue
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "?"
+        origin = Path(spec.origin or next(iter(spec.submodule_search_locations or [""]))).resolve()
+        carried = ROOT / ".gpu" / "deps" in origin.parents
+        info["packages"][dist] = version + (" (carried, .gpu/deps)" if carried else "")
+    ctx.save(info)
+    ctx.write(f"{info['device']}" + (f", {info['memory_GiB']} GiB, compute capability {info['capability']}"
+                                     if ctx.cuda else "") +
+              f"; torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, Python {info['python']}",
+              "Packages: " + ", ".join(f"{k} {v}" for k, v in info["packages"].items()))
+    return info["device"]
+
+
+def _task_config(task, overrides=()):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"task={task}", *overrides]).task
+
+
+def task_sit(ctx):
+    """SiT-S/2 on 32x32x4 latents at batch 256, bf16 autocast on CUDA (experiments/sit/bench.py);
+    smoke: a 2-block SiT of width 64 on 8x8 latents, batch 2."""
+    import torch
+
+    from experiments.sit.bench import _LossModule
+    from experiments.sit.model import SiT, SiT_models
+
+    size, n = (8, 2) if ctx.smoke else (32, 256)
+
+    def make():
+        model = (SiT(input_size=8, depth=2, hidden_size=64, num_heads=2, patch_size=2) if ctx.smoke
+                 else SiT_models["SiT-S/2"](input_size=32))
+        batch = {"x1": torch.randn(n, 4, size, size), "y": torch.randint(1000, (n,))}
+        return _LossModule(model, ctx.cuda), batch, None, lambda loss, _: loss
+
+    name = ("SiT_tiny" if ctx.smoke else "SiT-S_2") + f"_b{n}" + ("_bf16" if ctx.cuda else "")
+    return name, make, {}
+
+
+def task_toolhang(ctx):
+    """Tool Hang's paper-size policy (ChiUNet + two ResNet-18s, 84x84 cameras) at batch 256, Conv2d
+    by SUA (experiments/robomimic/bench.py); smoke: the test suite's tiny policy at batch 2."""
+    ctx.need("hydra", "omegaconf")
+    from experiments.robomimic import rehearse
+    from experiments.robomimic.bench import _LossModule, paper_policy
+
+    t = _task_config("robomimic_toolhang", TINY_TOOLHANG if ctx.smoke else ())
+    n = 2 if ctx.smoke else int(t.batch_size)
+
+    def make():
+        low_dim, action_dim = rehearse.shapes(t)
+        return _LossModule(paper_policy(t)), rehearse.synthetic_batch(t, n, low_dim, action_dim), None, lambda l, _: l
+
+    return f"toolhang_policy_b{n}", make, {"conv2d": "sua"}
+
+
+def task_llama(ctx):
+    """Llama-3.1-8B's published widths (conf/task/sft_llama31_8b.yaml: rehearsal.arch) with 2 decoder
+    layers, randomly initialised on the device, the task's LoRA (r=64 on q, k, v, o, gate, up, down),
+    bf16, one packed sequence of 2048 tokens; smoke: width 64, 4 query and 2 key/value heads, r=4,
+    float32, 32 tokens. Read with PyYAML (transformers' own dependency): this row needs no Hydra."""
+    ctx.need("transformers", "peft", "yaml")
+    from types import SimpleNamespace
+
+    import torch
+    import yaml
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from experiments.llm.model import add_lora, packed_forward
+
+    class CausalLM(torch.nn.Module):
+        """The next-token loss of one packed sequence, as experiments.llm trains (packed_forward)."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            return packed_forward(self.model, {"input_ids": ids, "position_ids": pos}, labels=ids).loss
+
+    t = yaml.safe_load((ROOT / "conf" / "task" / "sft_llama31_8b.yaml").read_text())
+    arch, lora = dict(t["rehearsal"]["arch"]), dict(t["lora"])
+    arch.pop("num_hidden_layers")
+    seq, dtype = 2048, torch.bfloat16 if ctx.cuda else torch.float32
+    if ctx.smoke:
+        arch.update(TINY_LLAMA_ARCH)
+        lora.update(r=4, alpha=8)
+        seq = 32
+
+    def make():
+        with torch.device(ctx.device):   # initialised where it runs: 1.5 B parameters build in seconds there
+            model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **arch))
+        model = add_lora(model.to(dtype), SimpleNamespace(**lora))
+        return CausalLM(model), torch.randint(int(arch["vocab_size"]), (1, seq)), None, lambda loss, _: loss
+
+    return f"llama31_8b_2l_r{lora['r']}_s{seq}", make, {}
+
+
+def bench_part(ctx, task) -> str:
+    """dopr.bench's rows of one task for AdamW and Muon (GP, k=1, k=10), then a profile of one step of
+    every row (of a k>1 row: a step that refreshes the AP's inverse and one that does not)."""
+    import torch
+
+    from dopr import bench as B
+    from dopr.profiling import profile_steps, table
+
+    name, make, options = task(ctx)
+    B.register_task(name, make, options)
+    args = argparse.Namespace(device=ctx.device, compile=False, **(BENCH_SMOKE if ctx.smoke else BENCH))
+    rows_out = {}
+    for gp in ("adamw", "muon"):
+        args.gps, profiles = [gp], []
+
+        def inspect(rows):   # one step each (the profiler's event parsing costs seconds per step of Tool Hang)
+            for r in rows:
+                def step(r=r):
+                    r.loss_fn(r.forward(r.x), r.y).backward()
+                    r.opt.step()
+                    r.opt.zero_grad(set_to_none=True)
+                if r.k == 1:
+                    profiles.append((r.label, profile_steps(step, 1, ctx.device)))
+                    continue
+                while not getattr(r.opt, "collecting", True):   # the next step refreshes the AP's inverse
+                    step()
+                profiles.extend([(f"{r.label}, refresh step", profile_steps(step, 1, ctx.device)),
+                                 (f"{r.label}, other step", profile_steps(step, 1, ctx.device))])
+
+        header, rows = B.bench_model(name, args, EVERY_SMOKE if ctx.smoke else EVERY, inspect)
+        if not rows_out:
+            ctx.write(header.replace("### ", "#### "),
+                      f"timing: >= {args.repeats} timed steps per row or {args.budget:g} s of them (dopr.bench.Row.done)")
+        ctx.write(B.table(rows, ctx.cuda), f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles))
+        for r in rows:
+            rows_out[r["label"]] = {k: r.get(k) for k in ("t", "R", "R_model", "state", "transient", "peak")}
+        ctx.save(rows_out)
+        del rows
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return f"{len(rows_out)} rows"
+
+
+def part_bench_sit(ctx):
+    return bench_part(ctx, task_sit)
+
+
+def part_bench_toolhang(ctx):
+    return bench_part(ctx, task_toolhang)
+
+
+def part_bench_llama(ctx):
+    return bench_part(ctx, task_llama)
+
+
+def part_agreement(ctx) -> str:
+    """DoPr's steps on the device against the CPU (float64, where they must agree to rounding), under
+    torch.compile against eager, and under bf16 autocast against float32 (any optimizer drifts there:
+    DoPr's drift is judged against its GP's own, by the probe's rule: at most 3x the GP's + 1e-2). A
+    smoke run reports the values and no verdict (on the CPU "device vs CPU" compares the CPU with itself)."""
+    import torch
+    from torch import nn
+
+    import dopr
+
+    dev = ctx.device
+
+    def net():   # a hidden Linear for Muon's Newton-Schulz (Muon leaves convolutions, input and head to AdamW)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(16 * 8 * 8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                             nn.Linear(64, 10))
+
+    def train(device, dtype, name, steps=5, autocast=False, backend=None):
+        torch.manual_seed(0)
+        model = net().to(device, dtype)
+        opt = dopr.build(model, name, lr=1e-3, weight_decay=0.01)
+        forward = torch.compile(model, backend=backend) if backend else model
+        gen, losses = torch.Generator().manual_seed(1), []
+        for _ in range(steps):
+            x = torch.randn(32, 3, 8, 8, generator=gen).to(device, dtype)
+            y = torch.randint(10, (32,), generator=gen).to(device)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+                loss = nn.functional.cross_entropy(forward(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        getattr(opt, "close", lambda: None)()
+        return torch.cat([p.detach().double().cpu().flatten() for p in model.parameters()]), losses
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    rows, failed = [], []
+
+    def check(name, fn, limit_text):
+        try:
+            ok, value = fn()
+        except Exception as e:  # noqa: BLE001  (one check's error is its row, the others still run)
+            ok, value = False, one_line(e)
+        rows.append(f"| {name} | {value} | {limit_text} | {'n/a (smoke)' if ctx.smoke else 'PASS' if ok else 'FAIL'} |")
+        failed.extend([name] * (not ok and not ctx.smoke))
+
+    where = f"{dev} vs cpu" + (" (smoke: the same device twice)" if not ctx.cuda else "")
+    for name in ("dopr_sgd", "dopr_adamw", "dopr_muon"):
+        def same(name=name):
+            r = rel(train(dev, torch.float64, name)[0], train("cpu", torch.float64, name)[0])
+            return r < 1e-9, f"rel. difference {r:.1e}"
+        check(f"{name}: {where}, float64, 5 steps", same, "< 1e-9")
+    backend = "inductor" if ctx.cuda else "aot_eager"   # inductor's CPU build takes minutes on a small machine
+
+    def compiled():
+        eager = train(dev, torch.float32, "dopr_adamw")[0]
+        dopr.enable_compiled_capture()
+        r = rel(train(dev, torch.float32, "dopr_adamw", backend=backend)[0], eager)
+        return r < 1e-4, f"rel. difference {r:.1e}"
+    check(f"dopr_adamw: torch.compile ({backend}) vs eager, float32, 5 steps", compiled, "< 1e-4")
+    for gp in ("adamw", "muon"):
+        def drift(gp=gp):
+            a, losses = train(dev, torch.float32, f"dopr_{gp}", steps=10, autocast=True)
+            r = rel(a, train(dev, torch.float32, f"dopr_{gp}", steps=10)[0])
+            r0 = rel(train(dev, torch.float32, gp, steps=10, autocast=True)[0],
+                     train(dev, torch.float32, gp, steps=10)[0])
+            finite = all(v == v and abs(v) < 1e3 for v in losses)
+            value = f"DoPr {r:.1e} vs {gp} {r0:.1e}, ratio {r / r0:.1f} (losses {losses[0]:.3f} -> {losses[-1]:.3f})"
+            return finite and r <= 3 * r0 + 1e-2, value
+        check(f"dopr_{gp}: bf16 autocast drift from float32, 10 steps", drift, f"<= 3 x {gp}'s + 1e-2, losses finite")
+    ctx.write("\n".join(["| check | result | pass if | verdict |", "|---|---|---|---|", *rows]))
+    ctx.save({"failed": failed, "checks": len(rows)})
+    if failed:
+        raise CheckFailed(f"{len(failed)} of {len(rows)} checks failed: {', '.join(failed)}")
+    return f"{len(rows)} checks" + (" (smoke: no verdict)" if ctx.smoke else " passed")
+
+
+def rehearsal_part(ctx, sweep) -> str:
+    """`python run.py -m sweep=<sweep> rehearse=true` on the device, at the real per-GPU batch."""
+    overrides = REHEARSALS[sweep][1 if ctx.smoke else 0]
+    if sweep != "sft_llama31_8b":
+        ctx.need("hydra", "omegaconf")
+    else:
+        ctx.need("hydra", "omegaconf", "transformers", "peft")
+    folder = ctx.workdir / "rehearsal" / sweep
+    shutil.rmtree(folder, ignore_errors=True)
+    cmd = [sys.executable, "run.py", "-m", f"sweep={sweep}", "rehearse=true", f"device={ctx.device}",
+           f"hydra.sweep.dir={folder}", *overrides]
+    ctx.write(f"`{shlex.join(['python3', *cmd[1:]])}`")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    print(proc.stdout, proc.stderr, sep="\n", flush=True)
+    lines = []
+    for path in sorted(folder.glob("*/summary.json")):
+        s = json.loads(path.read_text())
+        memory = s.get("peak_cuda_alloc_MB", s.get("peak_rss_MB"))
+        lines.append(f"- {s['optim']}: batch {s['batch']}, {s['params_M']:.1f} M params, loss {s['loss_first']:.4g} -> "
+                     f"{s['loss_last']:.4g}, step {s['step_s']:.3f} s, peak {memory:.0f} MB, {s['verdict']}")
+    ctx.write(*(lines or ["no job wrote a summary"]))
+    if proc.returncode:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise RuntimeError(f"run.py exited {proc.returncode}: {err[-1] if err else 'no message'}")
+    return f"{len(lines)} jobs"
+
+
+def part_rehearse_paper_sit(ctx):
+    return rehearsal_part(ctx, "paper_sit")
+
+
+def part_rehearse_paper_toolhang(ctx):
+    return rehearsal_part(ctx, "paper_toolhang")
+
+
+def part_rehearse_sft_llama31_8b(ctx):
+    return rehearsal_part(ctx, "sft_llama31_8b")
+
+
+def part_rehearsal_table(ctx) -> str:
+    ctx.need("hydra", "omegaconf")
+    from experiments.common import rehearsal
+
+    sweeps = [str(ctx.workdir / "rehearsal" / s) for s in REHEARSALS
+              if any((ctx.workdir / "rehearsal" / s).glob("*/summary.json"))]
+    if not sweeps:
+        raise Skipped("no rehearsal wrote a summary")
+    out = ctx.workdir / "rehearsals.md"   # (rehearsal_table.md is this part's section)
+    rehearsal.main([*sweeps, "--out", str(out)])
+    title, _, rest = out.read_text().partition("\n")
+    ctx.write(f"**{title.lstrip('# ')}**", rest.strip())
+    return f"{len(sweeps)} sweeps"
+
+
+def part_solvers(ctx) -> str:
+    script = ROOT / "scripts" / "bench_solvers.py"
+    if not script.exists():
+        raise Skipped("scripts/bench_solvers.py is not in this checkout")
+    out = ctx.out_dir / f"solvers_{slug(device_name(ctx))}{'_smoke' * ctx.smoke}.md"
+    cmd = [sys.executable, str(script), "--device", ctx.device, "--out", str(out)]
+    if ctx.smoke:
+        usage = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        if "--smoke" not in usage:
+            raise Skipped("scripts/bench_solvers.py has no --smoke mode (its full run is for the GPU)")
+        cmd.append("--smoke")
+    ctx.write(f"`{shlex.join(['python3', *cmd[1:]])}`")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(proc.stdout, proc.stderr, sep="\n", flush=True)
+    if proc.returncode:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise RuntimeError(f"bench_solvers.py exited {proc.returncode}: {err[-1] if err else 'no message'}")
+    ctx.write(f"Its report, {out}:", out.read_text().strip() if out.exists() else "(not written)")
+    return str(out)
+
+
+def run_child(args) -> int:
+    """Run one part in this process; its status line goes to <workdir>/<part>.status."""
+    ctx = Context(args)
+    status = ctx.workdir / f"{args.part}.status"
+    try:
+        if args.fail == args.part:
+            raise RuntimeError(f"--fail {args.part}: made to fail (a check of the report)")
+        line = globals()[f"part_{args.part}"](ctx)
+        status.write_text(f"ok: {line}")
+        return 0
+    except Skipped as e:
+        status.write_text(f"SKIPPED: {e}")
+        return 0
+    except BaseException as e:  # noqa: BLE001  (the report needs the one line; the log keeps the traceback)
+        status.write_text(f"FAIL: {one_line(e)}")
+        traceback.print_exc()
+        return 1
+
+
+# ----------------------------------------------------------------------------- the runner
+def run_part(name: str, argv: list, limit: float, workdir: Path) -> dict:
+    """Run `argv` (a part's process) under `limit` seconds in its own process group, killed with its
+    children at the limit. {name, status: ok | FAIL | SKIPPED, line, seconds, limit}."""
+    for suffix in (".md", ".json", ".status"):
+        (workdir / f"{name}{suffix}").unlink(missing_ok=True)
+    t0 = time.monotonic()
+    with open(workdir / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)   # the part and what it started (run.py, a compile worker)
+            proc.wait()
+            rc = None
+    seconds = time.monotonic() - t0
+    status_file = workdir / f"{name}.status"
+    if rc is None:
+        status, line = "FAIL", f"timed out after {limit:g} s (the part's limit)"
+    elif status_file.exists():
+        status, _, line = status_file.read_text().strip().partition(": ")
+    else:   # died without a word (a crash, a kill): the last line it printed
+        text = [ln for ln in (workdir / f"{name}.log").read_text(errors="replace").splitlines() if ln.strip()]
+        status, line = ("ok", "") if rc == 0 else ("FAIL", f"exit {rc}: {text[-1] if text else 'no output'}")
+    return {"name": name, "status": status, "line": line, "seconds": seconds, "limit": limit}
+
+
+def commit() -> str:
+    """The short commit (-dirty when tracked code differs); a copy without .git: .gpu/commit, which
+    scripts/gpu_deps.sh writes when it prepares the copy."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        if rev.returncode == 0 and rev.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
+                                   cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    saved = ROOT / ".gpu" / "commit"
+    return f"{saved.read_text().strip()} (from .gpu/commit)" if saved.exists() else "unknown"
+
+
+def target_rows(bench: dict, smoke: bool) -> list:
+    """(target, row, value, verdict) per DoPr row of the bench parts ({part: {label: row} or None})."""
+    out = []
+    for part, rows in bench.items():
+        if not rows:
+            out.append((f"{part}'s targets", "-", "no rows (see the part's status)", "not measured"))
+            continue
+        for label, r in rows.items():
+            if r.get("R") is None:
+                continue
+            k = int(label.split("k=")[1]) if "k=" in label else 1
+            checks = [(f"abs(R / R_model - 1) <= {MODEL_SLACK:g}", f"R {r['R']:.2f}, R_model {r['R_model']:.2f}",
+                       abs(r["R"] / r["R_model"] - 1) <= MODEL_SLACK)]
+            if part in ("bench_sit", "bench_toolhang") and k == 1:
+                checks.append((f"R <= {MAX_R_K1:g} at k=1", f"R {r['R']:.2f}", r["R"] <= MAX_R_K1))
+            if part == "bench_llama":
+                checks.append((f"R <= {LLAMA_MAX_R:g}", f"R {r['R']:.2f}", r["R"] <= LLAMA_MAX_R))
+            out += [(target, f"{part.split('_', 1)[1]}/{label}", value,
+                     "n/a (smoke)" if smoke else "PASS" if ok else "FAIL") for target, value, ok in checks]
+    return out
+
+
+SECTIONS = [("Environment", ["env"]), ("Bench rows and profiles", ["bench_sit", "bench_toolhang", "bench_llama"]),
+            ("Agreement: device vs CPU, compiled vs eager, bf16", ["agreement"]),
+            ("Rehearsals of the paper sweeps at their real batch",
+             ["rehearse_paper_sit", "rehearse_paper_toolhang", "rehearse_sft_llama31_8b", "rehearsal_table"]),
+            ("Solver benchmark", ["solvers"])]
+
+
+def report(args, results: list, command: str, workdir: Path) -> str:
+    by_name = {r["name"]: r for r in results}
+    env = json.loads((workdir / "env.json").read_text()) if (workdir / "env.json").exists() else {}
+    device = env.get("device", "unknown device")
+    limits = sum(r["limit"] for r in results)
+    lines = [f"# GPU check: {device}" + (" (smoke run)" if args.smoke else ""), "", f"`{command}`", "",
+             f"commit {commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}, device {args.device} "
+             f"({device}), torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, cuDNN {env.get('cudnn', '?')}, "
+             f"Python {env.get('python', '?')}; {sum(r['seconds'] for r in results):.0f} s in all "
+             f"(the parts' limits: {limits:g} s)", ""]
+    if args.smoke:
+        lines += ["Smoke run: every part at tiny shapes, a check that the check runs; no verdict on the targets.", ""]
+    lines += ["## Parts", "", "| part | runs | limit (s) | took (s) | status |", "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {PARTS.get(r['name'], (0, 0, ''))[2]} | {r['limit']:g} | {r['seconds']:.1f} | "
+              f"{r['status']}{': ' + r['line'] if r['line'] else ''} |" for r in results]
+    lines += ["", "Every part's log: " + str(workdir) + "/<part>.log", ""]
+    for title, names in SECTIONS:
+        names = [n for n in names if n in by_name]
+        if not names:
+            continue
+        lines += [f"## {title}", ""]
+        for n in names:
+            r = by_name[n]
+            lines += [f"### {n}: {r['status']}{' - ' + r['line'] if r['line'] and r['status'] != 'ok' else ''}", ""]
+            md = workdir / f"{n}.md"
+            lines += [md.read_text().rstrip(), ""] if md.exists() else []
+    bench = {n: (json.loads((workdir / f"{n}.json").read_text()) if (workdir / f"{n}.json").exists() else None)
+             for n in ("bench_sit", "bench_toolhang", "bench_llama") if n in by_name}
+    lines += ["## Targets", "", "| target | row | value | verdict |", "|---|---|---|---|"]
+    lines += [f"| {t} | {row} | {v} | {verdict} |" for t, row, v, verdict in target_rows(bench, args.smoke)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=None, help="default results/bench/gpu_<device>.md (--smoke: .gpu/gpu_check_smoke.md)")
+    p.add_argument("--workdir", default=str(ROOT / ".gpu" / "work"), help="the parts' sections, data and logs")
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, seconds per part: does the check run")
+    p.add_argument("--fail", default=None, metavar="PART", help="make PART raise (a check of the failure path)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)     # internal: run one part here
+    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    setup_paths()
+    if args.part:
+        return run_child(args)
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown parts {unknown} (choose from {list(PARTS)})")
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out).resolve() if args.out else None
+    out_dir = out.parent if out else (ROOT / (".gpu" if args.smoke else "results/bench"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = (os.environ.get("GPU_CHECK_COMMAND")   # set by scripts/gpu_check.sh
+               or shlex.join(["python3", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]))
+    if args.smoke and args.device == "cpu":   # tiny shapes: one thread each, no oversubscribed shared CPU
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = []
+    for name in parts:
+        limit = PARTS[name][1 if args.smoke else 0]
+        child = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--workdir", str(workdir),
+                 "--device", args.device, "--out-dir", str(out_dir)]
+        child += ["--smoke"] * args.smoke + (["--fail", args.fail] if args.fail else [])
+        print(f"[gpu_check] {name} (limit {limit} s) ...", file=sys.stderr, flush=True)
+        results.append(run_part(name, child, limit, workdir))
+        r = results[-1]
+        print(f"[gpu_check] {name}: {r['status']} {r['line']} ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    if out is None:
+        env = workdir / "env.json"
+        name = slug(json.loads(env.read_text())["device"]) if env.exists() else args.device
+        out = ROOT / ".gpu" / "gpu_check_smoke.md" if args.smoke else ROOT / "results" / "bench" / f"gpu_{name}.md"
+    text = report(args, results, command, workdir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"[gpu_check] wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""scripts/gpu_check.py, the GPU check, tested on the CPU: its smoke mode writes every section with numbers
+in it, a part that raises or hangs is reported FAIL while the others still run, the targets give one
+verdict per DoPr row, and the real-size rehearsal overrides resolve to the tasks' real batches."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+def test_a_part_that_raises_or_runs_out_of_time_is_a_fail_with_its_one_line(tmp_path):
+    run = lambda name, code, limit=30: gpu_check.run_part(name, [sys.executable, "-c", code], limit, tmp_path)  # noqa: E731
+    raised = run("raises", "raise ValueError('no such kernel')")
+    hung = run("hangs", "import time; print('started', flush=True); time.sleep(60)", limit=1)
+    fine = run("fine", "print('done')")
+    assert (raised["status"], raised["line"]) == ("FAIL", "exit 1: ValueError: no such kernel")
+    assert (hung["status"], hung["line"]) == ("FAIL", "timed out after 1 s (the part's limit)") and hung["seconds"] < 30
+    assert (fine["status"], fine["line"]) == ("ok", "")
+    assert (tmp_path / "hangs.log").read_text().startswith("started")
+
+
+def test_the_targets_give_one_verdict_per_dopr_row_and_name_a_part_without_rows():
+    bench = {"bench_sit": {"adamw": {"R": None}, "dopr_adamw": {"R": 1.2, "R_model": 1.25},
+                           "dopr_adamw k=10": {"R": 1.3, "R_model": 1.05}},
+             "bench_llama": {"dopr_muon": {"R": 2.5, "R_model": 2.4}}, "bench_toolhang": None}
+    rows = gpu_check.target_rows(bench, smoke=False)
+    assert [(t, row, verdict) for t, row, _, verdict in rows] == [
+        ("abs(R / R_model - 1) <= 0.1", "sit/dopr_adamw", "PASS"), ("R <= 1.25 at k=1", "sit/dopr_adamw", "PASS"),
+        ("abs(R / R_model - 1) <= 0.1", "sit/dopr_adamw k=10", "FAIL"),   # 1.3 / 1.05 - 1 = 0.24
+        ("abs(R / R_model - 1) <= 0.1", "llama/dopr_muon", "PASS"), ("R <= 2", "llama/dopr_muon", "FAIL"),
+        ("bench_toolhang's targets", "-", "not measured")]
+    assert {verdict for *_, verdict in gpu_check.target_rows(bench, smoke=True)} == {"n/a (smoke)", "not measured"}
+
+
+def test_the_rehearsal_overrides_give_the_real_per_gpu_batch(compose):
+    real = {sweep: overrides for sweep, (overrides, _) in gpu_check.REHEARSALS.items()}
+    assert compose("sweep=paper_sit", "rehearse=true", *real["paper_sit"]).task.rehearsal.batch == 256
+    assert compose("sweep=paper_toolhang", "rehearse=true", *real["paper_toolhang"]).task.rehearsal.batch == 256
+    r = compose("sweep=sft_llama31_8b", "rehearse=true", *real["sft_llama31_8b"]).task.rehearsal
+    assert (r.batch, r.seq_len, r.dtype) == (2, 4096, "bfloat16")     # the micro-batch of one GPU, bf16
+
+
+def test_the_profile_counts_a_cpu_step_and_its_table_shows_cuda_counts():
+    from dopr.profiling import profile_steps, table
+
+    model = torch.nn.Linear(8, 4)
+    p = profile_steps(lambda: model(torch.randn(16, 8)).sum().backward(), steps=2, device="cpu", top=3)
+    assert p["wall_ms"] > 0 and p["busy_ms"] is None and len(p["top"]) == 3 and p["top"][0][1] > 0
+    cuda = {"steps": 1, "device": "cuda", "wall_ms": 10.0, "busy_ms": 4.0, "kernels": 120.0,
+            "syncs": {"cudaStreamSynchronize": 2.0}, "top": [("void gemm<float>|x", 2.0, 0.5)]}
+    line = table([("dopr_adamw", cuda)]).splitlines()[-1]
+    assert line == ("| dopr_adamw | 1 | 10.0 | 4.0 | 0.40 | 120 | cudaStreamSynchronize 2 | "
+                    "`void gemm<float>/x` 2.00 (50%) |")
+
+
+def _table(text: str, header_start: str) -> list:
+    """The rows (lists of cells) of every markdown table whose header starts with `header_start`."""
+    rows, inside = [], False
+    for line in text.splitlines():
+        if line.startswith(header_start):
+            inside = True
+        elif inside and line.startswith("|") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif not line.startswith("|"):
+            inside = False
+    return rows
+
+
+@pytest.mark.slow
+def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_stops_nothing(tmp_path):
+    out = tmp_path / "gpu_cpu.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+                           "--out", str(out), "--workdir", str(tmp_path / "work"), "--fail", "rehearse_paper_sit"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert text.startswith("# GPU check: ") and "--fail rehearse_paper_sit" in text
+    assert "device cpu (" in text and f"torch {torch.__version__}" in text and "commit " in text
+    status = {row[0]: row[4] for row in _table(text, "| part |")}
+    assert list(status) == list(gpu_check.PARTS)
+    failed = status.pop("rehearse_paper_sit")
+    assert failed == "FAIL: RuntimeError: --fail rehearse_paper_sit: made to fail (a check of the report)"
+    assert status.pop("solvers").split(":")[0] in ("ok", "SKIPPED")   # scripts/bench_solvers.py may be absent
+    assert all(s.startswith("ok") for s in status.values()), status
+    for section in ("## Environment", "## Bench rows and profiles", "## Agreement", "## Rehearsals", "## Solver benchmark", "## Targets"):
+        assert section in text
+    # every bench row has its numbers: t for all, R and R_model for DoPr's, and a profile
+    rows = _table(text, "| optimizer |")
+    labels = [f"dopr_{gp}" + (" k=2" if k == 2 else "") if k else gp for gp in ("adamw", "muon") for k in (0, 1, 2)]
+    assert [r[0] for r in rows] == labels * 3
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[5]) >= 0 and (r[0].startswith("dopr") == bool(r[3]))
+        assert not r[3] or (float(r[3]) > 0 and float(r[4]) > 1)
+    profiles = _table(text, "| row |")
+    assert len(profiles) == 3 * 2 * 4 and all(float(p[2]) > 0 and "`" in p[7] for p in profiles)
+    assert len(_table(text, "| check |")) == 6
+    targets = _table(text, "| target |")
+    assert len(targets) == 3 * 4 + 2 * 2 + 4 and {t[3] for t in targets} == {"n/a (smoke)"}
+    rehearsals = _table(text, "| sweep |")
+    assert [r[:3] for r in rehearsals] == [["paper_toolhang", "robomimic_toolhang", "dopr_adamw"],
+                                           ["sft_llama31_8b", "sft_llama31_8b", "dopr_adamw"]]
+    assert "synthetic batches, CPU**" in text
