@@ -10,14 +10,15 @@ statistics), DoPr's default damping lam = 1e-4 tr(Sigma) (damping_mode 'trace'; 
 6e2 at d=16 up to 6e3 at d=1024, at most tr / lam = 1e4), and G random (rows x d). M = G (Sigma + lam I)^-1 by
 
   cholesky_solve    dopr.solvers.factor_cholesky, CholeskyFactor.apply: cholesky_ex, two triangular solves
-  cholesky_inverse  factor_cholesky, CholeskyFactor.cached() (cholesky_inverse), then G @ P: one GEMM
+  explicit_inverse  factor_cholesky, dopr.solvers.cached (P = L^-T L^-1: a triangular solve against I and one
+                    GEMM, batched, no status read; until 713c0b4 cholesky_inverse), then G @ P: one GEMM
   ns_fp32           dopr.solvers.factor_newton_schulz, then G @ X
   ns_bf16           the same iteration on Sigma, lam cast to bfloat16 (A and X bfloat16), X back to float32
                     for G @ X: the error is the bfloat16 inverse's
 
 DoPr refreshes the factorisation every step by default, so a step pays the factor and one apply: "total".
 FLOPs (multiply and add counted apart, per layer, times B): Cholesky d^3/3; two triangular solves
-2 d^2 rows; cholesky_inverse 2 d^3/3 (triangular inverse d^3/3, then L^-T L^-1 d^3/3, LAPACK potri);
+2 d^2 rows; explicit inverse d^3 (a triangular solve with d right-hand sides) + 2 d^3 (the GEMM);
 G @ P 2 d^2 rows; Newton-Schulz 2 GEMMs of 2 d^3 each per step. Its steps are counted by FlopCounterMode
 over one run (the library picks log2(tr A / lam) + 6). Error: ||M - M64||_F / ||M64||_F against a float64
 solve of the same float32 Sigma. Times are medians over --repeats after one warm-up, the methods run in
@@ -70,7 +71,8 @@ def _cholesky(sigma, lam):
 
 METHODS = {  # name: (factor(sigma, lam) -> operators, flops(d, rows) without Newton-Schulz steps)
     "cholesky_solve": (_cholesky, lambda d, r: d**3 / 3 + 2 * d * d * r),
-    "cholesky_inverse": (lambda s, l: [op.cached() for op in _cholesky(s, l)], lambda d, r: d**3 + 2 * d * d * r),
+    "explicit_inverse": (lambda s, l: list(solvers.cached(dict(enumerate(_cholesky(s, l)))).values()),
+                         lambda d, r: d**3 / 3 + 3 * d**3 + 2 * d * d * r),
     "ns_fp32": (solvers.factor_newton_schulz, lambda d, r: 2 * d * d * r),
     "ns_bf16": (lambda s, l: [solvers.ExplicitInverse(op.p.float())
                               for op in solvers.factor_newton_schulz(s.bfloat16(), l.bfloat16())],
@@ -141,7 +143,10 @@ def main(argv=None) -> str:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
+    p.add_argument("--smoke", action="store_true", help="d = 16, 32, one repeat: does it run (seconds)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.dims, args.repeats = "16,32", 1
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
