@@ -65,6 +65,12 @@ def _grad_node(t: Tensor):
         return t.view_as(t).grad_fn.next_functions[0][0]
 
 
+def _in_functorch_transform() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) is running: its forwards carry batched or
+    wrapped tensors whose statistics are not a plain batch's; DoPr gathers none there."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass (checkpoint recomputation). Only an
     optimisation: correctness comes from committing statistics when the output is backpropagated."""
@@ -185,6 +191,7 @@ class ActivationCapture:
         self.collecting = True
         self._captures: dict = {}
         self._nodes: dict = {}
+        self.transformed = False   # a hooked forward ran under a torch.func transform (and gathered nothing)
         self._cid = itertools.count()
         self.probes = Probes(helpers, statistic)  # compiled forwards (dopr/compiled.py)
         self.handles = [h.module.register_forward_hook(_ForwardHook(self, i)) for i, h in enumerate(helpers)]
@@ -208,6 +215,9 @@ class ActivationCapture:
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
+            return
+        if _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors, no plain backward
+            self.transformed = True
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
@@ -327,6 +337,7 @@ class ActivationCapture:
         return {l.helper.name: (l.stat.count if l.stat is not None else 0) for l in self.layers}
 
     def reset(self) -> None:
+        self.transformed = False
         for layer in self.layers:
             layer.reset()
         self.probes.reset()

@@ -38,6 +38,8 @@ class GradientEMA:
         if self.beta == 0.0:
             return g
         entry = self.buffers.get(name)
+        if entry is not None and entry["g"].shape != g.shape:   # the layer's dim changed: a new history
+            entry = None
         t = entry["t"] + 1 if entry else 1
         new = torch.add((entry["g"] if entry else torch.zeros_like(g)) * self.beta, g, alpha=1.0 - self.beta)
         self.pending[name] = (t, new)
@@ -86,6 +88,8 @@ class CovarianceEMA:
         name = "|".join(key)
         entry = self.buffers.get(name)
         packed = [pack_upper(t) if stat.symmetric else t for t in mean]
+        if entry is not None and [b.shape for b in entry["sums"]] != [p.shape for p in packed]:
+            entry = None                                        # the group's dim changed: a new history
         t = entry["t"] + 1 if entry else 1
         old = entry["sums"] if entry else [torch.zeros_like(p) for p in packed]
         new = [torch.add(b * self.beta, p, alpha=1.0 - self.beta) for b, p in zip(old, packed)]

@@ -37,7 +37,7 @@ from .distributed import agree_groups, all_reduce_statistics, is_distributed, no
 from .ema import CovarianceEMA, GradientEMA
 from .health import HealthReports
 from .layers import find_layers
-from .options import check_options, damping
+from .options import check_options
 from .statistics import STATISTICS, statistics_dtype
 
 
@@ -142,6 +142,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._counts = defaultdict(int)
         self._health = HealthReports(health_every)
         self._no_forward: list = []
+        self._empty: set = set()
         self._warned: set = set()
         self._capture = None
         self._attach()
@@ -214,15 +215,23 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             before = {l.helper.name: l for l in old.layers}
+            # a layer whose bias was frozen or thawed has another dim (homogeneous coordinates): what it
+            # gathered this step, and its EMA histories (restarted by their shape), no longer fit
+            changed = sorted(l.helper.name for l in self._capture.layers if l.helper.name in before
+                             and before[l.helper.name].helper.dim != l.helper.dim)
             for layer in self._capture.layers:
                 prev = before.get(layer.helper.name)
-                if prev is not None and prev.stat is not None:
+                if prev is not None and prev.stat is not None and layer.helper.name not in changed:
                     layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
             added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
-            self._attached_now = set(added)
+            self._attached_now = set(added) | set(changed)
             if added:
                 self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
                                 "(this step's gradient for them is raw; see DoPr.coverage())")
+            if changed:
+                self._warn_once("resized", f"layers {changed} froze or thawed their bias, which changes the "
+                                "AP's dimension: preconditioned from the next step on, their EMAs restarted "
+                                "(this step's gradient for them is raw)")
             old.close()
         self._capture.collecting = self.collecting
         self._layers_signature = self._signature()
@@ -250,25 +259,33 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         every factor and solve is queued; only when it is set does the repair path run, deciding layer
         by layer as :meth:`_repair` says."""
         grads = {l.helper.name: g for l in self._capture.layers if (g := l.helper.grad_matrix()) is not None}
+        self._precond_ema.pending.clear()                     # proposals of a step that raised are not kept
+        self._grad_ema.pending.clear()
         if self.collecting:                                   # a refresh step: new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
+            self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
+            if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
+                groups = {key: stat for key, stat in groups.items() if stat.count > 0}
+                self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
+                                "or mask, an expert no token was routed to): their gradients go to the GP raw "
+                                "(see DoPr.stats()['no_samples'])")
             batches = self._factor(groups, grads)             # Sigmabar, lambda, factors: nothing read back yet
             ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
                    for k, op in zip(keys, res)}
             ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
                         for k, op in zip(keys, res.ops())})
         else:                                                 # in between: the cached inverses
-            batches, ops = [], self._cache
+            batches, ops, self._empty = [], self._cache, set()
         members = self._members(ops, grads)
-        solved, gflags = self._solve(members, grads, ops)     # Gbar, M = Gbar A^-1 for every layer, speculatively
+        solved, gflags = self._solve(members, grads)     # Gbar, M = Gbar A^-1 for every layer, speculatively
         flags = [f for _, finite, res in batches for f in
                  ([~finite] + ([res.trouble] if isinstance(res, solvers.Deferred) else []))] + gflags
         if flags and self._any(flags):                        # the one read-back of the step
             ops, skipped = self._repair(batches, ops, grads)
             members = self._members(ops, grads, skipped)
-            solved, _ = self._solve(members, grads, ops)
+            solved, _ = self._solve(members, grads)
             self._precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
             self._grad_ema.commit(skip=skipped)
         else:
@@ -312,9 +329,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
         embedding's restricted to its token columns); warns about layers that had no training forward."""
         group_of = {name: key for key in ops for name in key}
+        skipped = skipped | self._empty
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
         if set(self._no_forward) - self._attached_now:   # the attach warning already named the others
-            cause = ("a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
+            cause = ("forwards under a torch.func transform (vmap, grad, jacrev, functional_call inside them), "
+                     "which gather no statistics: DoPr preconditions gradients of plain forward and backward "
+                     "passes" if self._capture.transformed else
+                     "a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
                      "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
                      "before compiling" if self.model.training and hook_guards_skipped() else
                      "a model left in eval() mode, whose forwards gather no statistics: call model.train()")
@@ -329,7 +350,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 out[name] = op.restrict(cols) if cols is not None else op
         return out
 
-    def _solve(self, members: dict, grads: dict, ops: dict) -> tuple:
+    def _solve(self, members: dict, grads: dict) -> tuple:
         """([(layer names, M stacked)], [per-bucket non-finite flags of G]): the layers bucketed by
         operator type and gradient shape, each bucket one stack, one batched solve, no host sync."""
         buckets = defaultdict(list)
@@ -413,6 +434,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                   "cholesky_retries", "unreliable_factors", "eigh_fallbacks"):
             out.setdefault(k, 0)
         out["no_forward"] = list(self._no_forward)
+        out["no_samples"] = sorted(self._empty)
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out
@@ -496,6 +518,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.update(state)
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
+        self.__dict__.setdefault("_empty", set())
         self.options.setdefault("skip_layers", ())   # a copy pickled before the option existed
         self._solver = solvers.SOLVERS[self.options["solver"]]
         self._capture = None

@@ -22,8 +22,8 @@ def check_options(options: dict) -> dict:
     if health_every is not None and not (isinstance(health_every, int) and not isinstance(health_every, bool)
                                          and health_every >= 0):
         raise ValueError(f"Invalid health_every: {health_every} (must be an integer >= 0)")
-    if not damping >= 0.0:
-        raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
+    if not (isinstance(damping, (int, float)) and not isinstance(damping, bool) and 0.0 <= damping < float("inf")):
+        raise ValueError(f"Invalid damping: {damping} (must be a finite number >= 0)")
     if damping_mode not in DAMPING_MODES:
         raise ValueError(f"Invalid damping_mode: {damping_mode!r} (choose from {DAMPING_MODES})")
     for nm, beta in (("grad_ema", grad_ema), ("precond_ema", precond_ema)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from torch import nn
+from torch import Tensor, nn
 
 from .. import sharding
 from .base import LayerHelper
@@ -120,9 +120,20 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
             if isinstance(module, cls):
                 functional[mname] = why
 
+    # weight_norm / spectral_norm (torch.nn.utils.parametrizations, or the legacy hook): the weight is computed
+    # from other parameters, whose gradients are not the linear map's G that the AP acts on
+    parametrized = {name for name, m in model.named_modules()
+                    if isinstance(getattr(m, "weight", None), Tensor) and not isinstance(m.weight, nn.Parameter)
+                    and any(p.requires_grad for p in m.parameters())}
     helpers, coverage = [], []
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
+        if name in parametrized:
+            coverage.append(CoverageEntry(name, type(module).__name__, "skipped", reason=(
+                "its weight is computed from other parameters (a parametrization such as weight_norm or "
+                "spectral_norm): their gradients are not the linear map's G the AP acts on, so they go to the GP "
+                "unchanged")))
+            continue
         if not own:
             continue
         entry = CoverageEntry(name, type(module).__name__, "skipped")
@@ -138,6 +149,12 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
         parent = next((f for f in functional if name == f or name.startswith(f + ".")), None)
         if parent is not None:
             entry.reason = functional[parent]
+            continue
+        owner = next((p for p in parametrized if name.startswith(f"{p}.parametrizations." if p else "parametrizations.")),
+                     None)
+        if owner is not None:
+            entry.reason = (f"the parametrization of {owner or '<root>'}'s weight (its original parameters): to the GP "
+                            "unchanged")
             continue
         factory = _factory_for(module)
         if factory is None:
