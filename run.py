@@ -13,18 +13,23 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.common.checks import ConfigError, check_job, refuse_empty_protocol_sweep, refuse_unwritable_output
+from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_empty_protocol_sweep,
+                                       refuse_sweep_without_multirun, refuse_unwritable_output, suggest_key)
 from experiments.common.launch import run_job
 from experiments.common.resume import with_resume
 
 
-def refuse(check, *args) -> None:
-    """Run a configuration check; its ConfigError ends the command with the message alone (exit 2)."""
+def refuse(check, *args, folder=None):
+    """Run a configuration check (or the job); a ConfigError, or a missing input file (a dataset, the
+    demonstrations, a model), ends the command with the message alone (exit 2). A job `folder` that
+    Hydra made for the refused command goes with it."""
     try:
-        check(*args)
-    except ConfigError as e:
+        return check(*args)
+    except (ConfigError, FileNotFoundError) as e:
         if os.environ.get("DOPR_TRACEBACK"):
             raise
+        if folder is not None and isinstance(e, ConfigError) and check is not run_job:
+            discard_fresh_folder(folder)
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(2)
 
@@ -32,12 +37,16 @@ def refuse(check, *args) -> None:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     hc = HydraConfig.get()
-    refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""))
-    return run_job(cfg, Path(hc.runtime.output_dir))
+    out = Path(hc.runtime.output_dir)
+    refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""),
+           folder=out)
+    return refuse(run_job, cfg, out)
 
 
 if __name__ == "__main__":
+    refuse(refuse_sweep_without_multirun, sys.argv[1:])
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
     refuse(refuse_empty_protocol_sweep, sys.argv[1:], Path(__file__).resolve().parent / "conf")
+    refuse(suggest_key, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     main()

@@ -10,15 +10,16 @@ statistics), DoPr's default damping lam = 1e-4 tr(Sigma) (damping_mode 'trace'; 
 6e2 at d=16 up to 6e3 at d=1024, at most tr / lam = 1e4), and G random (rows x d). M = G (Sigma + lam I)^-1 by
 
   cholesky_solve    dopr.solvers.factor_cholesky, CholeskyFactor.apply: cholesky_ex, two triangular solves
-  explicit_inverse  factor_cholesky, dopr.solvers.cached (P = L^-T L^-1: a triangular solve against I and one
-                    GEMM, batched, no status read; until 713c0b4 cholesky_inverse), then G @ P: one GEMM
+  explicit_inverse  factor_cholesky, dopr.solvers.cached (P = L^-T L^-1: cholesky_inverse on the CPU; on other
+                    devices a triangular solve against I and one GEMM, batched, no status read), then G @ P
   ns_fp32           dopr.solvers.factor_newton_schulz, then G @ X
   ns_bf16           the same iteration on Sigma, lam cast to bfloat16 (A and X bfloat16), X back to float32
                     for G @ X: the error is the bfloat16 inverse's
 
 DoPr refreshes the factorisation every step by default, so a step pays the factor and one apply: "total".
 FLOPs (multiply and add counted apart, per layer, times B): Cholesky d^3/3; two triangular solves
-2 d^2 rows; explicit inverse d^3 (a triangular solve with d right-hand sides) + 2 d^3 (the GEMM);
+2 d^2 rows; explicit inverse 2 d^3/3 on the CPU (LAPACK potri), else d^3 (a triangular solve with d
+right-hand sides) + 2 d^3 (the GEMM);
 G @ P 2 d^2 rows; Newton-Schulz 2 GEMMs of 2 d^3 each per step. Its steps are counted by FlopCounterMode
 over one run (the library picks log2(tr A / lam) + 6). Error: ||M - M64||_F / ||M64||_F against a float64
 solve of the same float32 Sigma. Times are medians over --repeats after one warm-up, the methods run in
@@ -72,7 +73,8 @@ def _cholesky(sigma, lam):
 METHODS = {  # name: (factor(sigma, lam) -> operators, flops(d, rows) without Newton-Schulz steps)
     "cholesky_solve": (_cholesky, lambda d, r: d**3 / 3 + 2 * d * d * r),
     "explicit_inverse": (lambda s, l: list(solvers.cached(dict(enumerate(_cholesky(s, l)))).values()),
-                         lambda d, r: d**3 / 3 + 3 * d**3 + 2 * d * d * r),
+                         lambda d, r, dev="cpu": d**3 / 3 + (2 * d**3 / 3 if dev in solvers.POTRI_DEVICES else 3 * d**3)
+                         + 2 * d * d * r),
     "ns_fp32": (solvers.factor_newton_schulz, lambda d, r: 2 * d * d * r),
     "ns_bf16": (lambda s, l: [solvers.ExplicitInverse(op.p.float())
                               for op in solvers.factor_newton_schulz(s.bfloat16(), l.bfloat16())],
@@ -113,7 +115,8 @@ def bench_dim(d: int, rows: int, batch: int, device: str, repeats: int) -> list:
         steps = newton_schulz_steps(factor, sigma, lam) if name.startswith("ns") else 0
         f_ms, a_ms = (1e3 * statistics.median(t) for t in times[name])
         total = 1e3 * statistics.median(a + b for a, b in zip(*times[name]))
-        gflop = batch * (flops(d, rows) + 4 * steps * d**3) / 1e9
+        kw = {"dev": device} if name == "explicit_inverse" else {}
+        gflop = batch * (flops(d, rows, **kw) + 4 * steps * d**3) / 1e9
         err = float((results[name].double() - m64).norm() / m64.norm())
         out.append(dict(d=d, cond=cond, method=name, steps=steps, factor=f_ms, apply=a_ms, total=total, gflop=gflop,
                         rate=gflop / (total / 1e3), err=err))

@@ -47,7 +47,7 @@ def test_run_py_prints_one_line_and_exits_2_without_writing_a_job(tmp_path):
 def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
     with pytest.raises(ConfigError, match=r"optim\.lr=-0\.001: must be >= 0"):
         _check(compose, "optim=dopr_adamw", "optim.lr=-0.001")
-    with pytest.raises(ConfigError, match=r"ap\.damping: -1\.0 \(must be >= 0\)"):
+    with pytest.raises(ConfigError, match=r"ap\.damping: -1\.0 \(must be a finite number >= 0\)"):
         _check(compose, "optim=dopr_adamw", "ap.damping=-1.0")
     _check(compose, "optim=adamw", "ap.damping=-1.0")   # the AP's options apply to dopr_* optimizers only
 

@@ -145,9 +145,13 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
     assert collections.Counter(c[1] for c in gram_calls) == {torch.bfloat16: 2}
 
 
-def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once():
-    # precond_every=2: the refresh step inverts each size's factors in one batched call, without
-    # cholesky_inverse's status read (one per call); the step in between applies the cached inverses
+def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once(monkeypatch):
+    # precond_every=2: the refresh step inverts each size's factors in one batched call, off the CPU
+    # without cholesky_inverse's status read (one per call; on the CPU potri, whose read waits for
+    # nothing, is kept: the test takes the device path); the step in between applies the cached inverses
+    from dopr import solvers
+
+    monkeypatch.setattr(solvers, "POTRI_DEVICES", set())
     model = _mlp(4, width=16)
     opt = dopr.build(model, "dopr_adamw", lr=1e-3, precond_every=2)
     x = torch.randn(32, 16)
@@ -161,12 +165,15 @@ def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once():
     assert reads == [1, 1, 1, 1]
 
 
-def test_the_cached_inverse_is_the_damped_inverse():
+@pytest.mark.parametrize("potri", [True, False])
+def test_the_cached_inverse_is_the_damped_inverse(monkeypatch, potri):
+    from dopr import solvers
+
+    monkeypatch.setattr(solvers, "POTRI_DEVICES", {"cpu"} if potri else set())
     torch.manual_seed(0)
     x = torch.randn(64, 12, dtype=torch.float64)
     sigma = x.T @ x / 64
     lam = torch.tensor([1e-3 * float(sigma.trace())], dtype=torch.float64)
-    from dopr import solvers
     op = solvers.CholeskyBatch(sigma[None].clone(), lam, 1e-6).ops()[0]
     p = solvers.cached({("a",): op})[("a",)].p
     want = torch.linalg.inv(sigma + lam * torch.eye(12, dtype=torch.float64))

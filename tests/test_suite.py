@@ -148,7 +148,7 @@ def test_bad_input_fails_clearly_and_writes_no_summary(tmp_path):
     res = _run_py("task=nonsense", f"hydra.run.dir={tmp_path / 'b'}")
     assert res.returncode != 0 and "Available options" in res.stderr and "feature_learning" in res.stderr
     res = _run_py("optim=dopr_sgd", "ap.damping=-1", "debug=default", f"hydra.run.dir={tmp_path / 'c'}")
-    assert res.returncode == 2 and "ap.damping: -1 (must be >= 0)" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "ap.damping: -1 (must be a finite number >= 0)" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "c" / "summary.json").exists()
     assert not (tmp_path / "c" / "metrics.jsonl").exists()  # refused before the job started
 

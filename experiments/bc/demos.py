@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.provenance import atomic_write
+from experiments.common.checks import ConfigError
 
 FORMAT_VERSION = 1
 FIELDS = ("observations", "actions", "rewards", "lengths", "returns", "seeds")
@@ -39,8 +40,8 @@ class Demos:
     def split(self, n_train: int, n_val: int):
         """The first n_train episodes for training, the last n_val for validation (fixed across n_train)."""
         if n_train + n_val > len(self):
-            raise ValueError(f"asked for {n_train} training + {n_val} validation trajectories, but the demonstration "
-                             f"file has only {len(self)}; write more with `python -m experiments.bc.expert demos --n ...`")
+            raise ConfigError(f"asked for {n_train} training + {n_val} validation trajectories (task.num_trajectories, "
+                              f"task.val_trajectories), but the demonstration file has only {len(self)}; write more with `python -m experiments.bc.expert demos --n ...`")
         return self._take(range(n_train)), self._take(range(len(self) - n_val, len(self)))
 
     def _take(self, idx) -> "Demos":

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments.common import interrupt
 from experiments.common.checkpoint import TrainingState
 from experiments.common.provenance import atomic_write
 from experiments.common.run import load_plain
@@ -135,7 +136,7 @@ def run(cfg, run) -> dict:
             if t.stop_at_return is not None and mean >= t.stop_at_return:
                 bar.update(step - bar.n)
                 break
-        if t.checkpoint_every and step % t.checkpoint_every == 0:
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or interrupt.due():
             checkpoint(step)
         if step % 100 == 0:
             bar.update(step - bar.n)

@@ -21,6 +21,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import interrupt
+
 FORMAT = 2
 
 
@@ -78,15 +80,22 @@ class TrainingState:
         return state["step"], state["extra"]
 
     def save(self, run, step: int, **extra) -> None:
+        """Save; after a stop signal (experiments/common/interrupt.py) the job then ends, JobInterrupted."""
         run.save_checkpoint({**self.state_dict(step, **extra), "clock": run.clock.state_dict()})
+        interrupt.saved(step)
 
     def resume(self, run) -> tuple:
         """(step, extra) of the run's last checkpoint, everything restored (the run's clock too);
-        (0, {}) when there is none."""
+        (0, {}) when there is none. Says which, and from here on a signal asks for a checkpoint."""
         state = run.load_checkpoint()
+        interrupt.arm()
         if state is None:
+            if run.cfg.get("resume"):
+                print(f"resume=true: {run.checkpoint_path} does not exist (the earlier attempt stopped before its "
+                      "first checkpoint): starting from step 0", flush=True)
             return 0, {}
         step, extra = self.load_state_dict(state)
         if "clock" in state:  # a checkpoint of an earlier version has none: its times start again
             run.clock.load_state_dict(state["clock"])
+        print(f"resuming from step {step}", flush=True)
         return step, extra

@@ -83,11 +83,13 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
     optim = OmegaConf.to_container(cfg.optim, resolve=True) if "optim" in cfg else {}
     for key, (low, high) in _OPTIM_RANGES.items():
         v = optim.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            raise ConfigError(f"optim.{key}={v}: must be a number")
         if isinstance(v, (int, float)) and not isinstance(v, bool) and (v < low or (high is not None and v > high)):
             where = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(f"optim.{key}={v}: must be {where}")
     for i, beta in enumerate(optim.get("betas") or []):
-        if not 0.0 <= beta < 1.0:
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             raise ConfigError(f"optim.betas[{i}]={beta}: must be in [0, 1)")
     if str(optim.get("name", "")).startswith("dopr_") and "ap" in cfg:
         from dopr.options import check_options
@@ -115,12 +117,27 @@ def refuse_missing_task_values(cfg: DictConfig, choice: str) -> None:
                       f"a task that does{hint}")
 
 
-def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "") -> None:
+#: task keys that count steps or sizes: a whole number >= 1 wherever a task has them
+_TASK_COUNTS = ("steps", "total_steps", "log_every", "batch_size", "num_trajectories")
+
+
+def refuse_bad_task_counts(cfg: DictConfig) -> None:
+    """`task.steps=0` (a job that trains nothing and reports its initial loss as a result), `abc`."""
+    task = OmegaConf.to_container(cfg.task, resolve=True) if "task" in cfg else {}
+    for key in _TASK_COUNTS:
+        v = task.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ConfigError(f"task.{key}={v}: must be a whole number >= 1")
+
+
+def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "", here: bool = True) -> None:
     """Every check above, on the composed job config and its command-line overrides (`task`: the
-    task config chosen)."""
+    task config chosen; `here`: the job runs on this machine, so its device must be here too)."""
     refuse_missing_task_values(cfg, task)
+    refuse_bad_task_counts(cfg)
     refuse_added_keys(cfg, overrides, groups)
-    refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
+    if here:
+        refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
     refuse_bad_optimizer_values(cfg)
     refuse_missing_rehearsal(cfg)
 
@@ -172,3 +189,67 @@ def refuse_empty_protocol_sweep(argv: list, conf: Path) -> None:
                 f"sweep={names[-1]} runs every config in {group.relative_to(conf.parent)}/, which is empty: "
                 f"run its tuning sweeps and `python -m experiments.common.tuning select ...` first "
                 f"(the commands are at the top of {preset.relative_to(conf.parent)})")
+
+
+#: launchers whose jobs run as other processes (submitit): a job's own checks come too late there
+SUBMITIT_LAUNCHERS = ("local_parallel", "slurm", "slurm_multigpu")
+
+
+def refuse_sweep_without_multirun(argv: list) -> None:
+    """`sweep=...` or a submitit launcher without -m would run one local job of the defaults."""
+    if "-m" in argv or "--multirun" in argv:
+        return
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "sweep" or (key == "launcher" and value in SUBMITIT_LAUNCHERS):
+            raise ConfigError(f"{arg} is for sweeps, which run with -m: python run.py -m {' '.join(argv)}")
+
+
+def discard_fresh_folder(folder: Path) -> None:
+    """Remove a job folder Hydra made for a command that was then refused (only Hydra's .hydra/ and
+    an empty or start-only run.log in it), and its sweep folder if nothing else is left there: a
+    refused command leaves nothing. A folder with anything else (a run being resumed) stays."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(p.name not in (".hydra", "run.log") for p in folder.iterdir()):
+        return
+    import shutil
+
+    shutil.rmtree(folder)
+    sweep = folder.parent
+    if (sweep / "multirun.yaml").exists() and all(p.name == "multirun.yaml" for p in sweep.iterdir()):
+        shutil.rmtree(sweep)
+
+
+def suggest_key(argv: list, conf: Path) -> None:
+    """A key override without `+` that no config has (`task.step=5`): Hydra's advice is to add `+`,
+    which makes a key nothing reads. Refused here with the likely key. The config is composed once
+    with the command's group choices (a sweep's first value) to know the keys."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    plain = [a for a in argv if not a.startswith("-") and "=" in a and not a.split("=", 1)[0].startswith("hydra.")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(plain)
+    except HydraException:
+        return  # Hydra names a malformed override itself
+    firsts = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+              else o.input_line for o in parsed]
+    groups = [o for o, p in zip(firsts, parsed) if not p.is_add() and "." not in p.key_or_group.lstrip("~")]
+    keys = [(o, p) for o, p in zip(firsts, parsed) if not p.is_add() and not p.is_delete() and "." in p.key_or_group]
+    if not keys:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=groups)
+    except HydraException:
+        return  # a bad group choice: Hydra's own message names it
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    known = _keys(tree)
+    for line, o in keys:
+        if o.key_or_group in known:
+            continue
+        close = difflib.get_close_matches(o.key_or_group, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}={line.split('=', 1)[1]}?" if close else "no config has it"
+        raise ConfigError(f"{o.key_or_group}: no such key ({hint}); adding it with + would make a key that no task, "
+                          "optimizer or AP option reads")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import interrupt
 from .provenance import atomic_write
 from .run import Run, command_line_overrides, seed_everything
 
@@ -138,12 +140,26 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     run = Run(cfg, out_dir)
     failed = True
     log.info("%s: started, writing to %s", job_name(cfg), out_dir)
+    interrupt.install(float(cfg.get("checkpoint_minutes", 0) or 0))
     try:
         result = run.finish(task(cfg, run))
         failed = False
         log.info("%s", finished_line(cfg, result, out_dir))
         return result
+    except interrupt.JobInterrupted as e:   # a signal: the loop saved its checkpoint, then stopped
+        log.info("%s: %s: checkpoint %s; it continues from there when requeued or run again with resume=true",
+                 job_name(cfg), e, run.checkpoint_path)
+        interrupt.hand_over(e.signum)   # submitit's handler requeues the job (and exits); otherwise it ends here
+        raise SystemExit(128 + e.signum) from None
+    except Exception as e:                 # the job's log says that it failed and why
+        log.error("%s: failed: %s: %s", job_name(cfg), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        raise
+    except KeyboardInterrupt:              # Ctrl-C before the loop had its training state (or a second one)
+        log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; nothing to resume from this attempt",
+                 job_name(cfg))
+        raise SystemExit(128 + signal.SIGINT) from None
     finally:
+        interrupt.uninstall()
         run.close(failed)
         del run, task
         import torch

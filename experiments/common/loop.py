@@ -27,6 +27,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from . import interrupt
+
 
 def resumable_batches(loader, start: int, per_step: int = 1) -> Iterator[tuple]:
     """(epoch, [the `per_step` batches of one step]) for every step after `start`, without end.
@@ -107,7 +109,7 @@ def every(steps: int, interval: int, key: str = "the evaluation interval") -> se
 class Schedule:
     """When a loop of `steps` steps logs (every `log_every` steps, at each evaluation and at the last
     step), evaluates (the steps in `evaluate_at`) and saves a checkpoint (every `checkpoint_every`
-    steps before the last; never when 0)."""
+    steps before the last, 0: never; and when interrupt.due() says so)."""
 
     def __init__(self, steps: int, log_every: int, evaluate_at: Iterable[int] = (), checkpoint_every: int = 0,
                  evaluate_key: str = "the evaluation steps"):
@@ -127,4 +129,7 @@ class Schedule:
         return step in self.evaluate_at
 
     def checkpoint(self, step: int) -> bool:
-        return bool(self.checkpoint_every) and step % self.checkpoint_every == 0 and step < self.steps
+        """Every `checkpoint_every` steps before the last, and after any step when a signal or the
+        wall-time interval asks (experiments/common/interrupt.py)."""
+        periodic = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+        return step < self.steps and (periodic or interrupt.due())

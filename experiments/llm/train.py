@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dopr.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 
+from experiments.common import interrupt
 from experiments.common.checkpoint import TrainingState
 from experiments.common.distributed import (all_reduce_sum, gradient_sync, initialized, unwrap, world,
                                             wrap_ddp)
@@ -244,7 +245,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
             metrics = {"train_loss": loss, "diverged_at": step + 1}
             run.log(metrics, step + 1)
             break
-        if tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0 and step + 1 < steps:
+        if ((tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0) or interrupt.due()) and step + 1 < steps:
             state.save(run, step + 1, metrics=metrics)
     bar.close()
     return {**metrics, "steps": steps}

@@ -13,6 +13,7 @@ import time
 import torch
 from torch import nn
 
+from experiments.common import interrupt
 from experiments.common.checkpoint import TrainingState
 
 
@@ -68,7 +69,7 @@ def run(cfg, run) -> dict:
     start, _ = state.resume(run)  # a requeued (preempted) job continues where it stopped
     bar = run.progress(t.steps, initial=start)
     for step in range(start, t.steps + 1):
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step > start:
+        if ((t.checkpoint_every and step % t.checkpoint_every == 0) or interrupt.due()) and step > start:
             state.save(run, step)
         if step % t.log_every == 0 or step == t.steps:
             with torch.no_grad():

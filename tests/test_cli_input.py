@@ -1,0 +1,62 @@
+"""Bad input on the command line (issue "Safe on a cluster and in real code", section 3): one line, exit
+status 2, no folder left behind; a failed run's log says that it failed and why."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "disabled"}
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("optim.lr=abc", "optim.lr=abc: must be a number"),
+    ("task.steps=0", "task.steps=0: must be a whole number >= 1"),
+    ("task.batch_size=abc", "task.batch_size=abc: must be a whole number >= 1"),
+    ("task.step=5", "task.step: no such key (did you mean task.steps=5?)"),
+    ("optm.lr=0.1", "optm.lr: no such key (did you mean optim.lr=0.1?)"),
+])
+def test_a_bad_value_or_a_typo_is_one_line_and_leaves_no_folder(tmp_path, bad, says):
+    out = tmp_path / "run"
+    r = _run("task=feature_learning", "optim=dopr_sgd", bad, f"hydra.run.dir={out}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == f"Error: {r.stderr.strip()[7:]}" and r.stderr.strip().count("\n") == 0
+    assert says in r.stderr and "Traceback" not in r.stderr
+    assert "+task.step" not in r.stderr or bad.startswith("+")   # not Hydra's advice to add the key
+    assert not out.exists()
+
+
+def test_a_refused_local_sweep_leaves_no_sweep_folder(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = _run("-m", "task=feature_learning", "optim=sgd,adamw", "optim.lr=-1", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 2 and "optim.lr=-1" in r.stderr
+    assert not sweep.exists()
+
+
+def test_a_failed_run_logs_that_it_failed_and_why(tmp_path):
+    out = tmp_path / "run"
+    r = _run("task=robomimic_lift", "optim=adamw", f"task.dataset={tmp_path / 'none.hdf5'}", f"hydra.run.dir={out}")
+    assert r.returncode == 2
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(err) == 1 and "no robomimic dataset file" in err[0] and "Traceback" not in r.stderr
+    log = (out / "run.log").read_text()
+    assert "started" in log and "failed: FileNotFoundError: no robomimic dataset file" in log
+
+
+def test_more_trajectories_than_the_file_holds_is_a_config_error_naming_the_keys():
+    import numpy as np
+
+    from experiments.bc.demos import Demos
+    from experiments.common.checks import ConfigError
+
+    demos = Demos.__new__(Demos)
+    demos.observations = [np.zeros((3, 2))] * 4
+    with pytest.raises(ConfigError, match=r"asked for 5 training \+ 1 validation trajectories \(task.num_trajectories"):
+        demos.split(5, 1)

@@ -1,0 +1,142 @@
+"""The cluster path (issue "Safe on a cluster and in real code", section 1): a signal checkpoints a
+running job, which resumes bit-identically; bad sweeps are refused before any job is launched or
+submitted; a sweep without -m and a SLURM launcher without SLURM are one line and leave nothing."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.common import interrupt
+from experiments.common.checks import ConfigError, refuse_sweep_without_multirun
+from experiments.common.loop import Schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+# --------------------------------------------------------------------------- signals and checkpoints
+def test_a_signal_or_the_wall_clock_makes_the_schedule_checkpoint_and_the_save_stop_the_job():
+    schedule = Schedule(steps=100, log_every=10, checkpoint_every=0)
+    interrupt.install(0)
+    try:
+        interrupt.arm()
+        assert not schedule.checkpoint(5)
+        interrupt._handler(signal.SIGUSR1, None)            # as the signal would
+        assert interrupt.requested() == signal.SIGUSR1
+        assert schedule.checkpoint(5) and not schedule.checkpoint(100)   # the last step finishes the job anyway
+        with pytest.raises(interrupt.JobInterrupted, match="SIGUSR1 after the checkpoint of step 5"):
+            interrupt.saved(5)
+        interrupt.install(1e-9)                             # a wall-time interval that has passed
+        interrupt.arm()
+        time.sleep(0.01)
+        assert schedule.checkpoint(7)
+        interrupt.saved(7)                                  # no signal: the job goes on
+    finally:
+        interrupt.uninstall()
+
+
+def _metric_rows(folder: Path) -> int:
+    path = folder / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _numbers(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if isinstance(v, float) and not k.endswith("time_s")}
+
+
+JOB = ["task=feature_learning", "optim=dopr_sgd", "task.steps=400", "task.log_every=10", "task.checkpoint_every=0",
+       "task.step_delay_s=0.01"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
+def test_a_signal_checkpoints_a_running_job_which_resumes_bit_identically(tmp_path, sig):
+    # checkpoints on steps only (task.checkpoint_every=0: none): before, the signal lost every step
+    whole = _run(*JOB, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "run.py", *JOB, f"hydra.run.dir={cut}"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while _metric_rows(cut) < 5 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, out[-2000:]
+    name = signal.Signals(sig).name
+    lines = [ln for ln in out.splitlines() if f"interrupted by {name}" in ln]
+    assert len(lines) == 1 and "checkpoint" in lines[0] and "resume=true" in lines[0], out[-2000:]
+    assert "Traceback" not in out
+    assert (cut / "checkpoint.pt").exists() and not (cut / "summary.json").exists()
+    step = int(lines[0].split("checkpoint of step ")[1].split(":")[0])
+    assert 0 < step < 400
+    again = _run(*JOB, f"hydra.run.dir={cut}")
+    assert again.returncode == 0 and f"resuming from step {step}" in again.stdout + again.stderr
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (tmp_path / "whole", cut))
+    assert _numbers(a) and _numbers(a) == _numbers(b)
+
+
+# ---------------------------------------------------------------------------- refused before launch
+def test_a_sweep_or_a_cluster_launcher_without_m_is_refused_by_name():
+    for argv in (["sweep=feature_learning"], ["task=lds", "launcher=slurm", "slurm.partition=gpu"],
+                 ["launcher=local_parallel"]):
+        with pytest.raises(ConfigError, match=r"is for sweeps, which run with -m: python run\.py -m "):
+            refuse_sweep_without_multirun(argv)
+    refuse_sweep_without_multirun(["-m", "sweep=feature_learning"])
+    refuse_sweep_without_multirun(["task=lds", "launcher=local"])
+
+
+def test_run_py_refuses_a_sweep_without_m_and_runs_nothing(tmp_path):
+    r = _run("sweep=feature_learning", "launcher=slurm", "slurm.partition=gpu", f"hydra.run.dir={tmp_path / 'x'}")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "run with -m" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("launcher", ["local_parallel", "slurm"])
+def test_a_bad_job_is_refused_before_a_submitit_launcher_submits_anything(tmp_path, launcher):
+    # a fake sbatch on PATH: the refusal must come before it is ever called
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "sbatch_called"
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{ENV.get('PATH', '')}"}
+    sweep = tmp_path / "sweep"
+    extra = ["slurm.partition=gpu"] if launcher == "slurm" else []
+    r = _run("-m", "task=feature_learning", "optim=sgd,adamw", "optim.lr=-1", f"launcher={launcher}", *extra,
+             "debug=default", f"hydra.sweep.dir={sweep}", env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and "optim.lr=-1" in err and "nothing was submitted" in err and "job 0 of 2" in err
+    assert not sweep.exists() and not marker.exists()
+
+
+def test_launcher_slurm_without_slurm_is_one_line_and_leaves_no_folder(tmp_path):
+    env = {**ENV, "PATH": str(tmp_path)}   # no sbatch anywhere
+    sweep = tmp_path / "sweep"
+    r = _run("-m", "task=feature_learning", "optim=sgd", "launcher=slurm", "slurm.partition=gpu",
+             f"hydra.sweep.dir={sweep}", env=env)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "sbatch" in r.stderr
+    assert "Traceback" not in r.stderr and not sweep.exists()
+
+
+def test_resume_true_says_when_there_is_no_checkpoint_to_resume_from(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from experiments.common.checkpoint import TrainingState
+
+    run = SimpleNamespace(cfg={"resume": True}, checkpoint_path=tmp_path / "checkpoint.pt", load_checkpoint=lambda: None)
+    assert TrainingState().resume(run) == (0, {})
+    out = capsys.readouterr().out
+    assert "checkpoint.pt does not exist" in out and "starting from step 0" in out
+    interrupt.uninstall()
