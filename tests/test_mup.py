@@ -51,6 +51,19 @@ def test_adamw_rates_and_weight_decays_per_role(name):
         assert math.isclose(rates["hidden"][0], eta / w) and rates["hidden"][1] == lam
 
 
+@pytest.mark.parametrize("name", ["adamw", "dopr_adamw", "muon", "dopr_muon"])
+def test_sp_has_constant_weight_decay_whatever_the_scaling_axis_says(name):
+    # the sweeps run SP with the task's default weight_decay_scaling=mup: until issue 46 that gave SP's
+    # hidden and output layers decay lam * w, so SP's optima followed the decay (lr * wd = 0.020 per step
+    # at every width); the paper's SP has a constant rate and a constant decay
+    eta, lam = 2.0 ** -4, 0.01
+    for w in (64, 256):
+        for scaling in ("mup", "constant"):
+            model = mlp(20, w, 10, bias=False)
+            rates = mup.apply(_opt(name, model, eta, lam), mup.roles(model), w, "sp", scaling)
+            assert rates == {r: (eta, lam) for r in ("input", "hidden", "output")}, (w, scaling, rates)
+
+
 @pytest.mark.parametrize("name", ["muon", "dopr_muon"])
 def test_muon_keeps_its_hidden_rate_and_hands_input_and_output_to_adamws_rules(name):
     eta, lam, w = 0.05, 0.01, 64

@@ -11,14 +11,16 @@ weight decay λ:
 | init variance, μP | 1/d_in | 1/w | 1/w² |
 | learning rate, SP | η | η | η |
 | learning rate, μP (AdamW-type update) | η | η/w | η/w |
-| weight decay, constant | λ | λ | λ |
-| weight decay, μP ("wd x w": η·λ width-independent) | λ | λw | λw |
+| weight decay, SP, and μP with `weight_decay_scaling=constant` | λ | λ | λ |
+| weight decay, μP with `weight_decay_scaling=mup` ("wd x w": η·λ width-independent) | λ | λw | λw |
 
 DoPr keeps its GP's rules (the appendix's argument: AdamW and Muon normalise whatever gradient they
 are handed). The appendix gives Muon's rule only in words ("a constant learning rate"): here a
 Muon-updated (hidden) matrix keeps η and λ at every width, and the layers Muon hands to AdamW (input,
-output) follow the AdamW rows. The weight-decay experiment's "SP" keeps μP's initialisation and
-rates with a constant weight decay (`weight_decay_scaling=constant`).
+output) follow the AdamW rows. SP has a constant decay whatever `weight_decay_scaling` says (before
+issue 46 its hidden and output layers got λw too, and the SP optima followed the decay). The weight-decay
+experiment's "SP" keeps μP's initialisation and rates with a constant weight decay
+(`weight_decay_scaling=constant`).
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def multipliers(role: str, parameterization: str, width: int, matrix_update: boo
         return 1.0, 0.0
     scaled = parameterization == "mup" and role != "input" and not matrix_update
     lr = 1.0 / width if scaled else 1.0
-    wd = float(width) if weight_decay_scaling == "mup" and role != "input" and not matrix_update else 1.0
+    # SP is the paper's "constant learning rate, and constant weight decay" whatever
+    # weight_decay_scaling says: that axis varies the decay at μP only (the weight-decay figure)
+    wd = float(width) if scaled and weight_decay_scaling == "mup" else 1.0
     return lr, wd
 
 
