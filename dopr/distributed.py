@@ -41,8 +41,8 @@ def all_reduce_statistics(stats: list) -> None:
             sums.append(flat[offset:offset + s.numel()].view_as(s).to(s.dtype))
             offset += s.numel()
         st.sums = tuple(sums)
-    for i, st in enumerate(stats):
-        st.count = float(flat[offset + i])
+    for st, count in zip(stats, flat[offset:].tolist()):   # one read-back for every count
+        st.count = float(count)
 
 
 def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:

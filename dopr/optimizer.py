@@ -258,7 +258,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         reads one flag back from the device (a non-finite Sigma or G, a Cholesky factor to retry), after
         every factor and solve is queued; only when it is set does the repair path run, deciding layer
         by layer as :meth:`_repair` says."""
-        grads = {l.helper.name: g for l in self._capture.layers if (g := l.helper.grad_matrix()) is not None}
+        grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
         self._precond_ema.pending.clear()                     # proposals of a step that raised are not kept
         self._grad_ema.pending.clear()
         if self.collecting:                                   # a refresh step: new statistics, new factors
@@ -315,10 +315,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         out = []
         for (kind, *_), items in batches.items():
             keys, stats, means = zip(*items)
-            batch, lam, finite = kind.prepare(list(means), self.options)          # lambda, one stack per size
+            batch, lam, finite = kind.prepare(list(means), self.options, self._solver)  # lambda, one stack per size
             if health:                                                             # on request (syncs)
+                gm = {n: h.grad_matrix() for n, h in grads.items()}
                 for i, (key, stat, mean) in enumerate(items):
-                    if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], grads)):
+                    if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
                         self._warn_once("health", warning)
             out.append((keys, finite, kind.factor(batch, lam, self._solver, self.options, self._counts)))
         self._counts["refreshes"] += 1
@@ -352,15 +353,17 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def _solve(self, members: dict, grads: dict) -> tuple:
         """([(layer names, M stacked)], [per-bucket non-finite flags of G]): the layers bucketed by
-        operator type and gradient shape, each bucket one stack, one batched solve, no host sync."""
+        operator type and gradient shape, each bucket read into one stack (``read_grad``: a layer's G
+        and bias column copied once), one batched solve, no host sync."""
         buckets = defaultdict(list)
         for name, op in members.items():
-            g = grads[name]
-            buckets[(type(op), g.shape, g.dtype, g.device)].append(name)
+            h = grads[name]
+            buckets[(type(op), h.grad_shape(), h.grad_dtype(), h.module.weight.device)].append(name)
         solved, flags = [], []
-        for (_, _, dtype, _), names in buckets.items():
-            gs = [grads[n] for n in names]
-            g = (torch.stack(gs) if len(gs) > 1 else gs[0].unsqueeze(0)).to(statistics_dtype(dtype))
+        for (_, shape, dtype, device), names in buckets.items():
+            g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
+            for i, n in enumerate(names):
+                grads[n].read_grad(g[i])
             flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
             if self._grad_ema.beta:
                 g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
@@ -383,13 +386,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                          "activation covariance")
         self._counts["factorizations"] -= len(bad)
         ops = dict(ops)
-        for keys, _, res in batches:
+        for keys, finite, res in batches:
             if isinstance(res, solvers.Deferred):
-                ops.update(zip(keys, res.finish(self._counts)))
+                ops.update(zip(keys, res.finish(self._counts, finite)))
         for k in bad:
             ops.pop(k, None)
         group_of = {name: key for key in ops for name in key}
-        bad_g = self._nonfinite({n: g for n, g in grads.items() if n in group_of})
+        bad_g = self._nonfinite({n: h.grad_matrix() for n, h in grads.items() if n in group_of})
         return ops, frozenset(bad) | frozenset(bad_g) | frozenset(n for k in bad for n in k)
 
     def _nonfinite(self, tensors: dict, what: str = "gradient", replicated: bool = False) -> set:

@@ -53,10 +53,16 @@ class ExplicitInverse:
         return {"p": self.p}
 
 
+#: devices where the Cholesky solve and inverse are LAPACK's cholesky_solve / cholesky_inverse (one call per
+#: batch, fewest copies): their status read back to the host waits for nothing on the CPU. Elsewhere the
+#: step keeps to solve_triangular and GEMMs, which read nothing back (one host sync per step in all).
+LAPACK_DEVICES = {"cpu"}
+
+
 class CholeskyFactor:
-    """M = G A^-1 by two triangular solves with A = L L^T, on G^T as cholesky_solve does (the same two
-    trsm calls, bit for bit on the CPU) but through ``solve_triangular``, which has no info check, so no
-    host sync, where ``cholesky_solve`` reads its status back."""
+    """M = G A^-1 by two triangular solves with A = L L^T, on G^T: ``cholesky_solve`` on the CPU (see
+    LAPACK_DEVICES), elsewhere the same two trsm through ``solve_triangular``, which has no info check,
+    so no host sync, where ``cholesky_solve`` reads its status back (bit for bit the same on the CPU)."""
 
     def __init__(self, l: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
         self._l, self.batch, self.index = l, batch, index   # L itself, or member `index` of a batch of them
@@ -78,6 +84,8 @@ class CholeskyFactor:
             l = batch                                            # the factor batch as it is: no stack
         else:
             l = torch.stack([op.l for op in ops]) if len(ops) > 1 else ops[0].l.unsqueeze(0)
+        if l.device.type in LAPACK_DEVICES:
+            return torch.cholesky_solve(gs.mT, l).mT
         y = torch.linalg.solve_triangular(l, gs.mT, upper=False)          # L Y = G^T
         return torch.linalg.solve_triangular(l.mT, y, upper=True).mT       # L^T M^T = Y: cholesky_solve's two trsm
 
@@ -85,15 +93,10 @@ class CholeskyFactor:
         return ExplicitInverse(inverse_from_factor(self.l.unsqueeze(0))[0])
 
 
-#: devices where the explicit inverse comes from cholesky_inverse (LAPACK potri, 2 d^3 / 3 FLOPs): on the
-#: CPU its status read waits for nothing. Elsewhere a triangular solve against I and a GEMM (3 d^3 FLOPs,
-#: on the fast paths) keep the step free of host syncs.
-POTRI_DEVICES = {"cpu"}
-
-
 def inverse_from_factor(l: Tensor) -> Tensor:
-    """A^-1 = L^-T L^-1 for a batch of Cholesky factors (see POTRI_DEVICES)."""
-    if l.device.type in POTRI_DEVICES:
+    """A^-1 = L^-T L^-1 for a batch of Cholesky factors (cholesky_inverse, LAPACK potri, 2 d^3 / 3 FLOPs,
+    on LAPACK_DEVICES; elsewhere a triangular solve against I and a GEMM, 3 d^3 FLOPs, no host sync)."""
+    if l.device.type in LAPACK_DEVICES:
         return torch.cholesky_inverse(l)
     eye = torch.eye(l.shape[-1], dtype=l.dtype, device=l.device).expand_as(l)
     linv = torch.linalg.solve_triangular(l, eye, upper=False)
@@ -216,8 +219,9 @@ class Deferred:
     def ops(self) -> list:
         raise NotImplementedError
 
-    def finish(self, counts: dict) -> list:
-        """The operators after the repair path (retries, fallbacks), counted in `counts`."""
+    def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
+        """The operators after the repair path (retries, fallbacks), counted in `counts`; members whose
+        Sigma is not `finite` are left as they are (the optimizer drops them)."""
         raise NotImplementedError
 
 
@@ -240,14 +244,16 @@ class CholeskyBatch(Deferred):
     def ops(self) -> list:
         return [CholeskyFactor(batch=self.l, index=i) for i in range(len(self.l))]
 
-    def finish(self, counts: dict) -> list:
+    def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
         """Retry with 10x, 100x, 1000x the damping (at least 1e-6 tr(Sigma) / d); what still fails, and
         the singular ones, get the eigendecomposition pseudo-inverse. Restores sigma first."""
-        bad, singular, lam, sigma, l = self.bad, self.singular, self.lam, self.sigma, self.l
+        bad, singular, weak, lam, sigma, l = self.bad, self.singular, self.weak, self.lam, self.sigma, self.l
+        if finite is not None:
+            bad, singular, weak = bad & finite, singular & finite, weak & finite
         if not bool((bad | singular).any()):
             return self.ops()
         d = sigma.shape[-1]
-        counts["unreliable_factors"] += int(self.weak.sum())
+        counts["unreliable_factors"] += int(weak.sum())
         sigma.diagonal(dim1=-2, dim2=-1).sub_(lam[:, None])
         floor = 1e-6 * sigma.diagonal(dim1=-2, dim2=-1).sum(-1) / d
         for retry in range(1, CHOLESKY_RETRIES + 1):
@@ -348,16 +354,21 @@ class Solver:
     name: str
     statistic: str
     factor: Optional[Callable] = None
+    #: the factorisation fails on a non-finite Sigma (eigh raises): such a member is replaced by the
+    #: identity first, decided on the host. False: it copes (cholesky_ex flags it) and the optimizer
+    #: leaves the member out after the step's one read-back.
+    finite_inputs: bool = True
 
 
 SOLVERS: dict = {}
 
 
-def register_solver(name: str, statistic: str, factor: Optional[Callable] = None) -> None:
-    SOLVERS[name] = Solver(name, statistic, factor)
+def register_solver(name: str, statistic: str, factor: Optional[Callable] = None, finite_inputs: bool = True) -> None:
+    SOLVERS[name] = Solver(name, statistic, factor, finite_inputs)
 
 
-register_solver("cholesky", "dense", lambda sigma, lam, o, counts: CholeskyBatch(sigma, lam, o["eigh_rcond"]))
+register_solver("cholesky", "dense", lambda sigma, lam, o, counts: CholeskyBatch(sigma, lam, o["eigh_rcond"]),
+                finite_inputs=False)
 register_solver("eigh", "dense", lambda sigma, lam, o, counts: factor_eigh(sigma, lam, o["eigh_rcond"]))
 register_solver("rank1_diag", "moments")
 register_solver("newton_schulz", "dense", lambda sigma, lam, o, counts: factor_newton_schulz(sigma, lam))

@@ -59,7 +59,7 @@ class ActivationStatistics:
         raise NotImplementedError
 
     @classmethod
-    def prepare(cls, means: list, options: dict) -> tuple:
+    def prepare(cls, means: list, options: dict, solver=None) -> tuple:
         """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
         :meth:`factor` takes, the damping of each member (a (B,) tensor) and whether its Sigma is finite
         (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
@@ -113,18 +113,21 @@ class DenseCovariance(ActivationStatistics):
         return mean[0].diagonal()
 
     @classmethod
-    def prepare(cls, means: list, options: dict) -> tuple:
-        """One stack (a copy the solver may damp in place; a lone mean is the step's own), batched damping,
-        and a non-finite member replaced by the identity (damping 1), so that every solver factors the
-        batch; the optimizer then leaves that member out."""
+    def prepare(cls, means: list, options: dict, solver=None) -> tuple:
+        """One stack (a copy the solver may damp in place; a lone mean is the step's own) and batched
+        damping. For a solver that needs finite input (``Solver.finite_inputs``: eigh raises) a
+        non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
+        leaves that member out after the step's read-back either way."""
         sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
         lam = damping(options["damping"], options["damping_mode"], diag)
-        bad = ~finite
-        sigma.masked_fill_(bad[:, None, None], 0.0)
-        diag.add_(bad[:, None].to(sigma.dtype))
-        return sigma, torch.where(finite, lam, torch.ones_like(lam)), finite
+        if (solver is None or solver.finite_inputs) and not bool(finite.all()):
+            bad = ~finite
+            sigma.masked_fill_(bad[:, None, None], 0.0)
+            diag.add_(bad[:, None].to(sigma.dtype))
+            lam = torch.where(finite, lam, torch.ones_like(lam))
+        return sigma, lam, finite
 
     @classmethod
     def factor(cls, sigma, lam: Tensor, solver, options: dict, counts: dict):

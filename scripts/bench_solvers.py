@@ -73,7 +73,7 @@ def _cholesky(sigma, lam):
 METHODS = {  # name: (factor(sigma, lam) -> operators, flops(d, rows) without Newton-Schulz steps)
     "cholesky_solve": (_cholesky, lambda d, r: d**3 / 3 + 2 * d * d * r),
     "explicit_inverse": (lambda s, l: list(solvers.cached(dict(enumerate(_cholesky(s, l)))).values()),
-                         lambda d, r, dev="cpu": d**3 / 3 + (2 * d**3 / 3 if dev in solvers.POTRI_DEVICES else 3 * d**3)
+                         lambda d, r, dev="cpu": d**3 / 3 + (2 * d**3 / 3 if dev in solvers.LAPACK_DEVICES else 3 * d**3)
                          + 2 * d * d * r),
     "ns_fp32": (solvers.factor_newton_schulz, lambda d, r: 2 * d * d * r),
     "ns_bf16": (lambda s, l: [solvers.ExplicitInverse(op.p.float())

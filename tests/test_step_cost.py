@@ -47,9 +47,18 @@ def _profiled_step(name, layers, **kw):
     return out
 
 
+@pytest.fixture
+def device_path(monkeypatch):
+    """The step as it runs on an accelerator: no LAPACK cholesky_solve / cholesky_inverse, whose status
+    reads the CPU path keeps (they wait for nothing there)."""
+    from dopr import solvers
+
+    monkeypatch.setattr(solvers, "LAPACK_DEVICES", set())
+
+
 @pytest.mark.parametrize("layers", [4, 16])
-def test_a_dopr_step_reads_the_device_once_whatever_the_layer_count(layers):
-    # before: 19 (4 layers) and 43 (16): the non-finite checks, the Cholesky info check and one
+def test_a_dopr_step_reads_the_device_once_whatever_the_layer_count(layers, device_path):
+    # before: 7 (4 layers) and 19 (16) reads: the non-finite checks, the Cholesky info check and one
     # cholesky_solve status read per layer; now the step's one flag (non-finite Sigma or G, a factor to retry)
     events = _profiled_step("dopr_adamw", layers)
     syncs = [n for n, in_base in events if n in SYNCS and not in_base]
@@ -58,7 +67,7 @@ def test_a_dopr_step_reads_the_device_once_whatever_the_layer_count(layers):
     assert [n for n, in_base in gp if n in SYNCS and not in_base] == []   # the count is DoPr's own
 
 
-def test_dopr_adds_at_most_40_aten_ops_per_preconditioned_layer():
+def test_dopr_adds_at_most_40_aten_ops_per_preconditioned_layer(device_path):
     # 16 identical Linear layers (with bias): the work is grouped by shape (one stack, factorisation and
     # solve per size), so what is left per layer is the forward hook's covariance, reading G and writing
     # M back. Before: 134 per layer.
@@ -67,16 +76,22 @@ def test_dopr_adds_at_most_40_aten_ops_per_preconditioned_layer():
     assert 0 < extra / layers <= 40, extra / layers
 
 
-def test_same_size_layers_are_solved_in_one_batched_call(monkeypatch):
+@pytest.mark.parametrize("lapack", [True, False])
+def test_same_size_layers_are_solved_in_one_batched_call(monkeypatch, lapack):
+    from dopr import solvers
+
+    monkeypatch.setattr(solvers, "LAPACK_DEVICES", {"cpu"} if lapack else set())
     model = _mlp(3, width=8)
     opt = dopr.build(model, "dopr_sgd", lr=0.0)
     calls = []
-    real = torch.linalg.solve_triangular
-    monkeypatch.setattr(torch.linalg, "solve_triangular",
-                        lambda a, b, **k: calls.append(tuple(b.shape)) or real(a, b, **k))
+    name, module = ("cholesky_solve", torch) if lapack else ("solve_triangular", torch.linalg)
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda b, a, *args, **k: calls.append(tuple(b.shape)) or real(b, a, *args, **k)
+                        if lapack else calls.append(tuple(a.shape)) or real(b, a, *args, **k))
     model(torch.randn(32, 8)).pow(2).sum().backward()
     opt.step()
-    assert calls == [(3, 9, 8), (3, 9, 8)]   # L L^T M^T = G^T: two triangular solves for the three layers
+    # L L^T M^T = G^T for the three layers at once: one cholesky_solve, or two triangular solves
+    assert calls == ([(3, 9, 8)] if lapack else [(3, 9, 8), (3, 9, 8)])
 
 
 class _GemmDtypes(TorchDispatchMode):
@@ -151,7 +166,7 @@ def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once(monk
     # nothing, is kept: the test takes the device path); the step in between applies the cached inverses
     from dopr import solvers
 
-    monkeypatch.setattr(solvers, "POTRI_DEVICES", set())
+    monkeypatch.setattr(solvers, "LAPACK_DEVICES", set())
     model = _mlp(4, width=16)
     opt = dopr.build(model, "dopr_adamw", lr=1e-3, precond_every=2)
     x = torch.randn(32, 16)
@@ -169,7 +184,7 @@ def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once(monk
 def test_the_cached_inverse_is_the_damped_inverse(monkeypatch, potri):
     from dopr import solvers
 
-    monkeypatch.setattr(solvers, "POTRI_DEVICES", {"cpu"} if potri else set())
+    monkeypatch.setattr(solvers, "LAPACK_DEVICES", {"cpu"} if potri else set())
     torch.manual_seed(0)
     x = torch.randn(64, 12, dtype=torch.float64)
     sigma = x.T @ x / 64

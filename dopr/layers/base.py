@@ -73,6 +73,21 @@ class LayerHelper:
         """Write the preconditioned matrix M (same layout as :meth:`grad_matrix`) back."""
         raise NotImplementedError
 
+    def has_grad(self) -> bool:
+        return self.module.weight.grad is not None
+
+    def grad_shape(self) -> tuple:
+        """The shape of :meth:`grad_matrix` (a subclass knows it without forming the matrix)."""
+        return tuple(self.grad_matrix().shape)
+
+    def grad_dtype(self) -> torch.dtype:
+        return self.module.weight.grad.dtype
+
+    def read_grad(self, out: Tensor) -> None:
+        """Write G into `out` (a slot of the step's stack of same-shape gradients): one copy, where
+        :meth:`grad_matrix` and a stack would make two."""
+        out.copy_(self.grad_matrix())
+
     def local_columns(self) -> Optional[slice]:
         """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
         return None
@@ -112,6 +127,21 @@ class LayerHelper:
             gb = torch.zeros(g_weight.shape[0], dtype=g_weight.dtype, device=g_weight.device)
         gb = gb.unsqueeze(1) if gb.dim() == 1 else gb.reshape(-1, 1)
         return torch.cat([g_weight, gb if gb.dtype == g_weight.dtype else gb.to(g_weight.dtype)], dim=1)
+
+    def _read_with_bias_column(self, g_weight: Tensor, out: Tensor) -> None:
+        """:meth:`_with_bias_column` written into `out`: the weight's and the bias's gradients straight
+        into their columns (no concatenation)."""
+        if not self.homogeneous:
+            out.copy_(g_weight)
+            return
+        rows, cols = out.shape
+        out.as_strided((rows, cols - 1), out.stride(), out.storage_offset()).copy_(g_weight)
+        col = out.as_strided((rows,), (out.stride(0),), out.storage_offset() + (cols - 1) * out.stride(1))
+        gb = self._grad(self.module.bias)
+        if gb is None:
+            col.zero_()
+        else:
+            col.copy_(gb if gb.dim() == 1 else gb.reshape(-1))
 
     def _split_bias_column(self, m: Tensor) -> Tensor:
         """Write the bias column (if any) into bias.grad; return the weight part (``as_strided`` views:

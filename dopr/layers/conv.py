@@ -71,6 +71,13 @@ class ConvHelper(LayerHelper):
         g = self._grad(self.module.weight)
         return None if g is None else self._with_bias_column(g.reshape(g.shape[0], -1))
 
+    def grad_shape(self) -> tuple:
+        return (self._grad(self.module.weight).shape[0], self.dim)
+
+    def read_grad(self, out: Tensor) -> None:
+        g = self._grad(self.module.weight)
+        self._read_with_bias_column(g.reshape(g.shape[0], -1), out)
+
     def set_grad(self, m: Tensor) -> None:
         g = self._grad(self.module.weight)
         g.copy_(self._split_bias_column(m).reshape(g.shape))
@@ -110,6 +117,9 @@ class ConvTranspose1dHelper(LayerHelper):
         edge = dl * (k - 1) - p
         x = F.pad(x, [edge, edge + op])
         return patch_matrix(x, (k,), (dl,), (1,))
+
+    def grad_shape(self) -> tuple:
+        return (self.module.weight.grad.shape[1], self.dim)
 
     def grad_matrix(self):
         g = self.module.weight.grad  # (C_in, C_out, k)
@@ -155,6 +165,9 @@ class Conv2dSUAHelper(LayerHelper):
         if x.dim() == 3:
             x = x.unsqueeze(0)
         return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+    def grad_shape(self) -> tuple:
+        return (self._grad(self.module.weight).shape[0] * self.rows_per_weight_row, self.dim)
 
     def grad_matrix(self):
         g = self._grad(self.module.weight)  # (C_out, C_in, kh, kw) -> rows (C_out, kh, kw), columns C_in

@@ -43,6 +43,10 @@ class EmbeddingHelper(LayerHelper):
     def set_grad(self, m: Tensor) -> None:
         self._grad(self.module.weight).copy_(m.T)
 
+    def grad_shape(self) -> tuple:
+        g = self._grad(self.module.weight)   # (vocab rows of this rank, dim)
+        return (g.shape[1], g.shape[0])
+
     def local_columns(self):
         """Sharded (FSDP2 splits the vocabulary rows): this rank's token columns of the diagonal Sigma."""
         w = self.module.weight

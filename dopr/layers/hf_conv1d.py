@@ -27,3 +27,10 @@ class HFConv1DHelper(LinearHelper):
 
     def set_grad(self, m: Tensor) -> None:
         self._grad(self.module.weight).copy_(self._split_bias_column(m).T)
+
+    def grad_shape(self) -> tuple:
+        g = self._grad(self.module.weight)   # (in, out)
+        return (g.shape[1], g.shape[0] + int(self.homogeneous))
+
+    def read_grad(self, out: Tensor) -> None:
+        out.copy_(self.grad_matrix())

@@ -28,3 +28,10 @@ class LinearHelper(LayerHelper):
 
     def set_grad(self, m: Tensor) -> None:
         self._grad(self.module.weight).copy_(self._split_bias_column(m))
+
+    def grad_shape(self) -> tuple:
+        g = self._grad(self.module.weight)
+        return (g.shape[0], g.shape[1] + int(self.homogeneous))
+
+    def read_grad(self, out: Tensor) -> None:
+        self._read_with_bias_column(self._grad(self.module.weight), out)
