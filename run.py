@@ -25,6 +25,10 @@ def refuse(check, *args, folder=None):
     Hydra made for the refused command goes with it."""
     try:
         return check(*args)
+    except KeyboardInterrupt:   # Ctrl-C: the job logged its one line; no traceback
+        if os.environ.get("DOPR_TRACEBACK"):
+            raise
+        sys.exit(130)
     except (ConfigError, FileNotFoundError) as e:
         if os.environ.get("DOPR_TRACEBACK"):
             raise

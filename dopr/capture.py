@@ -216,13 +216,14 @@ class ActivationCapture:
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
             return
-        if _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors, no plain backward
+        compiling = torch.compiler.is_compiling()   # (tracing runs under functorch's functionalization)
+        if not compiling and _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors
             self.transformed = True
             return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         layer, x = self.layers[index], inputs[0]
-        if torch.compiler.is_compiling():
+        if compiling:
             return self.probes.tap(index, output, self._statistics(layer.helper, x))
         if _in_backward():
             # a checkpoint recomputation: its output is backpropagated (and the statistics needed)

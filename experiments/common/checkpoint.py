@@ -90,7 +90,7 @@ class TrainingState:
         state = run.load_checkpoint()
         interrupt.arm()
         if state is None:
-            if run.cfg.get("resume"):
+            if getattr(run, "cfg", None) is not None and run.cfg.get("resume"):
                 print(f"resume=true: {run.checkpoint_path} does not exist (the earlier attempt stopped before its "
                       "first checkpoint): starting from step 0", flush=True)
             return 0, {}

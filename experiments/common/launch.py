@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     except KeyboardInterrupt:              # Ctrl-C before the loop had its training state (or a second one)
         log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; nothing to resume from this attempt",
                  job_name(cfg))
-        raise SystemExit(128 + signal.SIGINT) from None
+        raise                              # run.py ends with that line alone (exit 130)
     finally:
         interrupt.uninstall()
         run.close(failed)
