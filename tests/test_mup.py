@@ -246,3 +246,12 @@ def test_gpt_data_bytes_ship_with_python_and_openwebtext_names_what_is_missing(t
     assert d["vocab"] == 256 and bytes(torch.cat([d["train"], d["val"]]).to(torch.uint8).tolist()) == text
     with pytest.raises(FileNotFoundError, match="missing train.bin, val.bin"):
         gpt.tokens(OmegaConf.create({"data": "openwebtext", "data_path": str(tmp_path), "vocab": 50304}))
+
+
+def test_a_run_records_the_decay_rule_it_applied():
+    # SP ignores the weight-decay axis (constant decay), so its record says "constant" whatever the
+    # config's axis says; muP records the axis
+    assert mup.applied_weight_decay_scaling("sp", "mup") == "constant"
+    assert mup.applied_weight_decay_scaling("sp", "constant") == "constant"
+    assert mup.applied_weight_decay_scaling("mup", "mup") == "mup"
+    assert mup.applied_weight_decay_scaling("mup", "constant") == "constant"

@@ -152,7 +152,8 @@ def run(cfg, run) -> dict:
         val = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
     return {"train_loss": best if math.isfinite(losses[-1]) else float("nan"), "last_train_loss": losses[-1],
             "val_loss": val, "width": width, "parameterization": m.parameterization,
-            "weight_decay_scaling": m.weight_decay_scaling, "lr": float(cfg.optim.lr),
+            "weight_decay_scaling": mup.applied_weight_decay_scaling(m.parameterization, m.weight_decay_scaling),
+            "lr": float(cfg.optim.lr),
             "multiplier_log2": float(m.k), "steps": len(losses),
             "rates": {k: {"lr": v[0], "weight_decay": v[1]} for k, v in rates.items()},
             "update_ratio_curve": ratios}

@@ -74,6 +74,11 @@ def multipliers(role: str, parameterization: str, width: int, matrix_update: boo
     return lr, wd
 
 
+def applied_weight_decay_scaling(parameterization: str, weight_decay_scaling: str) -> str:
+    """The decay rule a run actually used, for its record: SP is always "constant"."""
+    return weight_decay_scaling if parameterization == "mup" else "constant"
+
+
 def initialize(model: nn.Sequential, parameterization: str, generator: torch.Generator = None) -> None:
     """Gaussian initialisation of every Linear weight at the parameterisation's variance."""
     layer_roles = roles(model)
@@ -164,7 +169,8 @@ def run(cfg, run) -> dict:
     last_epoch = losses[-per_epoch:]
     final = sum(last_epoch) / len(last_epoch)
     return {"train_loss": final if math.isfinite(final) else float("nan"), "width": width,
-            "parameterization": m.parameterization, "weight_decay_scaling": m.weight_decay_scaling,
+            "parameterization": m.parameterization,
+            "weight_decay_scaling": applied_weight_decay_scaling(m.parameterization, m.weight_decay_scaling),
             "lr": float(cfg.optim.lr), "multiplier_log2": float(m.k), "steps": len(losses),
             "rates": {k: {"lr": v[0], "weight_decay": v[1]} for k, v in rates.items()},
             "update_ratio_curve": ratios}
