@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from experiments.llm.stable_ranks import factor_quantities, layer_group
+from experiments.llm.stable_ranks import factor_quantities, layer_group, main, ratio_table
 
 
 def test_factor_quantities_on_known_spectra():
@@ -69,3 +69,33 @@ def test_the_script_measures_every_lora_factor_of_two_finished_runs(tmp_path, co
         assert 1 - 1e-9 <= float(r["activation_stable_rank_Sigma"]) <= int(r["d_in"]) + 1e-9
     assert (tmp_path / "out" / "stable_ranks.png").stat().st_size > 10_000
     assert "python -m experiments.llm.stable_ranks" in (tmp_path / "out" / "stable_ranks.md").read_text()
+
+
+def _row(run, group, layer, g, m, sigma):
+    return {"run": run, "group": group, "factor": f"layers.{layer}.{group}", "nuclear_rank_G": g,
+            "nuclear_rank_M": m, "stable_rank_Sigma": sigma}
+
+
+def test_the_ratio_table_divides_per_factor_and_counts_where_dopr_is_lower():
+    rows = [_row("muon", "q_proj.A", 0, 4.0, 3.0, 2.0), _row("dopr_muon", "q_proj.A", 0, 3.0, 6.0, 2.0),
+            _row("muon", "q_proj.A", 1, 6.0, 3.0, 2.0), _row("dopr_muon", "q_proj.A", 1, 9.0, 2.0, 2.0),
+            _row("muon", "v_proj.B", 0, 2.0, 2.0, 1.0), _row("dopr_muon", "v_proj.B", 0, 1.0, 1.0, 4.0)]
+    table = {(r["ratio"], r["group"]): r for r in ratio_table(rows)}
+    q = table[("nuclear_rank_G / stable_rank_Sigma", "q_proj.A")]
+    assert q["muon_mean"] == pytest.approx(2.5) and q["dopr_muon_mean"] == pytest.approx(3.0)
+    assert q["muon_range"] == "2-3" and q["dopr_muon_range"] == "1.5-4.5" and q["dopr_muon_lower"] == "1/2 layers"
+    v = table[("nuclear_rank_G / stable_rank_Sigma", "v_proj.B")]
+    assert v["muon_mean"] == pytest.approx(2.0) and v["dopr_muon_mean"] == pytest.approx(0.25)
+    every = table[("nuclear_rank_G / stable_rank_Sigma", "all groups")]
+    assert every["muon_mean"] == pytest.approx(2.25) and every["dopr_muon_mean"] == pytest.approx(1.625)
+    assert every["dopr_muon_lower"] == "1/2 groups, 2/3 factors"
+    m = table[("nuclear_rank_M / stable_rank_Sigma", "all groups")]
+    assert m["dopr_muon_lower"] == "1/2 groups, 2/3 factors"   # q: 2.0 vs 1.5 higher, v: 0.25 vs 2 lower
+
+
+def test_the_ratio_table_needs_a_gp_and_its_dopr_run_and_the_script_refuses_a_missing_csv(tmp_path):
+    with pytest.raises(ValueError, match="GP run and its DoPr run"):
+        ratio_table([_row("muon", "q_proj.A", 0, 1.0, 1.0, 1.0)])
+    with pytest.raises(SystemExit):
+        main(["--from-csv", str(tmp_path / "missing.csv"), "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())

@@ -13,8 +13,10 @@ The rank measures are the library's (dopr/ranks.py). Σ's stable rank is reporte
     python -m experiments.llm.stable_ranks multirun/<sft sweep>/<muon job> multirun/<...>/<dopr_muon job> \
         --out results/<task>/stable_ranks [--batches 4]
 
-Writes stable_ranks.csv/.md (one row per run and LoRA factor) and stable_ranks.png (the paper's four
-panels: mean per layer group, one bar per run, and below each the mean difference DoPr minus GP).
+Writes stable_ranks.csv/.md (one row per run and LoRA factor), stable_ranks.png (the paper's four
+panels: mean per layer group, one bar per run, and below each the mean difference DoPr minus GP) and
+stable_rank_ratios.csv/.md (the ratios the appendix compares, per layer group with their spread).
+`--from-csv <stable_ranks.csv>` re-derives the ratio table from measured rows without the runs.
 """
 from __future__ import annotations
 
@@ -107,6 +109,57 @@ def measure(job: Path, batches: int = 1) -> list:
     return rows
 
 
+RATIOS = (("nuclear_rank_G", "stable_rank_Sigma"), ("nuclear_rank_M", "stable_rank_Sigma"))
+
+
+def ratio_table(rows: list) -> list:
+    """The comparison the appendix makes: per layer group the nuclear rank of G (and of M) over the
+    stable rank of Σ, for the GP run and its DoPr run; the mean over the group's layers and its
+    min-max, and in how many of the group's layers DoPr's ratio is the lower. Closing rows per
+    ratio: the mean over groups and the number of groups (and of factors) where DoPr is lower."""
+    runs = sorted({r["run"] for r in rows})
+    dopr = next((r for r in runs if r.startswith("dopr_") and r.removeprefix("dopr_") in runs), None)
+    if dopr is None:
+        raise ValueError(f"the ratio table needs a GP run and its DoPr run, got runs {runs}")
+    gp = dopr.removeprefix("dopr_")
+    out = []
+    for num, den in RATIOS:
+        per: dict = {}
+        for r in rows:
+            per.setdefault((r["group"], r["factor"]), {})[r["run"]] = float(r[num]) / float(r[den])
+        groups = sorted({g for g, _ in per})
+        group_means = {}
+        for g in groups:
+            pairs = [v for (gg, _), v in per.items() if gg == g and gp in v and dopr in v]
+            a, b = [v[gp] for v in pairs], [v[dopr] for v in pairs]
+            group_means[g] = (sum(a) / len(a), sum(b) / len(b))
+            out.append({"ratio": f"{num} / {den}", "group": g, f"{gp}_mean": group_means[g][0],
+                        f"{gp}_range": f"{min(a):.3g}-{max(a):.3g}", f"{dopr}_mean": group_means[g][1],
+                        f"{dopr}_range": f"{min(b):.3g}-{max(b):.3g}",
+                        f"{dopr}_lower": f"{sum(y < x for x, y in zip(a, b))}/{len(pairs)} layers"})
+        all_pairs = [v for v in per.values() if gp in v and dopr in v]
+        means = list(group_means.values())
+        out.append({"ratio": f"{num} / {den}", "group": "all groups", f"{gp}_mean": sum(m[0] for m in means) / len(means),
+                    f"{gp}_range": f"{min(m[0] for m in means):.3g}-{max(m[0] for m in means):.3g}",
+                    f"{dopr}_mean": sum(m[1] for m in means) / len(means),
+                    f"{dopr}_range": f"{min(m[1] for m in means):.3g}-{max(m[1] for m in means):.3g}",
+                    f"{dopr}_lower": f"{sum(m[1] < m[0] for m in means)}/{len(means)} groups, "
+                                     f"{sum(v[dopr] < v[gp] for v in all_pairs)}/{len(all_pairs)} factors"})
+    return out
+
+
+def read_rows(csv_path: Path) -> list:
+    """The rows of a written stable_ranks.csv (numbers as floats), to re-derive the tables from."""
+    import csv
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for q in QUANTITIES:
+            r[q] = float(r[q])
+    return rows
+
+
 def figure(rows: list, path: Path, stamp: str) -> None:
     """The paper's four panels: per layer group the mean of each quantity per run (bars; the
     activation covariance's stable rank as a line where the panel compares with it), and below each
@@ -153,18 +206,32 @@ def main(argv=None) -> None:
     from experiments.common.report import write_table
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("jobs", nargs="+", help="finished SFT job folders (each with .hydra/ and adapter/)")
+    p.add_argument("jobs", nargs="*", help="finished SFT job folders (each with .hydra/ and adapter/)")
+    p.add_argument("--from-csv", type=Path, help="a written stable_ranks.csv: re-derive the tables and figure "
+                                                 "from it instead of measuring runs")
     p.add_argument("--out", required=True)
     p.add_argument("--batches", type=int, default=1, help="micro-batches of validation blocks in the measured batch")
     args = p.parse_args(argv)
-    rows = [row for job in args.jobs for row in measure(Path(job), args.batches)]
+    if bool(args.jobs) == bool(args.from_csv):
+        p.error("give either finished job folders or --from-csv, not both or neither")
+    if args.from_csv and not args.from_csv.is_file():
+        p.error(f"--from-csv {args.from_csv}: no such file")
     command = "python -m experiments.llm.stable_ranks " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    stamp = f"Made by `{command}` at commit `{git_revision()}` from the runs {', '.join(args.jobs)}."
     out = Path(args.out)
-    write_table(rows, ["run", "lr", "seed", "group", "d_in", *QUANTITIES, "factor"], out / "stable_ranks", stamp,
-                "Stable and nuclear ranks per LoRA factor (one validation batch through the terminal adapter)")
-    figure(rows, out / "stable_ranks.png", stamp)
+    if args.from_csv:
+        rows = read_rows(args.from_csv)
+        stamp = f"Made by `{command}` at commit `{git_revision()}` from the measured rows {args.from_csv}."
+    else:
+        rows = [row for job in args.jobs for row in measure(Path(job), args.batches)]
+        stamp = f"Made by `{command}` at commit `{git_revision()}` from the runs {', '.join(args.jobs)}."
+        write_table(rows, ["run", "lr", "seed", "group", "d_in", *QUANTITIES, "factor"], out / "stable_ranks", stamp,
+                    "Stable and nuclear ranks per LoRA factor (one validation batch through the terminal adapter)")
+        figure(rows, out / "stable_ranks.png", stamp)
+    ratios = ratio_table(rows)
+    write_table(ratios, list(ratios[0]), out / "stable_rank_ratios", stamp,
+                "The appendix's comparison: nuclear rank of G (and of the AP gradient M) over the stable rank of "
+                "Sigma, per layer group (mean and min-max over its layers)")
     print(f"{len(rows)} factors -> {out}")
 
 
