@@ -255,3 +255,45 @@ def test_a_run_records_the_decay_rule_it_applied():
     assert mup.applied_weight_decay_scaling("sp", "constant") == "constant"
     assert mup.applied_weight_decay_scaling("mup", "mup") == "mup"
     assert mup.applied_weight_decay_scaling("mup", "constant") == "constant"
+
+
+def _summary(opt, par, width, k, loss):
+    return {"optim": opt, "parameterization": par, "weight_decay_scaling": "constant" if par == "sp" else "mup",
+            "width": width, "multiplier_log2": float(k), "lr": 2.0 ** k, "seed": 0, "train_loss": loss}
+
+
+def test_a_re_run_half_is_reported_beside_the_kept_rows_of_the_committed_table(tmp_path):
+    from experiments.appendix.report import main, mup_rows, read_mup_rows
+    from experiments.common.report import write_table
+
+    sweep = tmp_path / "sweep"
+    losses = {(16, -1): 0.5, (16, 1): 0.3, (32, -1): 0.2, (32, 1): 0.4}   # SP: best k 1 at 16, -1 at 32
+    for i, ((w, k), loss) in enumerate(losses.items()):
+        (sweep / str(i)).mkdir(parents=True)
+        (sweep / str(i) / "summary.json").write_text(json.dumps(_summary("adamw", "sp", w, k, loss)))
+    # the committed table: muP rows (kept) and stale SP rows (dropped by --keep-where)
+    committed = [{**row, "train_loss": 9.0 if row["parameterization"] == "sp" else row["train_loss"]}
+                 for row in mup_rows([{"summary": _summary("adamw", par, w, k, 0.1 * (1 + (k == -1)))}
+                                      for par in ("sp", "mup") for w in (16, 32) for k in (-1, 1)])]
+    write_table(committed, list(committed[0]), tmp_path / "old" / "mup_runs", "Runs made by `old`. Tables by `x`.")
+    out = tmp_path / "out"
+    main([str(sweep), "--keep", str(tmp_path / "old" / "mup_runs.csv"), "--keep-where", "parameterization=mup",
+          "--out", str(out)])
+    rows = read_mup_rows(out / "mup_runs.csv", {})
+    assert sorted((r["parameterization"], r["width"], r["k"], r["train_loss"]) for r in rows) == sorted(
+        [("sp", w, float(k), v) for (w, k), v in losses.items()] +
+        [("mup", w, float(k), 0.2 if k == -1 else 0.1) for w in (16, 32) for k in (-1, 1)])
+    md = (out / "mup_transfer.md").read_text()
+    assert "| adamw | sp | 1 | -1 | 2 |" in md.replace(".0 |", " |")     # the re-run half
+    assert "| adamw | mup | 1 | 1 | 0 |" in md.replace(".0 |", " |")     # the kept half
+    assert "4 rows kept from" in md and "parameterization = mup" in md and "earlier runs made by `old`" in md
+    # a cell in both sources is refused; a malformed condition is refused before anything is written
+    with pytest.raises(ValueError, match="both hold"):
+        main([str(sweep), "--keep", str(out / "mup_runs.csv"), "--out", str(tmp_path / "clash")])
+    with pytest.raises(SystemExit):
+        main([str(sweep), "--keep", str(out / "mup_runs.csv"), "--keep-where", "parameterization", "--out",
+              str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="no row"):
+        main([str(sweep), "--keep", str(out / "mup_runs.csv"), "--keep-where", "optimizer=lion", "--out",
+              str(tmp_path / "none")])

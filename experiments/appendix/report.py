@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 import matplotlib
 
@@ -82,21 +83,52 @@ def best_multiplier_shift(rows: list) -> dict:
     return out
 
 
-def mup(records, out_dir, stamp) -> None:
+MUP_ROW = ("optimizer", "parameterization", "weight_decay_scaling", "width", "k", "lr", "seed", "train_loss")
+
+
+def mup_rows(records) -> list:
+    """One row per width-sweep run: what `mup_runs.csv` holds."""
+    return [{"optimizer": r["summary"]["optim"], "parameterization": r["summary"]["parameterization"],
+             "weight_decay_scaling": r["summary"]["weight_decay_scaling"], "width": r["summary"]["width"],
+             "k": r["summary"]["multiplier_log2"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
+             "train_loss": r["summary"]["train_loss"]} for r in records]
+
+
+def read_mup_rows(csv_path, where: dict) -> list:
+    """The rows of a committed `mup_runs.csv` whose columns equal `where` (e.g. {"parameterization":
+    "mup"}): the half of a sweep that a re-run left unchanged, kept beside the re-run half."""
+    import csv
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [c for c in (*MUP_ROW, *where) if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{csv_path} has no column(s) {missing}: not a mup_runs.csv")
+    kept = [r for r in rows if all(r[c] == v for c, v in where.items())]
+    if not kept:
+        raise ValueError(f"no row of {csv_path} has {where}")
+    return [{"optimizer": r["optimizer"], "parameterization": r["parameterization"],
+             "weight_decay_scaling": r["weight_decay_scaling"], "width": int(r["width"]), "k": float(r["k"]),
+             "lr": float(r["lr"]), "seed": int(r["seed"]), "train_loss": float(r["train_loss"])} for r in kept]
+
+
+def mup(records, out_dir, stamp, kept_rows=()) -> None:
     """The width sweep: per run its final training loss (mean over the last epoch); per optimizer and
     parameterisation the best multiplier per width and its shift across widths (the transfer metric);
     the paper's figure: training loss vs multiplier, one curve per width, SP beside muP, one row per
     optimizer; and, where the sweep varies the weight-decay scaling, the hidden layer's
-    update-to-weight ratio over training."""
+    update-to-weight ratio over training. `kept_rows`: rows of an earlier `mup_runs.csv`
+    (`read_mup_rows`) reported beside the runs (a cell in both is refused)."""
     import matplotlib.pyplot as plt
 
     from experiments.common.report import save_figure
 
-    rows = sorted(({"optimizer": r["summary"]["optim"], "parameterization": r["summary"]["parameterization"],
-                    "weight_decay_scaling": r["summary"]["weight_decay_scaling"], "width": r["summary"]["width"],
-                    "k": r["summary"]["multiplier_log2"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
-                    "train_loss": r["summary"]["train_loss"]} for r in records),
+    rows = sorted([*mup_rows(records), *kept_rows],
                   key=lambda r: (r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"]))
+    clash = {key for key, n in Counter((r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"])
+                                       for r in rows).items() if n > 1}
+    if clash:
+        raise ValueError(f"the kept rows and the runs both hold {sorted(clash)[:3]}: keep one source per cell")
     write_table(rows, list(rows[0]), out_dir / "mup_runs", stamp,
                 "muP width sweep: final training loss (mean over the last epoch) per run")
     widths = sorted({r["width"] for r in rows})
@@ -132,7 +164,7 @@ def mup(records, out_dir, stamp) -> None:
                 ax.legend(fontsize=7)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_lr_sweep.png", stamp)
-    if len({r["summary"]["weight_decay_scaling"] for r in records}) > 1:
+    if records and len({r["summary"]["weight_decay_scaling"] for r in records}) > 1:
         ratio_rows = []
         for r in sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["weight_decay_scaling"],
                                                 r["summary"]["width"], r["summary"]["seed"])):
@@ -175,3 +207,52 @@ def mup(records, out_dir, stamp) -> None:
             ax.legend(fontsize=6)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_update_ratio.png", stamp)
+
+
+def main(argv=None) -> None:
+    """`python -m experiments.appendix.report <width-sweep dirs> --keep <mup_runs.csv> --keep-where
+    parameterization=mup --out <dir>`: the width-sweep report over re-run jobs plus the unchanged rows
+    of a committed table (when only one half of a sweep had to be re-run)."""
+    import argparse
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from experiments.common.report import _in_repo, load_records, make_stamp, output_root
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("sweeps", nargs="+", help="width-sweep (multirun) directories")
+    ap.add_argument("--keep", required=True, type=Path, help="a committed mup_runs.csv")
+    ap.add_argument("--keep-where", action="append", default=[], metavar="COLUMN=VALUE",
+                    help="keep only the rows with this value (repeatable), e.g. parameterization=mup")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--replace-results", action="store_true", help="allow --out results/... (committed tables)")
+    args = ap.parse_args(argv)
+    where = {}
+    for item in args.keep_where:
+        column, sep, value = item.partition("=")
+        if not sep or not column:
+            ap.error(f"--keep-where {item!r}: expected COLUMN=VALUE")
+        where[column] = value
+    if not args.keep.is_file():
+        ap.error(f"--keep {args.keep}: no such file")
+    kept = read_mup_rows(args.keep, where)
+    records = load_records(args.sweeps)
+    if not records:
+        raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
+    out = output_root(args.out, args.sweeps, records, args.replace_results)
+    command = "python -m experiments.appendix.report " + " ".join(
+        shlex.quote(_in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
+    condition = ", ".join(f"{c} = {v}" for c, v in where.items()) or "all rows"
+    earlier = args.keep.with_suffix(".md")
+    origin = next((line.split(" Tables by ")[0] for line in earlier.read_text().splitlines()
+                   if line.startswith("Runs made by ")), "") if earlier.is_file() else ""
+    stamp = make_stamp(records, command) + (f" Beside them {len(kept)} rows kept from `{_in_repo(str(args.keep))}` "
+                                             f"({condition}){'; earlier r' + origin[1:] if origin else ''}.")
+    out.mkdir(parents=True, exist_ok=True)
+    mup(records, out, stamp, kept_rows=kept)  # `kept` was read before anything is written: --out may be its folder
+    print(f"{len(records)} runs + {len(kept)} kept rows -> {out}")
+
+
+if __name__ == "__main__":
+    main()
