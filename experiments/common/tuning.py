@@ -314,7 +314,7 @@ def selection_notes(selection: dict) -> list:
     """The lines selection.md carries under its table: the fixed fresh seeds, the edges (and the reason
     they were accepted), the unordered axes, the DoPr knobs each DoPr arm held fixed, the at-GP copies."""
     fresh = selection.get("fresh_seeds")
-    lines = ["", f"Fresh seeds fixed before any fresh run: {fresh}" + (f" (from {selection['fresh_seeds_from']})"
+    lines = ["", f"Fresh seeds fixed for the protocol: {fresh}" + (f" (from {selection['fresh_seeds_from']})"
                                                                       if selection.get("fresh_seeds_from") else "")
              if fresh else "Fresh seeds: not fixed by this selection"]
     acc = selection.get("accept_edge")
