@@ -251,7 +251,7 @@ def test_every_tuned_preset_composes(tuned, compose):
     extra = ["task.num_trajectories=30"] if group in ("humanoid", "halfcheetah") else []
     cfg = compose(f"task={TUNED_TASK[group]}", f"+tuned/{group}={name}", *extra)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["optim"]["name"] == name.removesuffix("_at_gp_lr")  # the protocol's DoPr at the GP's rate
+    assert resolved["optim"]["name"] == name.removesuffix("_at_gp_setting")  # the protocol's DoPr at the GP's setting
     if name.startswith("dopr_"):  # every DoPr preset names its damping form, or builds on one that does
         text = (CONF / "tuned" / f"{tuned}.yaml").read_text()
         base = next((l.split("/")[2].split("@")[0] + "/" + l.split(":")[-1].strip() for l in text.splitlines()

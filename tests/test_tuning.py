@@ -27,7 +27,7 @@ def test_select_takes_the_best_mean_over_tuning_seeds_and_a_nan_is_the_worst():
                            ("1e-3", "0.1"): [float("nan"), 0.1], ("1e-2", "0.1"): [2.2, 2.2]}, "optim.weight_decay")
     recs += _grid("dopr_adamw", {("1e-3", "1e-4"): [5.0, 5.0], ("1e-2", "1e-4"): [0.5, 0.7],
                                  ("1e-3", "1e-3"): [1.0, 1.0], ("1e-2", "1e-3"): [0.9, 0.2]}, "ap.damping")
-    sel = tuning.select(recs, "val", "min")
+    sel = tuning.select(recs, "val", "min", accept_edge="two values per axis in this test")
     gp, dopr = sel["arms"]["adamw"], sel["arms"]["dopr_adamw"]
     # (3 + 1)/2 = 2.0 beats 2.2 and 2.45; the NaN seed makes (1e-3, 0.1) the worst despite its 0.1
     assert gp["winner"] == {"optim.lr": "1e-3", "optim.weight_decay": "0.0"} and gp["value"] == 2.0
@@ -35,11 +35,13 @@ def test_select_takes_the_best_mean_over_tuning_seeds_and_a_nan_is_the_worst():
     assert dopr["winner"] == {"optim.lr": "1e-2", "ap.damping": "1e-3"} and math.isclose(dopr["value"], 0.55)
     assert gp["grid"] == {"optim.lr": ["1e-3", "1e-2"], "optim.weight_decay": ["0.0", "0.1"]}
     assert sel["seeds"] == [0, 1] and sel["pairs"] == [("adamw", "dopr_adamw")]
-    assert gp["at_grid_edge"] == []  # two values per knob: every value is an edge, nothing to flag
+    assert [e["axis"] for e in gp["at_grid_edge"]] == ["optim.lr", "optim.weight_decay"]  # two values: both edges
     assert gp["base"] == {"+tuned/t": "adamw"}  # launcher and seed are not settings
     chosen = tuning.chosen_settings(sel)
-    assert chosen["dopr_adamw_at_gp_lr"] == {"+tuned/t": "dopr_adamw", "ap.damping": "1e-3", "optim.lr": "1e-3"}
-    assert tuning.select(recs, "val", "max")["arms"]["adamw"]["winner"]["optim.lr"] == "1e-2"  # 2.45 the largest
+    # DoPr at the GP's whole setting: its rate and its weight decay, DoPr's own damping
+    assert chosen["dopr_adamw_at_gp_setting"] == {"+tuned/t": "dopr_adamw", "ap.damping": "1e-3", "optim.lr": "1e-3",
+                                                  "optim.weight_decay": "0.0"}
+    assert tuning.select(recs, "val", "max", accept_edge="test")["arms"]["adamw"]["winner"]["optim.lr"] == "1e-2"
 
 
 def test_select_refuses_unequal_budgets_and_unfinished_settings():
@@ -47,13 +49,14 @@ def test_select_refuses_unequal_budgets_and_unfinished_settings():
     dopr = _grid("dopr_sgd", {("1e-3", "1e-4"): [1.0], ("1e-2", "1e-4"): [2.0]}, "ap.damping")
     with pytest.raises(ValueError, match="unequal tuning budgets: sgd had 3 settings, dopr_sgd 2"):
         tuning.select(gp + dopr, "val")
-    assert len(tuning.select(gp + dopr, "val", allow_unequal=True)["arms"]["sgd"]["trials"]) == 3
+    assert len(tuning.select(gp + dopr, "val", allow_unequal=True, accept_edge="test")["arms"]["sgd"]["trials"]) == 3
     two_seeds = _grid("sgd", {("1e-3", "0"): [1.0, 1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
     with pytest.raises(ValueError, match=r"ran seeds \[0\], the others \[0, 1\]"):
         tuning.select(two_seeds + _grid("dopr_sgd", {("1e-3", "1e-4"): [1.0, 1.0], ("1e-2", "1e-4"): [1, 1]},
                                         "ap.damping"), "val")
-    edge = tuning.select(gp + dopr, "val", allow_unequal=True)["arms"]["sgd"]
-    assert edge["winner"] == {"optim.lr": "1e-3"} and edge["at_grid_edge"] == ["optim.lr"]  # smallest of 3 rates
+    edge = tuning.select(gp + dopr, "val", allow_unequal=True, accept_edge="test")["arms"]["sgd"]
+    assert edge["winner"] == {"optim.lr": "1e-3"} and edge["at_grid_edge"] == [  # smallest of 3 rates
+        {"axis": "optim.lr", "value": "1e-3", "side": "smallest", "grid": ["1e-3", "1e-2", "1e-1"]}]
     with pytest.raises(ValueError, match="no GP with its DoPr variant"):
         tuning.select(gp, "val")
 
@@ -82,9 +85,10 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
     _run("run.py", "-m", "task=feature_learning", "debug=default", "+tuned/feature_learning=sgd,dopr_sgd",
          "optim.lr=1e-3,1e-2", "ap.damping_mode=trace", "seed=0", f"hydra.sweep.dir={tune}")
     sel_run = _run("-m", "experiments.common.tuning", "select", str(tune), "--out", str(out),
-                   "--configs", str(conf / "tuned" / "fl"))
+                   "--configs", str(conf / "tuned" / "fl"), "--seeds", "1,2", "--accept-edge", "two rates in a test")
     sel = json.loads((out / "selection.json").read_text())
     assert sel["metric"] == "val_loss" and sel["seeds"] == [0]  # the task's tuning.metric
+    assert sel["fresh_seeds"] == [1, 2] and sel["accept_edge"]["reason"] == "two rates in a test"
     summaries = {(json.loads(p.read_text())["optim"], json.loads(p.read_text())["lr"]): json.loads(p.read_text())
                  for p in tune.rglob("summary.json")}
     for arm in ("sgd", "dopr_sgd"):
@@ -93,7 +97,7 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
     gp_lr, dopr_lr = (float(sel["arms"][a]["winner"]["optim.lr"]) for a in ("sgd", "dopr_sgd"))
     # DoPr at the GP's rate is a config of its own only where that rate is not DoPr's winner already
     assert {p.name for p in (conf / "tuned" / "fl").iterdir()} == {"sgd.yaml", "dopr_sgd.yaml"} | (
-        {"dopr_sgd_at_gp_lr.yaml"} if gp_lr != dopr_lr else set())
+        {"dopr_sgd_at_gp_setting.yaml"} if gp_lr != dopr_lr else set())
     assert "| chosen |" in (out / "selection.md").read_text()
 
     _run("run.py", "-m", "task=feature_learning", "debug=default", f"hydra.searchpath=[file://{conf}]",
@@ -110,7 +114,8 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
          "--out", str(out))
     md = (out / "protocol.md").read_text()
     rows = {l.split(" | ")[0].strip("| "): l for l in md.splitlines() if l.startswith("| ") and "arm" not in l}
-    assert set(rows) == {"sgd", "dopr_sgd", "dopr_sgd_at_gp_lr"} and all("| 1 2 |" in r for r in rows.values())
+    assert set(rows) == {"sgd", "dopr_sgd", "dopr_sgd_at_gp_setting"} and all("| 1 2 |" in r for r in rows.values())
+    assert "Verdict, dopr_sgd vs sgd by val_loss (lower is better), seeds 1 2:" in md
     vals = sorted(s["val_loss"] for s in rerun if s["optim"] == "sgd")
     assert f"| {vals[0]:.4g} | {(vals[0] + vals[1]) / 2:.4g} | {vals[1]:.4g} |" in rows["sgd"]
 
@@ -128,12 +133,14 @@ def test_report_counts_each_fresh_seed_once_when_dopr_chose_the_gps_rate():
                 "config": cfg}
 
     sel = tuning.select(_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
-                        + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"), "val")
-    assert tuning.chosen_settings(sel)["dopr_sgd_at_gp_lr"]["optim.lr"] == "1e-3"  # the same rate as its winner
+                        + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"), "val",
+                        accept_edge="test")
+    assert tuning.chosen_settings(sel)["dopr_sgd_at_gp_setting"]["optim.lr"] == "1e-3"  # the same rate as its winner
     recs = [fresh("sgd", "sgd", s, 1e-3, v) for s, v in ((5, 1.0), (6, 3.0))]
-    recs += [fresh(n, "dopr_sgd", s, 1e-3, v) for n in ("dopr_sgd", "dopr_sgd_at_gp_lr") for s, v in ((5, 0.5), (6, 0.7))]
+    recs += [fresh(n, "dopr_sgd", s, 1e-3, v) for n in ("dopr_sgd", "dopr_sgd_at_gp_setting")
+             for s, v in ((5, 0.5), (6, 0.7))]
     rows = {r["arm"]: r for r in tuning.report(recs, sel, ["val"])}
-    assert rows["dopr_sgd"]["seeds"] == rows["dopr_sgd_at_gp_lr"]["seeds"] == "5 6"
+    assert rows["dopr_sgd"]["seeds"] == rows["dopr_sgd_at_gp_setting"]["seeds"] == "5 6"
     assert rows["sgd"]["val_median"] == 2.0 and math.isclose(rows["dopr_sgd"]["val_mean"], 0.6)
     assert math.isclose(rows["sgd"]["val_se"], math.sqrt(2.0) / math.sqrt(2))  # std (ddof 1) of {1, 3} / sqrt 2
     with pytest.raises(ValueError, match=r"seeds \[0\] were tuning seeds"):
@@ -153,11 +160,186 @@ def test_report_counts_a_diverged_fresh_seed_as_the_worst_and_says_how_many():
     grid = (_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
             + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"))
     recs = [fresh(5, 1.0), fresh(6, 3.0), fresh(7, None, diverged_at=12)]
-    row = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "min"), ["val"])}["sgd"]
+    row = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "min", accept_edge="test"), ["val"])}["sgd"]
     assert row["diverged"] == 1 and row["val_median"] == 3.0 and row["val_min"] == 1.0
     assert row["val_max"] == math.inf
     assert math.isnan(row["val_se"])   # no standard error with an infinite value
     grid = (_grid("sgd", {("1e-3", "0"): [2.0], ("1e-2", "0"): [1.0]}, "optim.weight_decay")
             + _grid("dopr_sgd", {("1e-3", "0"): [2.0], ("1e-2", "0"): [1.0]}, "optim.weight_decay"))
-    high = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "max"), ["val"])}["sgd"]
+    high = {r["arm"]: r for r in tuning.report(recs, tuning.select(grid, "val", "max", accept_edge="test"), ["val"])}["sgd"]
     assert high["val_min"] == -math.inf and high["val_median"] == 1.0 and high["val_max"] == 3.0
+
+
+# ------------------------------------------------------------------ the protocol's gaps (issue 7)
+def _job(arm, seed, value, lr, knob=None, **cfg):
+    """A tuning job with its resolved config: optim {lr, weight_decay, betas} and ap {damping, EMAs}."""
+    from omegaconf import OmegaConf
+
+    over = {"optim.lr": lr, **({knob[0]: knob[1]} if knob else {})}
+    rec = _rec(arm, seed, value, **over)
+    optim_cfg = {"name": arm, "lr": float(lr), "weight_decay": 0.01, "betas": [0.9, 0.999], **cfg.get("optim", {})}
+    ap = {"damping": 1e-4, "damping_mode": "trace", "grad_ema": 0.0, "precond_ema": 0.0, **cfg.get("ap", {})}
+    if knob:
+        section, key = knob[0].split(".")
+        ({"optim": optim_cfg, "ap": ap})[section][key] = _value(knob[1])
+    rec["config"] = OmegaConf.create({"seed": seed, "sweep_name": f"tune_{arm}", "optim": optim_cfg, "ap": ap,
+                                      "task": {"name": "toy", "schedule": cfg.get("schedule", "constant")}})
+    return rec
+
+
+def _value(text):
+    return tuning._value(text)
+
+
+def _sft_like():
+    """The SFT analogue's shape: AdamW over lr x weight decay {0.01, 0.1}, its tuned file's betas (0.9, 0.98);
+    DoPr-AdamW over lr x damping {1e-4, 1e-3} at its own default weight decay 0.01 and betas (0.9, 0.999)."""
+    gp = [_job("adamw", 0, v, lr, ("optim.weight_decay", wd), optim={"betas": [0.9, 0.98]}, schedule="cosine")
+          for (lr, wd), v in {("1e-3", "0.01"): 3.0, ("3e-3", "0.01"): 2.0, ("1e-2", "0.01"): 4.0,
+                              ("1e-3", "0.1"): 2.5, ("3e-3", "0.1"): 1.0, ("1e-2", "0.1"): 5.0}.items()]
+    dopr = [_job("dopr_adamw", 0, v, lr, ("ap.damping", d))
+            for (lr, d), v in {("1e-3", "1e-4"): 3.0, ("3e-3", "1e-4"): 2.0, ("1e-2", "1e-4"): 1.5,
+                               ("1e-3", "1e-3"): 3.5, ("3e-3", "1e-3"): 2.5, ("1e-2", "1e-3"): 4.5}.items()]
+    return gp + dopr
+
+
+def test_a_winner_at_the_edge_of_any_numeric_axis_is_refused_naming_arm_axis_value_and_grid():
+    # AdamW chose weight decay 0.1, the largest of two; DoPr chose damping 1e-4, the smallest of two. The
+    # middle rate 3e-3 is no edge; DoPr's 1e-2 is the largest rate.
+    with pytest.raises(ValueError) as refused:
+        tuning.select(_sft_like(), "val", fresh_seeds=[3, 4, 5])
+    msg = str(refused.value)
+    assert "adamw optim.weight_decay=0.1 (the largest of {0.01, 0.1})" in msg
+    assert "dopr_adamw ap.damping=1e-4 (the smallest of {1e-4, 1e-3})" in msg
+    assert "dopr_adamw optim.lr=1e-2 (the largest of {1e-3, 3e-3, 1e-2})" in msg
+    assert ": adamw optim.lr" not in msg and "; adamw optim.lr" not in msg and "--accept-edge" in msg
+    with pytest.raises(ValueError, match="--accept-edge needs the reason"):
+        tuning.select(_sft_like(), "val", accept_edge="  ")
+
+
+def test_an_unordered_axis_has_no_edge_and_is_listed_as_such():
+    edges, unordered = tuning.grid_edges({"ap.solver": ["cholesky", "eigh"], "optim.lr": ["1e-3", "1e-2", "1e-1"],
+                                          "ap.homogeneous": ["false", "true"]},
+                                         {"ap.solver": "eigh", "optim.lr": "1e-2", "ap.homogeneous": "true"})
+    assert edges == [] and unordered == ["ap.solver", "ap.homogeneous"]
+
+
+def test_accept_edge_writes_the_presets_and_records_the_reason_and_the_edges(tmp_path):
+    sel = tuning.select(_sft_like(), "val", accept_edge="grid fixed by the paper's two values", fresh_seeds=[3, 4, 5])
+    assert sel["accept_edge"]["reason"] == "grid fixed by the paper's two values"
+    assert {(e["arm"], e["axis"], e["value"]) for e in sel["accept_edge"]["edges"]} == {
+        ("adamw", "optim.weight_decay", "0.1"), ("dopr_adamw", "ap.damping", "1e-4"), ("dopr_adamw", "optim.lr", "1e-2")}
+    conf = tmp_path / "conf" / "tuned" / "toy_protocol"
+    tuning.write_selection(sel, tmp_path / "out", "stamp", conf, "cmd")
+    saved = json.loads((tmp_path / "out" / "selection.json").read_text())
+    assert saved["accept_edge"] == json.loads(json.dumps(sel["accept_edge"]))
+    md = (tmp_path / "out" / "selection.md").read_text()
+    assert ("accepted with --accept-edge: adamw optim.weight_decay=0.1 (the largest of {0.01, 0.1}); "
+            "dopr_adamw ap.damping=1e-4 (the smallest of {1e-4, 1e-3})") in md
+    assert "Reason: grid fixed by the paper's two values" in md
+    assert "| yes (at the grid's edge: optim.weight_decay largest) |" in md
+    assert "(--accept-edge): grid fixed by the paper's two values" in (conf / "adamw.yaml").read_text()
+
+
+def test_dopr_at_the_gps_setting_copies_the_gps_whole_winning_setting_and_keeps_dopr_knobs(tmp_path):
+    import yaml
+
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    at, copied = tuning.gp_setting_for_dopr(sel, "adamw", "dopr_adamw")
+    # the rate and weight decay it swept, the betas its tuned file set, the task's schedule; DoPr's damping
+    assert copied == {"optim.lr": "3e-3", "optim.weight_decay": "0.1", "optim.betas": "[0.9, 0.98]",
+                      "task.schedule": "cosine"}
+    assert at["ap.damping"] == "1e-4" and at["+tuned/t"] == "dopr_adamw"
+    conf = tmp_path / "tuned" / "toy_protocol"
+    (conf).mkdir(parents=True)
+    (conf / "dopr_adamw_at_gp_lr.yaml").write_text("# chosen by the tuning protocol\n")  # an old selection's file
+    tuning.write_selection(sel, tmp_path / "out", "stamp", conf, "cmd")
+    assert sorted(p.name for p in conf.iterdir()) == ["adamw.yaml", "dopr_adamw.yaml", "dopr_adamw_at_gp_setting.yaml"]
+    body = yaml.safe_load((conf / "dopr_adamw_at_gp_setting.yaml").read_text())
+    assert body == {"defaults": [{"/tuned/t@_global_": "dopr_adamw"}], "ap": {"damping": 0.0001},
+                    "optim": {"lr": 0.003, "weight_decay": 0.1, "betas": [0.9, 0.98]}, "task": {"schedule": "cosine"}}
+    assert "dopr_adamw_at_gp_setting: DoPr at adamw's whole winning setting, copying optim.lr=3e-3, " \
+           "optim.weight_decay=0.1" in (tmp_path / "out" / "selection.md").read_text()
+
+
+def test_the_old_at_gp_lr_preset_name_is_refused_with_the_new_one():
+    from experiments.common.checks import ConfigError, refuse_renamed_at_gp_preset
+
+    with pytest.raises(ConfigError, match=r"tuned/sft_arith_protocol=dopr_adamw_at_gp_lr is gone: it ran DoPr at the "
+                                          r"GP's learning rate.*dopr_adamw_at_gp_setting runs DoPr at the GP's whole"):
+        refuse_renamed_at_gp_preset(["-m", "+tuned/sft_arith_protocol=adamw,dopr_adamw_at_gp_lr", "seed=3"])
+    refuse_renamed_at_gp_preset(["-m", "+tuned/sft_arith_protocol=dopr_adamw_at_gp_setting"])  # the new name runs
+
+
+def test_select_fixes_the_fresh_seeds_from_the_protocol_sweep_or_seeds(tmp_path):
+    (tmp_path / "conf" / "sweep").mkdir(parents=True)
+    (tmp_path / "conf" / "sweep" / "toy_protocol.yaml").write_text(
+        "hydra:\n  sweeper:\n    params:\n      +tuned/toy_protocol: glob(*)\n      seed: range(1,11)\n")
+    seeds, source = tuning.fresh_seeds_of(tmp_path / "conf" / "tuned" / "toy_protocol")
+    assert seeds == list(range(1, 11)) and source.endswith("toy_protocol.yaml")
+    assert tuning.fresh_seeds_of(tmp_path / "conf" / "tuned" / "other") == (None, None)
+    assert tuning.seed_list("3,4,5") == [3, 4, 5] and tuning.seed_list("7") == [7]
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[5, 3, 4])
+    assert sel["fresh_seeds"] == [3, 4, 5]
+    with pytest.raises(ValueError, match=r"fresh seeds \[0\] are tuning seeds \[0\]"):
+        tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[0, 1])
+
+
+def _fresh(name, optim, seed, value, **optim_cfg):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"optim": {"name": optim, "lr": 3e-3, "weight_decay": 0.1, "betas": [0.9, 0.98],
+                                      **optim_cfg}, "ap": {"damping": 1e-4}, "task": {"schedule": "cosine"}})
+    return {"summary": {"optim": optim, "seed": seed, "val": value, "overrides": [f"+tuned/p={name}"]}, "config": cfg}
+
+
+def test_report_keeps_to_the_fixed_seeds_and_tables_the_extra_ones_apart():
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    recs = [_fresh("adamw", "adamw", s, v) for s, v in ((3, 1.0), (4, 1.2), (5, 1.1), (6, 9.0), (7, 9.0))]
+    recs += [_fresh("dopr_adamw", "dopr_adamw", s, v, lr=1e-2, weight_decay=0.01, betas=[0.9, 0.999])
+             for s, v in ((3, 2.0), (4, 2.1), (5, 2.2), (6, 0.1), (7, 0.1))]
+    recs += [_fresh("dopr_adamw_at_gp_setting", "dopr_adamw", s, 3.0) for s in (3, 4, 5)]
+    fixed, every, extra = tuning.protocol_tables(recs, sel, ["val"])
+    assert extra == [6, 7]
+    fixed, every = ({r["arm"]: r for r in rows} for rows in (fixed, every))
+    assert fixed["adamw"]["seeds"] == "3 4 5" and fixed["adamw"]["val_median"] == 1.1
+    assert every["adamw"]["seeds"] == "3 4 5 6 7" and every["adamw"]["val_median"] == 1.2
+    assert fixed["dopr_adamw_at_gp_setting"]["seeds"] == "3 4 5"  # the runs at weight decay 0.1, betas (0.9, 0.98)
+    verdict = tuning.verdicts(list(fixed.values()), sel)
+    assert verdict == ["Verdict, dopr_adamw vs adamw by val (lower is better), seeds 3 4 5: DoPr worse, no seed "
+                       "overlap: median 2.1 vs 1.1; DoPr at adamw's setting 3. DoPr's damping mode trace, statistics EMA "
+                       "0.0 (none) and gradient EMA 0.0 (none) held fixed, not tuned (damping tuned)."]
+    assert tuning.protocol_tables(recs[:3] + recs[5:8] + recs[10:], sel, ["val"])[1] is None  # no extra seed
+
+
+def test_a_missing_fixed_seed_flags_the_row_and_withholds_the_verdict():
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    recs = [_fresh("adamw", "adamw", s, 1.0) for s in (3, 4, 5)]
+    recs += [_fresh("dopr_adamw", "dopr_adamw", s, 2.0, lr=1e-2, weight_decay=0.01, betas=[0.9, 0.999]) for s in (3, 5)]
+    rows, every, _ = tuning.protocol_tables(recs, sel, ["val"])
+    rows = {r["arm"]: r for r in rows}
+    assert rows["dopr_adamw"]["missing"] == "4" and rows["dopr_adamw_at_gp_setting"]["missing"] == "3 4 5"
+    assert "missing" not in rows["adamw"] and every is None
+    assert tuning.verdicts(list(rows.values()), sel)[0].startswith(
+        "Verdict, dopr_adamw vs adamw by val (lower is better): no verdict, the table is partial (dopr_adamw lacks "
+        "seeds 4; dopr_adamw_at_gp_setting lacks seeds 3 4 5)")
+    old = {k: v for k, v in sel.items() if k != "fresh_seeds"}
+    with pytest.raises(ValueError, match="the selection fixes no fresh seeds"):
+        tuning.protocol_tables(recs, old, ["val"])
+
+
+def test_the_dopr_knobs_the_grid_held_fixed_are_recorded_and_named_in_the_verdict():
+    gp = [_job("adamw", 0, v, lr) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    dopr = [_job("dopr_adamw", 0, v, lr, ap={"damping": 1e-3}) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    sel = tuning.select(gp + dopr, "val", fresh_seeds=[3, 4, 5])  # middle rates: no edge, nothing to accept
+    assert sel["accept_edge"] is None
+    arm = sel["arms"]["dopr_adamw"]
+    assert arm["dopr_knobs_fixed"] == {"ap.damping": 1e-3, "ap.damping_mode": "trace", "ap.precond_ema": 0.0,
+                                       "ap.grad_ema": 0.0} and arm["dopr_knobs_tuned"] == []
+    assert tuning.describe_knobs(arm) == ("DoPr's damping 0.001 (trace), statistics EMA 0.0 (none) and gradient EMA "
+                                          "0.0 (none) held fixed, not tuned")
+    recs = [_fresh(a, a, s, v, lr=3e-3, weight_decay=0.01, betas=[0.9, 0.999]) for a, v in (("adamw", 1.0),
+                                                                                      ("dopr_adamw", 1.5)) for s in (3, 4, 5)]
+    line = tuning.verdicts(tuning.protocol_tables(recs, sel, ["val"])[0], sel)[0]
+    assert line.endswith("DoPr's damping 0.001 (trace), statistics EMA 0.0 (none) and gradient EMA 0.0 (none) held "
+                         "fixed, not tuned.")

@@ -191,6 +191,19 @@ def refuse_empty_protocol_sweep(argv: list, conf: Path) -> None:
                 f"(the commands are at the top of {preset.relative_to(conf.parent)})")
 
 
+def refuse_renamed_at_gp_preset(argv: list) -> None:
+    """`<dopr>_at_gp_lr` copied only the GP's learning rate; the tuning protocol now writes
+    `<dopr>_at_gp_setting`, DoPr at the GP's whole winning setting: name the old one and the new."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        old = [v for v in value.split(",") if v.strip().endswith("_at_gp_lr")]
+        if key.lstrip("+~").startswith("tuned/") and old:
+            new = old[0].strip().removesuffix("_at_gp_lr") + "_at_gp_setting"
+            raise ConfigError(f"{key.lstrip('+~')}={old[0].strip()} is gone: it ran DoPr at the GP's learning rate with "
+                              f"DoPr's own weight decay and other settings. {new} runs DoPr at the GP's whole winning "
+                              "setting (experiments/common/tuning.py writes it); use that")
+
+
 #: launchers whose jobs run as other processes (submitit): a job's own checks come too late there
 SUBMITIT_LAUNCHERS = ("local_parallel", "slurm", "slurm_multigpu")
 

@@ -5,15 +5,25 @@ get the same budget and no reported seed took part in the choice.
    grid may span learning rate x weight decay where DoPr's spans learning rate x damping or EMA).
 2. Select (`select`): per arm, the setting with the best mean of the task's validation metric
    (`task.tuning.metric`, `task.tuning.mode`) over the tuning seeds; a non-finite value is the worst.
-   Refused when a GP and its DoPr variant had unequal trial counts, or a setting is missing a seed.
-   Writes selection.json / selection.md (seeds, grid, every trial, each arm's winner) and one tuned
-   config per arm, plus `dopr_<gp>_at_gp_lr`: DoPr's winner at the GP's chosen learning rate, the
-   paper's operating guideline ("swap the optimizer to DoPr, maintaining the same learning rate").
-3. Re-run the winners on fresh seeds (at least 3; 5 where a job is under 5 minutes):
+   Refused when a GP and its DoPr variant had unequal trial counts, a setting is missing a seed, or
+   a winner sits at the edge of a numeric axis (the smallest or largest value swept; with two values
+   every winner does) unless `--accept-edge "<reason>"` records why. An axis of unordered values
+   (a solver, a damping mode) has no edge: no value lies beyond it to widen towards. The fresh-seed
+   list is fixed here, before any fresh run (`--seeds`, else the protocol sweep's `seed`).
+   Writes selection.json / selection.md (seeds, grid, every trial, each arm's winner, the edges and
+   the DoPr knobs the grid held fixed) and one tuned config per arm, plus `dopr_<gp>_at_gp_setting`:
+   DoPr at the GP's whole winning setting (every key where the GP's winner differs from DoPr's:
+   rate, weight decay, betas, momentum, schedule ...) with DoPr's own knobs (`ap.*`) at DoPr's
+   winner, the paper's guideline ("swap the optimizer to DoPr, maintaining the same learning rate").
+   Its old name `_at_gp_lr` (the rate alone) is refused by run.py.
+3. Re-run the winners on the fixed fresh seeds (at least 3; 5 where a job is under 5 minutes):
    `python run.py -m "+tuned/<group>=glob(*)" seed=<fresh seeds>` (the task's protocol sweep; the
-   at-GP-rate config is not written when DoPr's winner already runs at the GP's rate).
+   at-GP config is not written when DoPr's winner already runs at the GP's setting).
 4. Report (`report`): per arm, per-seed min / median / max and mean +- standard error of the task's
-   metrics on the fresh seeds only; refused if a fresh seed was also a tuning seed.
+   metrics on the fixed fresh seeds, and a verdict line per pair naming the DoPr knobs held fixed;
+   refused if a fresh seed was also a tuning seed. Seeds beyond the fixed list give a second table
+   (protocol_all_seeds.*) titled so; a fixed seed that has not run leaves its row flagged
+   (`missing`) and its pair without a verdict.
 
     python -m experiments.common.tuning select multirun/<tune gp> multirun/<tune dopr> \
         --configs conf/tuned/<group> --out results/<task>/protocol
@@ -83,10 +93,62 @@ def _score(value, mode: str) -> float:
     return v if mode == "min" else -v
 
 
-def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = False) -> dict:
-    """Each arm's best setting on the tuning seeds (see the module doc)."""
+#: DoPr's own knobs (conf/ap/) a tune grid may sweep or hold fixed, as the verdict names them
+DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.precond_ema": "statistics EMA",
+              "ap.grad_ema": "gradient EMA"}
+#: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
+AT_GP = "_at_gp_setting"
+# resolved-config keys that differ between two arms without being part of what they trained
+_NOT_COPIED = ("sweep_name", "optim.name", "ap.")
+
+
+def grid_edges(grid: dict, winner: dict) -> tuple:
+    """([{axis, value, side, grid}], [unordered axes]): the axes on which the winner is the smallest or
+    largest value swept. Only numeric axes have edges (with two values, every winner is at one); an
+    axis of unordered values (a solver, a damping mode) has nothing beyond its values to widen to."""
+    edges, unordered = [], []
+    for axis, values in grid.items():
+        parsed = [_value(v) for v in values]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in parsed):
+            unordered.append(axis)
+            continue
+        side = {values[0]: "smallest", values[-1]: "largest"}.get(winner.get(axis))
+        if side:
+            edges.append({"axis": axis, "value": winner[axis], "side": side, "grid": list(values)})
+    return edges, unordered
+
+
+def describe_edges(edges: list) -> str:
+    return "; ".join(f"{e['arm']} {e['axis'].lstrip('+')}={e['value']} (the {e['side']} of "
+                     f"{{{', '.join(e['grid'])}}})" for e in edges)
+
+
+def resolved_setting(cfg) -> dict:
+    """A job's resolved config as {dotted key: value}, without what only says where or how it ran."""
+    if cfg is None:
+        return None
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            else:
+                flat[key] = v
+    tree = OmegaConf.to_container(cfg, resolve=False) if not isinstance(cfg, dict) else cfg
+    walk({k: v for k, v in tree.items() if _is_setting(k)}, "")
+    return flat
+
+
+def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = False,
+           accept_edge: str = None, fresh_seeds: list = None) -> dict:
+    """Each arm's best setting on the tuning seeds (see the module doc). Refused when a winner sits at
+    the edge of a numeric axis unless accept_edge gives the reason, which the selection records."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if accept_edge is not None and not accept_edge.strip():
+        raise ValueError("--accept-edge needs the reason the edge is accepted, recorded in selection.json/.md")
     arms = {}
     for arm, jobs in sorted(_arm_jobs(records).items()):
         keys = sorted({k for over, _, _ in jobs for k in over})
@@ -107,10 +169,13 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
         rows.sort(key=lambda t: _score(t["value"], mode))
         order = lambda v: (float(_value(v)) if isinstance(_value(v), (int, float)) else math.inf, str(v))
         grid = {k: sorted({over[k] for over, _, _ in jobs if k in over}, key=order) for k in varying}
-        edge = [k for k, values in grid.items() if len(values) > 2 and isinstance(_value(values[0]), (int, float))
-                and rows[0]["setting"][k] in (values[0], values[-1])]
-        arms[arm] = {"base": base, "grid": grid, "seeds": seeds, "trials": rows, "winner": rows[0]["setting"],
-                     "value": rows[0]["value"], "at_grid_edge": edge}
+        winner = rows[0]["setting"]
+        edges, unordered = grid_edges(grid, winner)
+        cfg = next((r["config"] for r in records if r["summary"]["optim"] == arm and r.get("config") is not None
+                    and {k: v for k, v in _arm_jobs([r])[arm][0][0].items() if k in varying} == winner), None)
+        arms[arm] = {"base": base, "grid": grid, "seeds": seeds, "trials": rows, "winner": winner,
+                     "value": rows[0]["value"], "at_grid_edge": edges, "unordered_axes": unordered,
+                     "resolved": resolved_setting(cfg)}
     pairs = [(arm.removeprefix("dopr_"), arm) for arm in arms if arm.startswith("dopr_") and arm[5:] in arms]
     if not pairs:
         raise ValueError(f"no GP with its DoPr variant among the arms {sorted(arms)}: nothing to compare")
@@ -119,25 +184,106 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
         if n_gp != n_dopr and not allow_unequal:
             raise ValueError(f"unequal tuning budgets: {gp} had {n_gp} settings, {dopr} {n_dopr}; the protocol gives "
                              "both arms the same number (or pass --allow-unequal and say so in the results)")
+    for arm, a in arms.items():
+        if arm.startswith("dopr_"):
+            a["dopr_knobs_fixed"], a["dopr_knobs_tuned"] = dopr_knobs(a)
     seeds = sorted({s for a in arms.values() for s in a["seeds"]})
-    return {"metric": metric, "mode": mode, "seeds": seeds, "arms": arms, "pairs": pairs}
+    edges = [{"arm": arm, **e} for arm, a in arms.items() for e in a["at_grid_edge"]]
+    if edges and accept_edge is None:
+        raise ValueError(f"winners at the edge of their grid: {describe_edges(edges)}. Widen those axes (both arms "
+                         "of a pair alike) and re-run the tuning sweeps, or pass --accept-edge \"<reason>\" (recorded "
+                         "in selection.json and selection.md)")
+    if fresh_seeds is not None:
+        fresh_seeds = sorted(int(s) for s in fresh_seeds)
+        if set(fresh_seeds) & set(seeds):
+            raise ValueError(f"fresh seeds {sorted(set(fresh_seeds) & set(seeds))} are tuning seeds {seeds}: the "
+                             "protocol re-runs the winners on seeds the selection never saw")
+    return {"metric": metric, "mode": mode, "seeds": seeds, "fresh_seeds": fresh_seeds, "arms": arms, "pairs": pairs,
+            "accept_edge": {"reason": accept_edge, "edges": edges} if edges else None}
+
+
+def dopr_knobs(arm: dict) -> tuple:
+    """({knob: value} DoPr's own knobs the arm's tune grid held fixed, [the knobs it swept]). The values
+    come from the winner's resolved config, else its command line; None where neither says."""
+    swept = {k.lstrip("+~") for k in arm["grid"]}
+    given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
+    resolved = arm.get("resolved") or {}
+    fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
+    return fixed, [k for k in DOPR_KNOBS if k in swept]
+
+
+def describe_knobs(arm: dict) -> str:
+    """'DoPr's damping 0.001 (trace), statistics EMA 0 (none) and gradient EMA 0 (none) held fixed'."""
+    if "dopr_knobs_fixed" not in arm:
+        return "DoPr's own knobs: not recorded (selection made before they were)"
+    fixed = dict(arm["dopr_knobs_fixed"])
+    say = lambda k, v: "(value not recorded)" if v is None else (f"{v} (none)" if "ema" in k and v == 0 else f"{v}")
+    parts = []
+    if "ap.damping" in fixed:
+        mode = fixed.pop("ap.damping_mode", None)
+        parts.append(f"damping {say('ap.damping', fixed.pop('ap.damping'))}" + (f" ({mode})" if mode else ""))
+    parts += [f"{DOPR_KNOBS[k]} {say(k, v)}" for k, v in fixed.items()]
+    tuned = [DOPR_KNOBS[k] for k in arm.get("dopr_knobs_tuned", [])]
+    text = ("DoPr's " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+            + " held fixed, not tuned") if parts else "none of DoPr's own knobs held fixed"
+    return text + (f" ({', '.join(tuned)} tuned)" if tuned else "")
 
 
 def _lr_key(settings: dict):
     return next((k for k in settings if k.lstrip("+") == "optim.lr"), None)
 
 
+def _text(value) -> str:
+    """A resolved config value as an override's text (what _value reads back)."""
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
+def gp_setting_for_dopr(selection: dict, gp: str, dopr: str) -> tuple:
+    """(overrides, copied): DoPr's variant at the GP's whole winning setting. It starts from DoPr's
+    winner (its arm choice and its own knobs, `ap.*`), then takes every key of the GP's winner: the
+    keys the GP swept or set on its command line, and, where both tuning jobs left a resolved config,
+    every key whose resolved value differs between the two winners (weight decay, betas, momentum,
+    schedule ... a tuned file set). `copied` lists the GP keys that changed DoPr's setting."""
+    g, d = selection["arms"][gp], selection["arms"][dopr]
+    out = {**d["base"], **d["winner"]}
+    bare = {k.lstrip("+~"): k for k in out}
+    copied = {}
+
+    def put(key, value):
+        k = key.lstrip("+~")
+        if k.startswith("ap.") or k == "ap":
+            return  # DoPr's own knobs stay at DoPr's winner
+        old = bare.get(k)
+        if old is not None and _same(_value(str(out[old])), _value(str(value))):
+            return
+        if old is not None:
+            del out[old]
+        out[old or key] = value
+        bare[k] = old or key
+        copied[k] = value
+    for key, value in {**g["base"], **g["winner"]}.items():
+        if value != gp:  # not the GP's own arm choice (+tuned/<group>=<gp>, optim=<gp>)
+            put(key, value)
+    if g.get("resolved") is not None and d.get("resolved") is not None:
+        for key, value in g["resolved"].items():
+            if key.startswith(_NOT_COPIED) or key == "ap":
+                continue
+            if key not in d["resolved"] or not _same(value, d["resolved"][key]):
+                put(key, _text(value))
+    return out, copied
+
+
 def chosen_settings(selection: dict) -> dict:
     """{name: overrides} to re-run on fresh seeds: each arm's winner (on its base) and, per pair,
-    DoPr's winner at the GP's chosen learning rate (`<dopr>_at_gp_lr`)."""
+    DoPr at the GP's whole winning setting (`<dopr>_at_gp_setting`)."""
     out = {arm: {**a["base"], **a["winner"]} for arm, a in selection["arms"].items()}
     for gp, dopr in selection["pairs"]:
-        gp_all, key = out[gp], _lr_key(out[gp])
-        if key is None:
-            continue
-        moved = {k: v for k, v in out[dopr].items() if k.lstrip("+") != "optim.lr"}
-        out[f"{dopr}_at_gp_lr"] = {**moved, "optim.lr": gp_all[key]}
+        out[f"{dopr}{AT_GP}"] = gp_setting_for_dopr(selection, gp, dopr)[0]
     return out
+
+
+def arm_of(name: str) -> str:
+    return name.removesuffix(AT_GP)
 
 
 def tuned_config(overrides: dict, note: str) -> str:
@@ -164,19 +310,47 @@ def _fmt(settings: dict) -> str:
     return ", ".join(f"{k.lstrip('+')}={v}" for k, v in settings.items()) or "(no knob varied)"
 
 
+def selection_notes(selection: dict) -> list:
+    """The lines selection.md carries under its table: the fixed fresh seeds, the edges (and the reason
+    they were accepted), the unordered axes, the DoPr knobs each DoPr arm held fixed, the at-GP copies."""
+    fresh = selection.get("fresh_seeds")
+    lines = ["", f"Fresh seeds fixed for the protocol: {fresh}" + (f" (from {selection['fresh_seeds_from']})"
+                                                                      if selection.get("fresh_seeds_from") else "")
+             if fresh else "Fresh seeds: not fixed by this selection"]
+    acc = selection.get("accept_edge")
+    if acc:
+        lines.append(f"Winners at the edge of their grid, accepted with --accept-edge: {describe_edges(acc['edges'])}. "
+                     f"Reason: {acc['reason']}")
+    else:
+        lines.append("No winner at the edge of a numeric axis.")
+    for arm, a in selection["arms"].items():
+        if a.get("unordered_axes"):
+            lines.append(f"{arm}: {', '.join(k.lstrip('+') for k in a['unordered_axes'])} unordered (no edge to flag)")
+    for gp, dopr in selection["pairs"]:
+        lines.append(f"{dopr}: {describe_knobs(selection['arms'][dopr])}.")
+        _, copied = gp_setting_for_dopr(selection, gp, dopr)
+        lines.append(f"{dopr}{AT_GP}: DoPr at {gp}'s whole winning setting, copying {_fmt(copied)}"
+                     + ("" if selection["arms"][gp].get("resolved") is not None else
+                        " (command-line keys only: the tuning jobs left no resolved config to compare)") + ".")
+    return lines
+
+
 def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None, command: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
+    edge_of = lambda a: ", ".join(f"{e['axis'].lstrip('+')} {e['side']}" for e in a["at_grid_edge"])
     rows = [{"arm": arm, "setting": _fmt(t["setting"]), selection["metric"]: t["value"],
              "per_seed": " ".join(f"{v:.4g}" for v in t["per_seed"].values()),
-             "chosen": ("yes" + (f" (at the grid's edge in {', '.join(a['at_grid_edge'])}: widen it)"
-                                 if a["at_grid_edge"] else "")) if t["setting"] == a["winner"] else ""}
+             "chosen": ("yes" + (f" (at the grid's edge: {edge_of(a)})" if a["at_grid_edge"] else ""))
+             if t["setting"] == a["winner"] else ""}
             for arm, a in selection["arms"].items() for t in a["trials"]]
     grids = "; ".join(f"{arm}: " + " x ".join(f"{k.lstrip('+')} in {{{', '.join(v)}}}" for k, v in a["grid"].items())
                       + f" ({len(a['trials'])} settings)" for arm, a in selection["arms"].items())
     title = (f"Tuning: {selection['metric']} ({selection['mode']}, mean over tuning seeds "
              f"{selection['seeds']}) per setting. Grids: {grids}")
     write_table(rows, ["arm", "setting", selection["metric"], "per_seed", "chosen"], out / "selection", stamp, title)
+    md = out / "selection.md"
+    md.write_text(md.read_text() + "\n".join(selection_notes(selection)) + "\n")
     if configs is not None:
         configs.mkdir(parents=True, exist_ok=True)
         chosen = chosen_settings(selection)
@@ -184,15 +358,20 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
             if stale.stem not in chosen and "chosen by the tuning protocol" in stale.read_text():
                 stale.unlink()
         for name, overrides in chosen.items():
-            twin = name.removesuffix("_at_gp_lr")
+            twin = arm_of(name)
             if name != twin and _same_settings(overrides, chosen[twin]):
-                (configs / f"{name}.yaml").unlink(missing_ok=True)  # DoPr chose the GP's rate: nothing new to run
+                (configs / f"{name}.yaml").unlink(missing_ok=True)  # DoPr chose the GP's setting: nothing new to run
                 continue
             note = (f"{name}: chosen by the tuning protocol (experiments/common/tuning.py) on seeds "
                     f"{selection['seeds']} by {selection['metric']} ({selection['mode']}); see {out / 'selection.md'}\n"
                     f"made by: {command}")
-            if name.endswith("_at_gp_lr"):
-                note += "\nDoPr's winner at the GP's chosen learning rate (the paper's 'same learning rate' guideline)"
+            if name != twin:
+                gp = twin.removeprefix("dopr_")
+                note += (f"\nDoPr at {gp}'s whole winning setting (the paper's 'same learning rate' guideline), "
+                         f"DoPr's own knobs at {twin}'s winner; copied from {gp}: "
+                         f"{_fmt(gp_setting_for_dopr(selection, gp, twin)[1])}")
+            if selection.get("accept_edge"):
+                note += f"\nwritten with winners at a grid edge (--accept-edge): {selection['accept_edge']['reason']}"
             (configs / f"{name}.yaml").write_text(tuned_config(overrides, note))
 
 
@@ -216,24 +395,30 @@ def _matches(record: dict, overrides: dict) -> bool:
     return True
 
 
-def report(records: list, selection: dict, metrics: list) -> list:
+def report(records: list, selection: dict, metrics: list, seeds: list = None) -> list:
     """Rows of the fresh-seed results: per chosen setting, each metric's min / median / max and mean
-    +- standard error over the seeds."""
+    +- standard error over the seeds (only those in `seeds` when given; a row that lacks some of them
+    lists them under `missing`)."""
     tuning = set(selection["seeds"])
     reused = sorted({r["summary"]["seed"] for r in records} & tuning)
     if reused:
         raise ValueError(f"seeds {reused} were tuning seeds: report only fresh seeds (the protocol re-runs the "
                          "winners on seeds the selection never saw)")
+    if seeds is not None:
+        records = [r for r in records if r["summary"]["seed"] in set(seeds)]
     rows = []
     for name, overrides in chosen_settings(selection).items():
-        arm = name.removesuffix("_at_gp_lr")
-        runs = {}  # one run per seed: when DoPr's winner is at the GP's rate, two names launch the same setting
+        arm = arm_of(name)
+        runs = {}  # one run per seed: when DoPr's winner is at the GP's setting, two names launch the same setting
         for r in sorted((r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)),
                         key=lambda r: not any(o.endswith(f"={name}") for o in r["summary"].get("overrides", []))):
             runs.setdefault(r["summary"]["seed"], r)
         runs = list(runs.values())
         row = {"arm": name, "setting": _fmt({k: v for k, v in overrides.items() if "/" not in k}),
                "seeds": " ".join(str(s) for s in sorted(r["summary"]["seed"] for r in runs))}
+        missing = sorted(set(seeds or ()) - {r["summary"]["seed"] for r in runs})
+        if missing:
+            row["missing"] = " ".join(str(s) for s in missing)
         diverged = sum(1 for r in runs if r["summary"].get("diverged_at") is not None)
         if diverged:
             row["diverged"] = diverged
@@ -250,6 +435,46 @@ def report(records: list, selection: dict, metrics: list) -> list:
     return rows
 
 
+def protocol_tables(records: list, selection: dict, metrics: list) -> tuple:
+    """(rows on the fixed fresh seeds, rows on every seed found or None, [seeds beyond the fixed list]).
+    The fixed list is the one select recorded before any fresh run; seeds run later do not enter the
+    protocol's table, they get a table of their own."""
+    fixed = selection.get("fresh_seeds")
+    if not fixed:
+        raise ValueError("the selection fixes no fresh seeds (selection.json without 'fresh_seeds': made before "
+                         "select recorded them); re-run select with --seeds <the list fixed before the fresh runs>")
+    extra = sorted({r["summary"]["seed"] for r in records} - set(fixed))
+    return report(records, selection, metrics, seeds=fixed), (report(records, selection, metrics) if extra else None), extra
+
+
+def verdicts(rows: list, selection: dict) -> list:
+    """One line per GP / DoPr pair: DoPr better or worse where the seeds' ranges do not overlap,
+    inconclusive where they do, no verdict where a fixed seed is missing; each names the DoPr knobs
+    the tuning held fixed."""
+    by = {r["arm"]: r for r in rows}
+    m, mode = selection["metric"], selection["mode"]
+    lines = []
+    for gp, dopr in selection["pairs"]:
+        g, d, at = by.get(gp), by.get(dopr), by.get(f"{dopr}{AT_GP}")
+        head = f"Verdict, {dopr} vs {gp} by {m} ({'lower' if mode == 'min' else 'higher'} is better)"
+        knobs = describe_knobs(selection["arms"][dopr])
+        missing = [f"{r['arm']} lacks seeds {r['missing']}" for r in (g, d, at) if r and r.get("missing")]
+        if missing or f"{m}_median" not in (g or {}) or f"{m}_median" not in (d or {}):
+            lines.append(f"{head}: no verdict, the table is partial ({'; '.join(missing) or 'no runs'}). {knobs}.")
+            continue
+        lo = lambda r: r[f"{m}_min"]
+        hi = lambda r: r[f"{m}_max"]
+        ahead = d[f"{m}_median"] < g[f"{m}_median"] if mode == "min" else d[f"{m}_median"] > g[f"{m}_median"]
+        if hi(d) < lo(g) or hi(g) < lo(d):
+            word = f"DoPr {'better' if ahead else 'worse'}, no seed overlap"
+        else:
+            word = f"inconclusive, the seeds overlap (DoPr {'ahead' if ahead else 'behind'} on the median)"
+        at_gp = f"; DoPr at {gp}'s setting {at[f'{m}_median']:.4g}" if at and f"{m}_median" in at else ""
+        lines.append(f"{head}, seeds {d['seeds']}: {word}: median {d[f'{m}_median']:.4g} vs "
+                     f"{g[f'{m}_median']:.4g}{at_gp}. {knobs}.")
+    return lines
+
+
 def _task_tuning(records: list) -> dict:
     cfg = records[0]["config"]
     t = OmegaConf.select(cfg, "task.tuning") if cfg is not None else None
@@ -257,6 +482,24 @@ def _task_tuning(records: list) -> dict:
         raise SystemExit(f"task {records[0]['summary']['task']} has no task.tuning (metric, mode, report) in its "
                          "config: pass --metric")
     return OmegaConf.to_container(t)
+
+
+def fresh_seeds_of(configs: Path) -> tuple:
+    """(seeds, source): the `seed` of the protocol sweep that runs this conf/tuned/<group> folder
+    (conf/sweep/*.yaml with a `+tuned/<group>` parameter), or (None, None)."""
+    for preset in sorted((configs.parent.parent / "sweep").glob("*.yaml")):
+        params = OmegaConf.select(OmegaConf.load(preset), "hydra.sweeper.params") or {}
+        if any(k.lstrip("+") == f"tuned/{configs.name}" for k in params) and "seed" in params:
+            return seed_list(str(params["seed"])), str(preset)
+    return None, None
+
+
+def seed_list(spec: str) -> list:
+    """Hydra's sweep values of a seed: '3,4,5', 'range(1,11)', '7'."""
+    spec = spec.strip()
+    if spec.startswith("range(") and spec.endswith(")"):
+        return list(range(*(int(x) for x in spec[6:-1].split(","))))
+    return [int(x) for x in spec.split(",") if x.strip()]
 
 
 def main(argv=None) -> None:
@@ -269,6 +512,9 @@ def main(argv=None) -> None:
     p.add_argument("--configs", help="select: write one tuned config per arm into this conf/tuned/<group> folder")
     p.add_argument("--selection", help="report: the selection.json that chose the settings")
     p.add_argument("--allow-unequal", action="store_true", help="select: accept unequal trial counts per pair")
+    p.add_argument("--accept-edge", metavar="REASON",
+                   help="select: write the presets although a winner sits at a grid edge; the reason is recorded")
+    p.add_argument("--seeds", help="select: the fresh seeds, fixed now (default: the protocol sweep's seed), e.g. 3,4,5")
     args = p.parse_args(argv)
     records = load_records(args.sweeps)
     if not records:
@@ -280,24 +526,50 @@ def main(argv=None) -> None:
     try:
         if args.action == "select":
             task = _task_tuning(records) if not (args.metric and args.mode) else {}
-            sel = select(records, args.metric or task["metric"], args.mode or task["mode"], args.allow_unequal)
+            seeds, source = (seed_list(args.seeds), "--seeds") if args.seeds else (
+                fresh_seeds_of(Path(args.configs)) if args.configs else (None, None))
+            if seeds is None:
+                raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5) or --configs conf/tuned/<group> "
+                                 "of a protocol sweep that sets seed")
+            sel = select(records, args.metric or task["metric"], args.mode or task["mode"], args.allow_unequal,
+                         args.accept_edge, seeds)
+            sel["fresh_seeds_from"] = source
             write_selection(sel, out, stamp, Path(args.configs) if args.configs else None, command)
             for arm, a in sel["arms"].items():
-                edge = f"; at the grid's edge in {a['at_grid_edge']}" if a["at_grid_edge"] else ""
+                edge = f"; at the grid's edge: {describe_edges([{'arm': arm, **e} for e in a['at_grid_edge']])}" \
+                    if a["at_grid_edge"] else ""
                 print(f"{arm}: {len(a['trials'])} settings, chosen {_fmt(a['winner'])} ({sel['metric']} {a['value']:.4g}){edge}")
+            print(f"fresh seeds fixed: {sel['fresh_seeds']} ({source})")
         else:
             if not args.selection:
                 raise SystemExit("report needs --selection <selection.json>")
             sel = json.loads(Path(args.selection).read_text())
             metrics = _task_tuning(records).get("report", [sel["metric"]])
-            rows = report(records, sel, metrics)
-            cols = ["arm", "setting", "seeds"] + [f"{m}_{s}" for m in metrics
-                                                  for s in ("min", "median", "max", "mean", "se")]
+            rows, every, extra = protocol_tables(records, sel, metrics)
+            cols = ["arm", "setting", "seeds", "missing"] + [f"{m}_{s}" for m in metrics
+                                                             for s in ("min", "median", "max", "mean", "se")]
+            partial = any(r.get("missing") for r in rows)
+            what = (f"each arm at its setting chosen on seeds {sel['seeds']} by {sel['metric']} ({sel['mode']}); "
+                    "{metric}_min/median/max over seeds, mean and standard error")
             write_table(rows, cols, out / "protocol", stamp,
-                        f"Fresh seeds, each arm at its setting chosen on seeds {sel['seeds']} by {sel['metric']} "
-                        f"({sel['mode']}); {{metric}}_min/median/max over seeds, mean and standard error")
+                        ("PARTIAL (fixed seeds missing: see `missing`). " if partial else "")
+                        + f"Fixed fresh seeds {sel['fresh_seeds']} (fixed at selection), {what}")
+            notes = verdicts(rows, sel)
+            for stale in (out / "protocol_all_seeds.md", out / "protocol_all_seeds.csv"):
+                stale.unlink(missing_ok=True)
+            if every is not None:
+                found = sorted(set(sel["fresh_seeds"]) | set(extra))
+                write_table(every, cols, out / "protocol_all_seeds", stamp,
+                            f"All seeds found {found}, including {extra} added after the selection fixed "
+                            f"{sel['fresh_seeds']}: not the protocol's result; {what}")
+                notes.append(f"Seeds {extra} ran beyond the {len(sel['fresh_seeds'])} fixed at selection: the table "
+                             "above leaves them out; the table on all seeds is protocol_all_seeds.md.")
+            md = out / "protocol.md"
+            md.write_text(md.read_text() + "\n" + "\n\n".join(notes) + "\n")
             for r in rows:
-                print(r["arm"], r["seeds"], {m: r.get(f"{m}_median") for m in metrics})
+                print(r["arm"], r["seeds"], {m: r.get(f"{m}_median") for m in metrics},
+                      f"missing {r['missing']}" if r.get("missing") else "")
+            print("\n".join(notes))
     except ValueError as e:
         raise SystemExit(f"refused: {e}")
 
