@@ -1,6 +1,6 @@
 """Which setting makes DoPr train on the digits SiT (task=sit_digits, an adaLN-Zero model with a
-timestep MLP): an ablation of the paper's preset (damping 1e-4 tr(Sigma), no EMA, the AP on every
-layer). 600 steps of the analogue's model and data (batch 64, lr 1e-3, no weight EMA, no evaluation)
+timestep MLP): an ablation of the suite's default (damping 1e-4 tr(Sigma), no EMA, the AP on every
+layer; the paper prints no damping for SiT, 1e-4 is its value for the robot and muP LM runs). 600 steps of the analogue's model and data (batch 64, lr 1e-3, no weight EMA, no evaluation)
 per variant and seed; the mean training loss per 150-step window.
 
     python scripts/sit_damping_probe.py [--steps 600] [--seeds 0 1] [--out results/sit_digits/damping_probe.md]
@@ -10,7 +10,7 @@ same timestep embedder) on the digits brought to that shape (upsampled, the chan
 ImageNet preset's lr 1e-4 and a small batch:
 
     python scripts/sit_damping_probe.py --model s2 --steps 200 --batch 4 --lr 1e-4 --window 50 --seeds 0 \
-        --variants adamw "dopr 1e-4 (the paper's preset)" "dopr 1e-4, timestep layer on the GP" "dopr 1e-3" \
+        --variants adamw "dopr 1e-4 (the suite's default)" "dopr 1e-4, timestep layer on the GP" "dopr 1e-3" \
         --out results/sit/s2_confirmation.md
 
 Each finished (variant, seed) is kept in <out>.json; a rerun with the same --out skips them.
@@ -38,7 +38,7 @@ TIME_LAYER = "t_embedder.mlp.0"   # reads the 256-d sinusoid of t
 #: name -> DoPr options (None: AdamW alone) and the clip of G before the step
 VARIANTS = {
     "adamw": (None, None),
-    "dopr 1e-4 (the paper's preset)": ({"damping": 1e-4}, None),
+    "dopr 1e-4 (the suite's default)": ({"damping": 1e-4}, None),
     "dopr 1e-3": ({"damping": 1e-3}, None),
     "dopr 1e-4, timestep layer on the GP": ({"damping": 1e-4, "skip_layers": [TIME_LAYER]}, None),
     "dopr 1e-4, statistics EMA 0.9": ({"damping": 1e-4, "grad_ema": 0.9, "precond_ema": 0.9}, None),

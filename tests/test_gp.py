@@ -7,7 +7,7 @@ from torch import nn
 
 import dopr
 
-from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, route_matrix_params
+from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, mark_role, route_matrix_params
 from dopr.gp.newton_schulz import newton_schulz5
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
@@ -188,6 +188,28 @@ def test_routing_head_names_and_frozen_parameters():
     assert all(p is not net.fc1.weight for p in other)
     with pytest.raises(ValueError, match="nope"):
         route_matrix_params(net, head_names=["nope"])
+
+
+def test_routing_takes_the_marked_output_and_input_layers_by_role_over_module_order():
+    class Branched(nn.Module):   # the output layer is registered before a hidden layer, as in SiT's FinalLayer
+        def __init__(self):
+            super().__init__()
+            self.stems = nn.ModuleList(mark_role(nn.Linear(3, 8), "input") for _ in range(2))
+            self.hidden = nn.Linear(16, 16)
+            self.out = mark_role(nn.Linear(16, 2), "output")
+            self.modulation = nn.Linear(16, 16)
+
+    net = Branched()
+    matrix, other = route_matrix_params(net)
+    assert {id(p) for p in matrix} == {id(net.hidden.weight), id(net.modulation.weight)}
+    rule = [*net.stems[0].parameters(), *net.stems[1].parameters(), *net.out.parameters()]
+    assert {id(p) for p in other} == {id(p) for p in rule} | {id(net.hidden.bias), id(net.modulation.bias)}
+    matrix, _ = route_matrix_params(net, input_layer="muon")      # every marked input layer moves to Muon
+    assert {id(net.stems[0].weight), id(net.stems[1].weight)} <= {id(p) for p in matrix}
+    matrix, _ = route_matrix_params(net, head_names=["modulation"])   # a named head overrides the mark
+    assert id(net.out.weight) in {id(p) for p in matrix} and id(net.modulation.weight) not in {id(p) for p in matrix}
+    with pytest.raises(ValueError, match="Invalid role: 'head'"):
+        mark_role(nn.Linear(2, 2), "head")
 
 
 def test_muon_on_model_without_hidden_linear_is_adamw_only():

@@ -348,6 +348,21 @@ def test_3b_lora_trains_the_tied_embeddings_and_keeps_the_tie(tok, compose):
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
 
 
+@pytest.mark.parametrize("sweep", ["sft_llama32_3b", "sft_llama32_3b_muon"])
+def test_the_3b_sweeps_have_the_base_rate_and_the_papers_global_batch_on_one_gpu(compose, sweep):
+    """Table sft_small_setup: base learning rate 1e-5, per-device batch 2 x 8 accumulation on (read as)
+    the 8 GPUs of the LM runs = 128 packed sequences a step; one GPU per job gets 128 from 64 accumulation."""
+    cfg = compose(f"sweep={sweep}", hydra_config=True)
+    rates = [float(r) for r in str(cfg.hydra.sweeper.params["optim.lr"]).split(",")]
+    assert min(rates) == 1e-5 and len(rates) == 9
+    job = compose(f"sweep={sweep}", "+tuned/sft=adamw", "optim.lr=1e-5")
+    tr, gpus = job.task.train, job.slurm.gpus_per_node * job.slurm.nodes
+    assert job.task.name == "sft_llama32_3b" and not job.get("distributed", False)
+    assert tr.micro_batch_size * tr.grad_accumulation * gpus == 128
+    alone = compose("task=sft_llama32_3b").task.train      # the task keeps the paper's per-device values
+    assert (alone.micro_batch_size, alone.grad_accumulation) == (2, 8)
+
+
 def test_reentrant_checkpointing_gives_the_same_dopr_step_and_bf16_keeps_fp32_adapters(tok):
     b = _one_batch(tok)
     results = []

@@ -88,6 +88,23 @@ def test_label_dropout_uses_the_null_class_and_cfg_combines_the_two_fields():
     torch.testing.assert_close(model.forward_with_cfg(x, t, y, 4.0), null + 4.0 * (cond - null))
 
 
+@pytest.mark.parametrize("preset", ["sit_digits", "sit_imagenet"])
+def test_muon_keeps_the_final_projection_on_adamw_and_gives_the_final_modulation_to_muon(compose, preset):
+    """Muon's rule by role: the output layer (final_layer.linear, registered before the final adaLN
+    modulation, so not the last nn.Linear in module order) and the input layers (the patch embedding,
+    the label table) are AdamW's matrices; every other matrix, final_layer.adaLN_modulation.1 too, Muon's."""
+    from experiments.common.run import build_optimizer
+    cfg = compose("task=sit_digits", f"+tuned/{preset}=muon")
+    model = build_model("custom", input_size=8, in_channels=1, num_classes=10, depth=2, hidden_size=32, num_heads=2)
+    opt = build_optimizer(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw = {names[id(p)] for g in opt.optimizers["adamw"].param_groups for p in g["params"] if p.ndim >= 2}
+    muon = {names[id(p)] for g in opt.optimizers["muon"].param_groups for p in g["params"]}
+    assert adamw == {"final_layer.linear.weight", "x_embedder.weight", "y_embedder.embedding_table.weight"}
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert muon == linears - {"final_layer.linear.weight"} and "final_layer.adaLN_modulation.1.weight" in muon
+
+
 # ---------------------------------------------------------------------------------- transport
 def _gaussian_velocity(m, s):
     """The exact velocity of the linear path from N(0, 1) to N(m, s^2) (per coordinate):

@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 from .adamuon import AdaMuon
-from .muon import HybridOptimizer, Muon, route_matrix_params
+from .muon import HybridOptimizer, Muon, mark_role, route_matrix_params
 from .newton_schulz import newton_schulz5
 from .sgd import SGD
 from .signum import Signum
 
-__all__ = ["SGD", "Signum", "AdaMuon", "Muon", "HybridOptimizer", "route_matrix_params", "newton_schulz5",
+__all__ = ["SGD", "Signum", "AdaMuon", "Muon", "HybridOptimizer", "mark_role", "route_matrix_params", "newton_schulz5",
            "build_gp"]
 
 # Keyword arguments each GP accepts in build_gp, besides lr and weight_decay.

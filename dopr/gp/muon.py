@@ -87,6 +87,20 @@ def _lr_ratio(adjust_lr_fn, shape) -> float:
 INPUT_LAYER = ("adamw", "muon")
 #: where a convolution's weight goes: AdamW (the default), or Muon as the matrix (out, in x kernel)
 CONV_ROUTES = ("adamw", "flatten")
+#: the roles a model gives its layers for the routing (:func:`mark_role`): "input", a layer that reads
+#: the data (an image encoder's stem, a patch embedding), and "output", the layer that writes the
+#: model's output. Muon's rule keeps both on AdamW, whatever the modules' registration order.
+ROLES = ("input", "output")
+ROLE_ATTRIBUTE = "muon_role"
+
+
+def mark_role(module: nn.Module, role: str) -> nn.Module:
+    """Record ``module``'s role ("input" or "output") for :func:`route_matrix_params`; returns it.
+    A model marks its layers where it builds them, so every copy (each camera's encoder) is marked."""
+    if role not in ROLES:
+        raise ValueError(f"Invalid role: {role!r} (choose from {ROLES})")
+    setattr(module, ROLE_ATTRIBUTE, role)
+    return module
 
 
 def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None,
@@ -100,16 +114,19 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
     ``input_layer="adamw"`` (Muon's convention, the default), the input layer. Both lists follow
     ``model.parameters()`` order.
 
-    The head is the modules named in ``head_names`` if given, else the last ``nn.Linear`` in
-    ``model.named_modules()`` order. The input layer is the modules named in ``input_names`` if
-    given, else the first ``nn.Linear``, unless the model has an ``nn.Embedding`` (then the embedding
-    reads the input and every ``nn.Linear`` but the head is hidden). ``input_layer="muon"`` gives the
-    input ``nn.Linear`` to Muon as well.
+    The layers are taken by role. The head (output layer) is the modules named in ``head_names`` if
+    given, else the modules the model marked "output" (:func:`mark_role`: SiT's final projection,
+    the ChiUNet's last convolution, which module order alone would miss), else the last
+    ``nn.Linear`` in ``model.named_modules()`` order. The input layers are the modules named in
+    ``input_names`` if given, else every module marked "input" (each camera's stem), else the first
+    ``nn.Linear``, unless the model has an ``nn.Embedding`` (then the embedding reads the input and
+    every ``nn.Linear`` but the head is hidden). ``input_layer="muon"`` gives the input layers to
+    Muon as well.
 
     ``conv="flatten"`` gives every convolution's weight (Conv1d/2d/3d, not transposed) to Muon,
     orthogonalised as the matrix (out, in x kernel) as in Keller Jordan's reference Muon, except the
-    head and input layers; the input layer is then the first convolution or ``nn.Linear`` in module
-    order (name others in ``input_names``: a model with two image encoders has two stems).
+    head and input layers; with no layer marked "input", the input layer is then the first
+    convolution or ``nn.Linear`` in module order.
     ``"adamw"`` (the default) leaves convolutions to AdamW.
     """
     if input_layer not in INPUT_LAYER:
@@ -128,9 +145,16 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
             raise ValueError(f"{what} not found among the model's modules: {missing}")
         return names
 
-    heads = set(linears[-1:]) if head_names is None else named(head_names, "head_names")
+    marked = {role: {name for name, m in modules.items() if getattr(m, ROLE_ATTRIBUTE, None) == role}
+              for role in ROLES}
+    if head_names is not None:
+        heads = named(head_names, "head_names")
+    else:
+        heads = marked["output"] or set(linears[-1:])
     if input_names is not None:
         inputs = named(input_names, "input_names")
+    elif marked["input"]:
+        inputs = marked["input"] - heads
     elif any(isinstance(m, nn.Embedding) for m in modules.values()):
         inputs = set()
     else:   # the first layer in module order (a convolution too, when convolutions go to Muon)

@@ -49,6 +49,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from dopr.gp import mark_role
+
 
 # ---------------------------------------------------------------------------------- random crop
 def center_crop(images: Tensor, size: Sequence[int]) -> Tensor:
@@ -121,7 +123,9 @@ class ResNet18(nn.Module):
         if width < 1:
             raise ValueError(f"width must be a positive number of channels, got {width}")
         widths = [width, 2 * width, 4 * width, 8 * width]
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False), _norm(width),
+        # the stem conv reads the camera's pixels: an input layer, in every camera's encoder
+        stem = mark_role(nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False), "input")
+        self.stem = nn.Sequential(stem, _norm(width),
                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         stages, c_in = [], width
         for i, c_out in enumerate(widths):

@@ -42,6 +42,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dopr.gp import mark_role
+
 #: the activation of every block and of the time MLP: GELU (much-ado) or Mish (diffusion_policy)
 ACTIVATIONS = {"gelu": nn.GELU, "mish": nn.Mish}
 
@@ -145,7 +147,7 @@ class ChiUNet(nn.Module):
                            nn.ConvTranspose1d(c_in, c_in, 4, stride=2, padding=1)])
             for c_in, c_out in reversed(levels[1:]))
         self.final = nn.Sequential(conv1d_block(model_dim, model_dim, kernel_size, n_groups, activation),
-                                   nn.Conv1d(model_dim, action_dim, 1))
+                                   mark_role(nn.Conv1d(model_dim, action_dim, 1), "output"))   # writes the velocity
 
     def conditioning(self, t: Tensor | float, cond: Tensor) -> Tensor:
         """The FiLM input c = [MLP(sinusoidal(t)), Linear(cond)], (B, 2 emb_dim)."""

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from dopr.gp import mark_role
+
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
@@ -108,7 +110,8 @@ class FinalLayer(nn.Module):
     def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
         super().__init__()
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        # the output layer (Muon's rule keeps it on AdamW; adaLN_modulation, registered after it, is hidden)
+        self.linear = mark_role(nn.Linear(hidden_size, patch_size * patch_size * out_channels), "output")
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
 
     def forward(self, x: Tensor, c: Tensor) -> Tensor:
@@ -141,7 +144,8 @@ class SiT(nn.Module):
         self.learn_sigma = learn_sigma
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
         self.grid = input_size // patch_size
-        self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+        self.x_embedder = mark_role(nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size),
+                                    "input")   # the patch embedding reads the image
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         # fixed, as in SiT (a Parameter with requires_grad=False, so it counts in the published size)
