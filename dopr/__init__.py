@@ -5,7 +5,8 @@ from .factory import NAMES, build
 from .gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp
 from .layers import CoverageEntry, register_layer
 from .optimizer import DoPr
+from .options import DoPrOptions
 
-__all__ = ["DoPr", "build", "build_gp", "NAMES", "SGD", "Signum", "AdaMuon", "HybridOptimizer",
+__all__ = ["DoPr", "DoPrOptions", "build", "build_gp", "NAMES", "SGD", "Signum", "AdaMuon", "HybridOptimizer",
            "CoverageEntry", "register_layer", "enable_compiled_capture"]
 __version__ = "0.1.0"

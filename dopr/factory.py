@@ -1,15 +1,14 @@
 """One factory for every optimizer of the suite: {sgd, adamw, muon, signum, adamuon} x {plain, dopr}."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from .gp import GP_KWARGS, build_gp
 from .optimizer import DoPr
+from .options import DoPrOptions
 
-DOPR_KWARGS = tuple(p for p in inspect.signature(DoPr.__init__).parameters if p not in ("self", "model", "base"))
+DOPR_KWARGS = DoPrOptions.names()
 NAMES = tuple(GP_KWARGS) + tuple(f"dopr_{g}" for g in GP_KWARGS)
 
 
@@ -17,8 +16,7 @@ def build(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, **k
     """``build(model, "dopr_adamw", lr=1e-3, damping=1e-4)``: the GP over the model's trainable
     parameters, wrapped in :class:`DoPr` when ``name`` starts with ``dopr_``.
 
-    DoPr options (damping, damping_mode, grad_ema, precond_ema, solver, precond_every, conv2d,
-    homogeneous, rank, eigh_rcond, on_nonfinite) go to DoPr; the rest to the GP.
+    Keywords that name a :class:`dopr.options.DoPrOptions` field go to DoPr; the rest to the GP.
     """
     if name not in NAMES:
         raise ValueError(f"Unknown optimizer {name!r}; valid names: {list(NAMES)}")

@@ -375,11 +375,11 @@ def test_a_new_solver_is_a_registry_entry_not_a_change_to_the_step():
 
     calls = []
 
-    def counted(sigma, lam, options, counts):
+    def counted(sigma, lam, counts, eigh_rcond):   # the options it names, not all of DoPr's
         calls.append(sigma.shape)
-        return solvers.factor_cholesky(sigma, lam, options["eigh_rcond"], counts)
+        return solvers.factor_cholesky(sigma, lam, eigh_rcond, counts)
 
-    solvers.register_solver("counted_cholesky", "dense", counted)
+    solvers.register_solver("counted_cholesky", "dense", counted, options=("eigh_rcond",))
     try:
         out = {}
         for name in ("cholesky", "counted_cholesky"):

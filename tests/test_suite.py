@@ -259,15 +259,12 @@ def test_every_tuned_preset_composes(tuned, compose):
         assert "damping_mode" in text or "damping_mode" in (CONF / "tuned" / f"{base}.yaml").read_text()
 
 
-def test_ap_config_and_dopr_signature_cannot_drift_apart():
-    import inspect
+def test_ap_config_and_dopr_options_cannot_drift_apart():
+    from dopr.options import DoPrOptions
 
-    from dopr import DoPr
-
-    sig = {k: p.default for k, p in inspect.signature(DoPr.__init__).parameters.items()
-           if k not in ("self", "model", "base")}
     ap = OmegaConf.to_container(OmegaConf.load(CONF / "ap" / "default.yaml"))
-    assert {k: tuple(v) if isinstance(v, list) else v for k, v in ap.items()} == sig
+    assert list(ap) == list(DoPrOptions.names())   # every option, in the dataclass's order
+    assert DoPrOptions.from_dict(ap) == DoPrOptions()   # at its default
 
 
 @pytest.mark.slow

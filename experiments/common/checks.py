@@ -96,7 +96,7 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
 
         try:
             check_options(OmegaConf.to_container(cfg.ap, resolve=True))
-        except (ValueError, KeyError) as e:
+        except (ValueError, TypeError) as e:
             raise ConfigError(f"the ap group (conf/ap/): {e}".replace("Invalid ", "ap.", 1)) from e
 
 
