@@ -1,11 +1,13 @@
 """dopr: Double Preconditioning. The activation preconditioner (AP) of the paper, wrapped around
-any gradient preconditioner (GP): SGD, AdamW, Muon, Signum, AdaMuon."""
+any gradient preconditioner (GP): SGD, AdamW, Muon, Signum, AdaMuon, Lion, or one added with register_gp."""
 from .compiled import enable_compiled_capture
-from .factory import NAMES, build
-from .gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp
+from .factory import NAMES, build, names, optimizer_name, split_name
+from .gp import SGD, AdaMuon, HybridOptimizer, Lion, Signum, build_gp, register_gp
 from .layers import CoverageEntry, register_layer
 from .optimizer import DoPr
+from .options import DoPrOptions
 
-__all__ = ["DoPr", "build", "build_gp", "NAMES", "SGD", "Signum", "AdaMuon", "HybridOptimizer",
+__all__ = ["DoPr", "DoPrOptions", "build", "build_gp", "register_gp", "NAMES", "names", "optimizer_name",
+           "split_name", "SGD", "Signum", "Lion", "AdaMuon", "HybridOptimizer",
            "CoverageEntry", "register_layer", "enable_compiled_capture"]
 __version__ = "0.1.0"

@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils import flop_counter
 
 import dopr
+from dopr.factory import optimizer_name
 
 WARMUP = 2  # untimed steps per row (optimizer state allocation, first refresh)
 
@@ -277,7 +278,7 @@ class Row:
     """One optimizer (k = 0: the GP alone, else DoPr with precond_every=k) on its own model copy."""
 
     def __init__(self, task, gp, k, device, compile_model=False):
-        self.label = gp if k == 0 else f"dopr_{gp}" + (f" k={k}" if k > 1 else "")
+        self.label = optimizer_name(gp, k > 0) + (f" k={k}" if k > 1 else "")
         self.k, self.cuda = max(k, 1), device == "cuda"
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
         self.model, self.x, self.y, self.loss_fn = make_task(task, device)
@@ -285,7 +286,7 @@ class Row:
             dopr.enable_compiled_capture()
         self.forward = torch.compile(self.model) if compile_model else self.model
         kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1]} if k else {}
-        self.opt = dopr.build(self.model, f"dopr_{gp}" if k else gp, lr=1e-3, **kw)
+        self.opt = dopr.build(self.model, optimizer_name(gp, k > 0), lr=1e-3, **kw)
         self.refresh, self.other, self.spent, self.transient = [], [], 0.0, 0
         for _ in range(WARMUP):
             self.step(record=False)

@@ -1,7 +1,11 @@
 """The EMAs of Algorithm 2: Gbar = EMA_{beta_g}(G) per layer and Sigmabar = EMA_{beta_Sigma}(Sigma)
 per statistics group, zero-initialised and bias-corrected (divided by 1 - beta^t) as Adam's moments
 are; beta = 0 passes the batch value through. A dense Sigma is symmetric: its EMA keeps the upper
-triangle only, d(d+1)/2 floats."""
+triangle only, d(d+1)/2 floats.
+
+A rate given as a function of the step (``scheduled``) is set on ``beta`` by the optimizer before each
+step; its bias correction is then 1 - prod_i beta_i over the steps of the history (1 - beta^t when
+beta is constant), kept in each buffer as ``decay`` = prod_i beta_i."""
 from __future__ import annotations
 
 from typing import Optional
@@ -24,31 +28,56 @@ def unpack_upper(p: Tensor, d: int) -> Tensor:
     return m
 
 
-class GradientEMA:
+def _history(ema, entry: Optional[dict]) -> tuple:
+    """(t, what the buffer keeps besides t and the sums, the bias correction) for this step's update
+    of ``entry`` (None: a new history). A constant rate: 1 - beta^t; a scheduled one: 1 - prod beta_i,
+    the product kept as ``decay`` (a history saved without it had the rate it has now)."""
+    t = entry["t"] + 1 if entry else 1
+    if not ema.scheduled:
+        return t, {}, 1.0 - ema.beta ** t
+    decay = (entry.get("decay", ema.beta ** entry["t"]) if entry else 1.0) * ema.beta
+    return t, {"decay": decay}, 1.0 - decay
+
+
+class _EMA:
+    """The rate: a constant ``beta``, or (``scheduled``) one the optimizer sets before each step."""
+
+    def __init__(self, beta) -> None:
+        self.scheduled = callable(beta)
+        self.beta, self.buffers, self.pending = 0.0 if self.scheduled else beta, {}, {}
+
+    @property
+    def on(self) -> bool:
+        """Whether there is an EMA at all (a constant rate 0 passes the batch value through)."""
+        return self.scheduled or self.beta != 0.0
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("scheduled", False)   # pickled before rates could be scheduled
+
+
+class GradientEMA(_EMA):
     """Gbar per layer name. ``buffers`` is what DoPr's state_dict saves: {name: {"t", "g"}}.
 
     Two phases, so that the step decides what to keep after its one host sync: :meth:`propose` returns
     the bias-corrected EMA with this step's G and changes nothing; :meth:`commit` keeps the proposals
     (those of layers skipped this step, for a non-finite G, are dropped)."""
 
-    def __init__(self, beta: float) -> None:
-        self.beta, self.buffers, self.pending = beta, {}, {}
-
     def propose(self, name: str, g: Tensor) -> Tensor:
-        if self.beta == 0.0:
+        if not self.on:
             return g
         entry = self.buffers.get(name)
         if entry is not None and entry["g"].shape != g.shape:   # the layer's dim changed: a new history
             entry = None
-        t = entry["t"] + 1 if entry else 1
+        t, extra, corr = _history(self, entry)
         new = torch.add((entry["g"] if entry else torch.zeros_like(g)) * self.beta, g, alpha=1.0 - self.beta)
-        self.pending[name] = (t, new)
-        return new / (1.0 - self.beta ** t)
+        self.pending[name] = (t, new, extra)
+        return new / corr
 
     def commit(self, skip=()) -> None:
-        for name, (t, new) in self.pending.items():
+        for name, (t, new, extra) in self.pending.items():
             if name not in skip:
-                self.buffers[name] = {"t": t, "g": new}
+                self.buffers[name] = {"t": t, "g": new, **extra}
         self.pending = {}
 
     def __call__(self, name: str, g: Tensor) -> Tensor:
@@ -63,46 +92,42 @@ class GradientEMA:
         def out(k, g):
             return (helpers[k].whole_matrix(g) if whole and k in helpers else g).clone()
 
-        return {k: {"t": v["t"], "g": out(k, v["g"])} for k, v in self.buffers.items()}
+        return {k: {**v, "g": out(k, v["g"])} for k, v in self.buffers.items()}
 
     def load_state_dict(self, state: dict, helpers: Optional[dict] = None) -> None:
         """Load buffers saved whole (or unsharded); with `helpers`, each keeps this rank's part."""
         def mine(k, g):
             return helpers[k].local_matrix(g).clone() if helpers and k in helpers else g.clone()
 
-        self.buffers = {k: {"t": v["t"], "g": mine(k, v["g"])} for k, v in state.items()}
+        self.buffers = {k: {**v, "g": mine(k, v["g"])} for k, v in state.items()}
 
 
-class CovarianceEMA:
+class CovarianceEMA(_EMA):
     """Sigmabar per statistics group (its member names joined by "|"). ``buffers``: {name: {"t", "sums"}}."""
-
-    def __init__(self, beta: float) -> None:
-        self.beta, self.buffers, self.pending = beta, {}, {}
 
     def propose(self, key: tuple, stat) -> tuple:
         """The EMA of `stat`'s mean (an ActivationStatistics of any kind); `stat` is used up (its sums
         become the batch mean in place). Kept by :meth:`commit` (as GradientEMA's)."""
         mean = stat.mean_()
-        if self.beta == 0.0:
+        if not self.on:
             return mean
         name = "|".join(key)
         entry = self.buffers.get(name)
         packed = [pack_upper(t) if stat.symmetric else t for t in mean]
         if entry is not None and [b.shape for b in entry["sums"]] != [p.shape for p in packed]:
             entry = None                                        # the group's dim changed: a new history
-        t = entry["t"] + 1 if entry else 1
+        t, extra, corr = _history(self, entry)
         old = entry["sums"] if entry else [torch.zeros_like(p) for p in packed]
         new = [torch.add(b * self.beta, p, alpha=1.0 - self.beta) for b, p in zip(old, packed)]
-        self.pending[name] = (t, new)
-        corr = 1.0 - self.beta ** t
+        self.pending[name] = (t, new, extra)
         return tuple(unpack_upper(b / corr, m.shape[0]) if stat.symmetric else b / corr for b, m in zip(new, mean))
 
     def commit(self, skip=()) -> None:
         """Keep the proposals but those of the groups in `skip` (tuples of names)."""
         skip = {"|".join(k) for k in skip}
-        for name, (t, new) in self.pending.items():
+        for name, (t, new, extra) in self.pending.items():
             if name not in skip:
-                self.buffers[name] = {"t": t, "sums": new}
+                self.buffers[name] = {"t": t, "sums": new, **extra}
         self.pending = {}
 
     def __call__(self, key: tuple, stat) -> tuple:
@@ -117,7 +142,7 @@ class CovarianceEMA:
         step keep their old buffer together. So a group formed by equal inputs on one step (the
         compiled path merges by value, eager by tensor identity) changes no result. Returns the
         refined {names: statistics} (a statistics object in two parts is cloned for the second)."""
-        if self.beta == 0.0 or not self.buffers:
+        if not self.on or not self.buffers:
             return groups
         carried = {n: k for k in self.buffers for n in k.split("|")}
         out = {}
@@ -135,14 +160,14 @@ class CovarianceEMA:
                 new_keys["|".join(stay)] = old
         for new, old in new_keys.items():
             if old is not None and new != old and new not in self.buffers:
-                self.buffers[new] = {"t": self.buffers[old]["t"], "sums": [b.clone() for b in self.buffers[old]["sums"]]}
+                self.buffers[new] = {**self.buffers[old], "sums": [b.clone() for b in self.buffers[old]["sums"]]}
         for old in {carried[n] for n in present if n in carried}:
             if old not in new_keys:
                 del self.buffers[old]
         return out
 
     def state_dict(self) -> dict:
-        return {k: {"t": v["t"], "sums": [s.clone() for s in v["sums"]]} for k, v in self.buffers.items()}
+        return {k: {**v, "sums": [s.clone() for s in v["sums"]]} for k, v in self.buffers.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.buffers = {k: {"t": v["t"], "sums": [s.clone() for s in v["sums"]]} for k, v in state.items()}
+        self.buffers = {k: {**v, "sums": [s.clone() for s in v["sums"]]} for k, v in state.items()}

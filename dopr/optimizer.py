@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from .distributed import agree_groups, all_reduce_statistics, is_distributed, no
 from .ema import CovarianceEMA, GradientEMA
 from .health import HealthReports
 from .layers import find_layers
-from .options import check_options
+from .options import DoPrOptions
 from .statistics import STATISTICS, statistics_dtype
 
 
@@ -57,65 +57,26 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         model: the module (or DistributedDataParallel wrapper) whose layers are preconditioned.
         base: the gradient preconditioner, any ``torch.optim.Optimizer`` over (some of) the model's
             parameters. Its ``param_groups`` and ``state`` are this optimizer's.
-        damping: gamma >= 0.
-        damping_mode: ``"trace"`` (gamma * tr(Sigma), Algorithms 1-2, default), ``"trace_per_dim"``
-            (gamma * tr(Sigma) / d, the appendix paragraph "Damping") or ``"absolute"`` (gamma).
-        grad_ema, precond_ema: EMA rates beta_g, beta_Sigma in [0, 1); 0 uses the batch values.
-        solver: ``"cholesky"``, ``"eigh"``, ``"rank1_diag"`` or ``"rankk_diag"`` (see dopr.solvers).
-        precond_every: refactor every k steps and reuse the cached inverse in between; statistics
-            are gathered on refresh steps only. 1 is the exact algorithm.
-        conv2d: ``"full"`` (im2col patch covariance) or ``"sua"`` (spatially uncorrelated).
-        homogeneous: append a constant 1 to the input of layers with a bias.
-        rank: k for ``rankk_diag``.
-        eigh_rcond: relative eigenvalue cutoff of the pseudo-inverse (``eigh`` and fallbacks).
-        on_nonfinite: ``"skip"`` (raw gradient to the GP for that layer and step, counted, warned
-            once) or ``"raise"``.
-        warmup_steps: the first ``warmup_steps`` steps are the GP's alone (raw gradients, no
-            statistics gathered); the AP starts on the step after. The paper's advice for models
-            whose zero-initialised modules (adaLN-Zero) make the early AP ill-conditioned.
-        clip_precond_norm: clip the global norm of what the GP receives (M on the preconditioned
-            layers, G on the others) to this value after the AP; ``None`` (default) does not clip.
-            ``torch.nn.utils.clip_grad_norm_`` before ``step()`` clips G, before the AP, and the
-            applied M can then be far larger than the clip.
-        health_every: on every k-th refresh, a health report per dense layer (Sigma's effective rank,
-            directions below the damping, the AP's largest relative amplification, the share of M in
-            directions the data barely excites; dopr/health.py): ``stats()["health"]``, the coverage
-            table, and one warning in the regime where the digits SiT did not train. 0 (default): never.
-        skip_layers: module names (a name also covers the modules inside it) or class names whose
-            parameters go to the GP with raw gradients (named in the coverage report).
+        options: a :class:`dopr.options.DoPrOptions` (or a dict of some of its fields); ``None``: the
+            defaults. Each field's default and meaning is in DoPrOptions (and docs/library.md's table).
+        **overrides: options by name, applied over ``options``: ``DoPr(model, base, damping=1e-3)``.
+            ``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step.
 
     Behaviours by design (README, "Loops real code writes"): torch.optim's global step hooks fire
     twice per step; ``eval()`` forwards gather nothing (raw gradients, warned); a plain optimizer's
     checkpoint is refused; layers that start training later are preconditioned from the next step.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        base: torch.optim.Optimizer,
-        damping: float = 1e-4,
-        damping_mode: str = "trace",
-        grad_ema: float = 0.0,
-        precond_ema: float = 0.0,
-        solver: str = "cholesky",
-        precond_every: int = 1,
-        conv2d: str = "full",
-        homogeneous: bool = True,
-        rank: int = 8,
-        eigh_rcond: float = 1e-6,
-        on_nonfinite: str = "skip",
-        warmup_steps: int = 0,
-        clip_precond_norm: Optional[float] = None,
-        health_every: int = 0,
-        skip_layers: Sequence[str] = (),
-    ) -> None:
-        self.options = dict(
-            damping=damping, damping_mode=damping_mode, grad_ema=grad_ema, precond_ema=precond_ema,
-            solver=solver, precond_every=precond_every, conv2d=conv2d, homogeneous=homogeneous,
-            rank=rank, eigh_rcond=eigh_rcond, on_nonfinite=on_nonfinite, warmup_steps=warmup_steps,
-            clip_precond_norm=clip_precond_norm, health_every=health_every, skip_layers=skip_layers,
-        )
-        self.options = check_options(self.options)
+    def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
+                 options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
+        if options is None:
+            options = DoPrOptions()
+        elif isinstance(options, Mapping):
+            options = DoPrOptions.from_dict(options)
+        elif not isinstance(options, DoPrOptions):
+            raise TypeError(f"Invalid options: {options!r} (a DoPrOptions, a dict or None; the options by name "
+                            "are keywords, e.g. DoPr(model, base, damping=1e-3))")
+        self.options = options.replace(**overrides) if overrides else options
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
         # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
@@ -132,15 +93,16 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.base = base
         self.model = module
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
-        self._solver = solvers.SOLVERS[solver]
+        self._solver = solvers.SOLVERS[self.options.solver]
+        self._factor_with = self._solver.bind(self.options)
         # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
         self._step = 0
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
-        self._grad_ema = GradientEMA(grad_ema)
-        self._precond_ema = CovarianceEMA(precond_ema)
+        self._grad_ema = GradientEMA(self.options.grad_ema)
+        self._precond_ema = CovarianceEMA(self.options.precond_ema)
         self._cache: dict = {}
         self._counts = defaultdict(int)
-        self._health = HealthReports(health_every)
+        self._health = HealthReports(self.options.health_every)
         self._no_forward: list = []
         self._empty: set = set()
         self._warned: set = set()
@@ -174,7 +136,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.describe().items())
         return f"DoPr({type(self.base).__name__}, {opts})"
 
     @torch.no_grad()
@@ -192,9 +154,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.collecting = self.collecting
         else:
             self.precondition()
-        if self.options["clip_precond_norm"] is not None:
+        if self.options.clip_precond_norm is not None:
             params = [p for g in self.base.param_groups for p in g["params"] if p.grad is not None]
-            self._last_clip_norm = float(torch.nn.utils.clip_grad_norm_(params, self.options["clip_precond_norm"]))
+            self._last_clip_norm = float(torch.nn.utils.clip_grad_norm_(params, self.options.clip_precond_norm))
         self.base.step()
         return loss
 
@@ -240,13 +202,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @property
     def warming_up(self) -> bool:
         """Whether the next step is one of the first ``warmup_steps`` (the GP alone)."""
-        return self._warmed < self.options["warmup_steps"]
+        return self._warmed < self.options.warmup_steps
 
     @property
     def collecting(self) -> bool:
         """Whether forwards now gather statistics: not while warming up; refresh steps only when
         precond_every > 1."""
-        return not self.warming_up and self._step % self.options["precond_every"] == 0
+        return not self.warming_up and self._step % self.options.precond_every == 0
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -261,6 +223,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
         self._precond_ema.pending.clear()                     # proposals of a step that raised are not kept
         self._grad_ema.pending.clear()
+        step = self._warmed + self._step                      # the optimizer's steps before this one
+        for ema, name in ((self._grad_ema, "grad_ema"), (self._precond_ema, "precond_ema")):
+            if ema.scheduled:                                 # a rate given as a function of the step
+                ema.beta = self.options.at(name, step)
         if self.collecting:                                   # a refresh step: new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
@@ -271,7 +237,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
                                 "or mask, an expert no token was routed to): their gradients go to the GP raw "
                                 "(see DoPr.stats()['no_samples'])")
-            batches = self._factor(groups, grads)             # Sigmabar, lambda, factors: nothing read back yet
+            batches = self._factor(groups, grads, self.options.at("damping", step))   # Sigmabar, lambda, factors:
+                                                                                      # nothing read back yet
             ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
                    for k, op in zip(keys, res)}
             ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
@@ -294,7 +261,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         for names, ms in solved:                              # written back as each layer's grad
             for name, m in zip(names, ms.unbind(0)):
                 self._helpers_now[name].set_grad(m)
-        if self.collecting and self.options["precond_every"] > 1:
+        if self.collecting and self.options.precond_every > 1:
             self._cache = solvers.cached(ops)
         self._counts["preconditioned"] += sum(len(names) for names, _ in solved)
         self._counts["steps"] += 1
@@ -302,9 +269,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.collecting = self.collecting
         self._capture.reset()
 
-    def _factor(self, groups: dict, grads: dict) -> list:
-        """[(group keys, finite, factors)] per batch of same-kind, same-size groups, factored in one
-        call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
+    def _factor(self, groups: dict, grads: dict, gamma: float) -> list:
+        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
+        (damping_mode's scale), factored in one call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
         solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read."""
         groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
@@ -315,13 +282,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         out = []
         for (kind, *_), items in batches.items():
             keys, stats, means = zip(*items)
-            batch, lam, finite = kind.prepare(list(means), self.options, self._solver)  # lambda, one stack per size
+            batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one stack
+                                              self._solver.finite_inputs)                   # per size
             if health:                                                             # on request (syncs)
                 gm = {n: h.grad_matrix() for n, h in grads.items()}
                 for i, (key, stat, mean) in enumerate(items):
                     if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
                         self._warn_once("health", warning)
-            out.append((keys, finite, kind.factor(batch, lam, self._solver, self.options, self._counts)))
+            out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
         self._counts["refreshes"] += 1
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out
@@ -365,7 +333,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             for i, n in enumerate(names):
                 grads[n].read_grad(g[i])
             flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
-            if self._grad_ema.beta:
+            if self._grad_ema.on:
                 g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
             solved.append((names, solvers.apply_stack([members[n] for n in names], g)))
         return solved, flags
@@ -406,7 +374,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if not bad:
             return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
-        if self.options["on_nonfinite"] == "raise":
+        if self.options.on_nonfinite == "raise":
             raise FloatingPointError(f"non-finite {what} in DoPr layer(s) {names}")
         self._counts["nonfinite_skips"] += len(names)
         self._warn_once("nonfinite", f"non-finite {what} in {names}: AP skipped for them this step, "
@@ -480,20 +448,21 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             "precond_ema": self._precond_ema.state_dict(),
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
             "counts": dict(self._counts),
-            "options": dict(self.options),
+            "options": self.options.describe(),
         }
 
     def load_ap_state_dict(self, ours: dict) -> None:
         """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs)."""
-        differ = {k: (v, self.options.get(k)) for k, v in ours.get("options", {}).items()
-                  if k in self.options and self.options[k] != v}
+        mine = self.options.describe()
+        differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
+                  if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
         if differ:
             warnings.warn("DoPr.load_state_dict: the checkpoint was saved with other AP options: "
                           + ", ".join(f"{k}={a!r} (this optimizer: {b!r})" for k, (a, b) in sorted(differ.items()))
                           + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
                           stacklevel=3)
         self._step = ours["step"]
-        self._warmed = ours.get("warmed", self.options["warmup_steps"])  # older checkpoints: past any warm-up
+        self._warmed = ours.get("warmed", self.options.warmup_steps)  # older checkpoints: past any warm-up
         self._grad_ema.load_state_dict(ours["grad_ema"], self._helpers())
         self._precond_ema.load_state_dict(ours["precond_ema"])
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
@@ -509,7 +478,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.close()
 
     # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
                   "load_state_dict") for when in ("pre", "post")))
 
     def __getstate__(self) -> dict:
@@ -522,8 +491,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
         self.__dict__.setdefault("_empty", set())
-        self.options.setdefault("skip_layers", ())   # a copy pickled before the option existed
-        self._solver = solvers.SOLVERS[self.options["solver"]]
+        if isinstance(self.options, dict):   # a copy pickled when the options were a dict
+            self.options = DoPrOptions.from_dict(self.options)
+        self._solver = solvers.SOLVERS[self.options.solver]
+        self._factor_with = self._solver.bind(self.options)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()

@@ -1,6 +1,18 @@
-"""DoPr's options: their allowed values, one check that names the first bad one, and what the
-damping mode means."""
+"""DoPr's options, declared once: :class:`DoPrOptions` holds each option's default, its one-line
+meaning and its check. ``DoPr(model, base, options=None, **overrides)``, the factory's DoPr keywords,
+the ``ap`` config group's check (experiments/common/checks.py) and the options table of
+docs/library.md (:func:`options_table`) all read it.
+
+``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step, as kfac-pytorch's damping
+is: ``damping=lambda step: 1e-2 if step < 100 else 1e-4``. ``step`` counts the optimizer's steps
+taken before this one (0 on the first, warm-up steps included); the value is checked when it is read.
+"""
 from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -11,46 +23,170 @@ DAMPING_MODES = ("trace", "trace_per_dim", "absolute")
 CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 
+Schedule = Callable[[int], float]
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _option(default, doc: str, valid: Callable, rule, label: Optional[str] = None, show=str,
+            scheduled: bool = False):
+    """A field of DoPrOptions: ``doc`` its one-line meaning; ``valid(value)`` its check, ``rule`` (a
+    string, or a function giving one) what the error says it must be; ``label`` the error's name for
+    it; ``show`` how the error prints the value; ``scheduled``: it may be a function of the step."""
+    return field(default=default, metadata=dict(doc=doc, valid=valid, rule=rule, label=label, show=show,
+                                                 scheduled=scheduled))
+
+
+@dataclass(frozen=True)
+class DoPrOptions:
+    """The activation preconditioner's options (every keyword of ``DoPr`` besides model and base).
+
+    Frozen: ``options.replace(damping=1e-3)`` is a copy with one value changed, checked again. An
+    invalid value raises ``ValueError("Invalid <name>: <value> (<what it must be>)")``. The fields,
+    their defaults and meaning are listed below (generated from the field declarations).
+    """
+
+    damping: Union[float, Schedule] = _option(
+        1e-4, "gamma >= 0, the damping's scale (see damping_mode); may be a function of the step",
+        lambda v: _number(v) and 0.0 <= v < math.inf, "must be a finite number >= 0", scheduled=True)
+    damping_mode: str = _option(
+        "trace", "lambda = gamma * tr(Sigma) (trace, Algorithms 1-2), gamma * tr(Sigma) / d (trace_per_dim, "
+        "the appendix paragraph 'Damping') or gamma (absolute)",
+        lambda v: v in DAMPING_MODES, f"choose from {DAMPING_MODES}", show=repr)
+    grad_ema: Union[float, Schedule] = _option(
+        0.0, "EMA rate beta_g of G in [0, 1), bias-corrected; 0: the batch gradient; may be a function of the step",
+        lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)", scheduled=True)
+    precond_ema: Union[float, Schedule] = _option(
+        0.0, "EMA rate beta_Sigma of Sigma in [0, 1), bias-corrected; 0: the batch covariance (the paper's "
+        "default); may be a function of the step",
+        lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)", scheduled=True)
+    solver: str = _option(
+        "cholesky", "how (Sigma + lambda I)^-1 is applied: cholesky, eigh, rank1_diag, rankk_diag, newton_schulz "
+        "or any registered with dopr.solvers.register_solver",
+        lambda v: v in solvers.SOLVERS, lambda: f"choose from {tuple(solvers.SOLVERS)}", show=repr)
+    precond_every: int = _option(
+        1, "refactor every k steps, gathering statistics on those steps only, and reuse the cached inverse "
+        "in between; 1 is the exact algorithm",
+        lambda v: _integer(v) and v >= 1, "must be an integer >= 1")
+    conv2d: str = _option(
+        "full", "Conv2d covariance: full (im2col patches) or sua (channels, spatially uncorrelated)",
+        lambda v: v in CONV2D_MODES, f"choose from {CONV2D_MODES}", label="conv2d mode", show=repr)
+    homogeneous: bool = _option(
+        True, "layers with a bias append a constant 1 to their input (affine invariance)",
+        lambda v: isinstance(v, bool), "must be True or False", show=repr)
+    rank: int = _option(
+        8, "k, the number of eigen-directions rankk_diag keeps",
+        lambda v: _integer(v) and v >= 1, "must be an integer >= 1")
+    eigh_rcond: float = _option(
+        1e-6, "relative eigenvalue cutoff of the pseudo-inverse (eigh and the Cholesky fallback)",
+        lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)")
+    on_nonfinite: str = _option(
+        "skip", "a non-finite Sigma or G: skip (raw gradient to the GP for that layer and step, counted, "
+        "warned once) or raise",
+        lambda v: v in NONFINITE, f"choose from {NONFINITE}", show=repr)
+    warmup_steps: int = _option(
+        0, "the first k steps are the GP's alone (raw gradients, no statistics), the paper's advice for "
+        "adaLN-Zero models",
+        lambda v: _integer(v) and v >= 0, "must be an integer >= 0")
+    clip_precond_norm: Optional[float] = _option(
+        None, "clip the global norm of what the GP receives (M) after the AP; None: no clipping "
+        "(clip_grad_norm_ before step() clips G, not M)",
+        lambda v: v is None or (_number(v) and v > 0), "must be > 0 or None")
+    health_every: int = _option(
+        0, "every k-th refresh, a health report per dense layer in stats()['health'] (dopr/health.py); 0: never",
+        lambda v: _integer(v) and v >= 0, "must be an integer >= 0")
+    skip_layers: Tuple[str, ...] = _option(
+        (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
+        lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
+        "must be a list of module or class names", show=repr)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.skip_layers, str):
+            try:
+                object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+            except TypeError:
+                pass   # not iterable: the check below names it
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (f.metadata["scheduled"] and callable(value)):
+                check(f, value)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def names(cls) -> tuple:
+        """The options' names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, options) -> "DoPrOptions":
+        """From a mapping of (some) options, the rest at their defaults; an unknown name is a TypeError."""
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"unknown DoPr option(s) {unknown}; the options are {list(cls.names())}")
+        return cls(**options)
+
+    def replace(self, **overrides) -> "DoPrOptions":
+        """A copy with ``overrides`` applied (an unknown name is a TypeError), checked again."""
+        return type(self).from_dict({**self.as_dict(), **overrides})
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.names()}
+
+    # ------------------------------------------------------------------ reading
+    def at(self, name: str, step: int):
+        """The value of option ``name`` at ``step`` (a function of the step is called and its value checked)."""
+        value = getattr(self, name)
+        if callable(value):
+            value = value(step)
+            check(_FIELDS[name], value, f" at step {step}")
+        return value
+
+    def __getitem__(self, name: str):
+        """``options["damping"]``, as when DoPr's options were a dict."""
+        if name not in _FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def describe(self) -> dict:
+        """Plain values for a checkpoint, a log or a report: a function of the step as its name
+        (``"<function of the step: schedule>"``), the rest as they are."""
+        return {k: f"<function of the step: {getattr(v, '__qualname__', type(v).__name__)}>" if callable(v) else v
+                for k, v in self.as_dict().items()}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DoPrOptions)}
+
+
+def check(f: dataclasses.Field, value, where: str = "") -> None:
+    """Raise ValueError naming the option and the bad value: ``Invalid damping: -1.0 (must be ...)``."""
+    m = f.metadata
+    if not m["valid"](value):
+        rule = m["rule"]() if callable(m["rule"]) else m["rule"]
+        raise ValueError(f"Invalid {m['label'] or f.name}: {m['show'](value)}{where} ({rule})")
+
 
 def check_options(options: dict) -> dict:
-    """Raise ValueError naming the first invalid option of DoPr (see its docstring for each); the
-    options, skip_layers as a tuple."""
-    (damping, damping_mode, grad_ema, precond_ema, solver, precond_every, conv2d, homogeneous, rank, eigh_rcond,
-     on_nonfinite, warmup_steps, clip_precond_norm, health_every) = (options.get(k) for k in (
-        "damping", "damping_mode", "grad_ema", "precond_ema", "solver", "precond_every", "conv2d", "homogeneous",
-        "rank", "eigh_rcond", "on_nonfinite", "warmup_steps", "clip_precond_norm", "health_every"))
-    if health_every is not None and not (isinstance(health_every, int) and not isinstance(health_every, bool)
-                                         and health_every >= 0):
-        raise ValueError(f"Invalid health_every: {health_every} (must be an integer >= 0)")
-    if not (isinstance(damping, (int, float)) and not isinstance(damping, bool) and 0.0 <= damping < float("inf")):
-        raise ValueError(f"Invalid damping: {damping} (must be a finite number >= 0)")
-    if damping_mode not in DAMPING_MODES:
-        raise ValueError(f"Invalid damping_mode: {damping_mode!r} (choose from {DAMPING_MODES})")
-    for nm, beta in (("grad_ema", grad_ema), ("precond_ema", precond_ema)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid {nm}: {beta} (must be in [0, 1))")
-    if solver not in solvers.SOLVERS:
-        raise ValueError(f"Invalid solver: {solver!r} (choose from {tuple(solvers.SOLVERS)})")
-    if not (isinstance(precond_every, int) and precond_every >= 1):
-        raise ValueError(f"Invalid precond_every: {precond_every} (must be an integer >= 1)")
-    if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0):
-        raise ValueError(f"Invalid warmup_steps: {warmup_steps} (must be an integer >= 0)")
-    if clip_precond_norm is not None and not (isinstance(clip_precond_norm, (int, float)) and clip_precond_norm > 0):
-        raise ValueError(f"Invalid clip_precond_norm: {clip_precond_norm} (must be > 0 or None)")
-    if conv2d not in CONV2D_MODES:
-        raise ValueError(f"Invalid conv2d mode: {conv2d!r} (choose from {CONV2D_MODES})")
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
-        raise ValueError(f"Invalid rank: {rank} (must be an integer >= 1)")
-    if not (isinstance(eigh_rcond, (int, float)) and 0.0 <= eigh_rcond < 1.0):
-        raise ValueError(f"Invalid eigh_rcond: {eigh_rcond} (must be in [0, 1))")
-    if not isinstance(homogeneous, bool):
-        raise ValueError(f"Invalid homogeneous: {homogeneous!r} (must be True or False)")
-    skip_layers = options.get("skip_layers", ())
-    if isinstance(skip_layers, str) or not all(isinstance(k, str) and k for k in skip_layers):
-        raise ValueError(f"Invalid skip_layers: {skip_layers!r} (must be a list of module or class names)")
-    if on_nonfinite not in NONFINITE:
-        raise ValueError(f"Invalid on_nonfinite: {on_nonfinite!r} (choose from {NONFINITE})")
-    return {**options, "skip_layers": tuple(skip_layers)}
+    """The options of a mapping, checked (each as DoPrOptions checks it), as a dict: skip_layers a tuple,
+    the others at their defaults where ``options`` leaves them out."""
+    return DoPrOptions.from_dict(options).as_dict()
+
+
+def options_table() -> str:
+    """The Markdown table of DoPr's options (docs/library.md holds it; a test keeps the two equal)."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(DoPrOptions):
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+DoPrOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
+    f"    - ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in dataclasses.fields(DoPrOptions))
 
 
 def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:

@@ -24,6 +24,8 @@ it). Every solver takes a batch of same-size covariances and factors them in one
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -348,8 +350,9 @@ def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
 class Solver:
     """A solver by name: the kind of statistic it consumes ("dense" or "moments", see
     dopr.statistics.STATISTICS; embeddings always use the exact diagonal one) and, for dense
-    statistics, its batched factorisation ``factor(sigma, lam, options, counts)``: a list of operators, or
-    a :class:`Deferred` whose trouble flags the optimizer reads with everything else in one sync."""
+    statistics, its batched factorisation ``factor(sigma, lam, counts, **values)``: a list of operators,
+    or a :class:`Deferred` whose trouble flags the optimizer reads with everything else in one sync.
+    ``values`` are the DoPr options named in ``options`` (e.g. ``("eigh_rcond",)``), and only those."""
 
     name: str
     statistic: str
@@ -358,18 +361,30 @@ class Solver:
     #: identity first, decided on the host. False: it copes (cholesky_ex flags it) and the optimizer
     #: leaves the member out after the step's one read-back.
     finite_inputs: bool = True
+    #: the DoPr options (dopr.options.DoPrOptions fields) that ``factor`` takes as keywords
+    options: tuple = ()
+
+    def bind(self, options) -> Optional[Callable]:
+        """``factor(sigma, lam, counts)`` with this solver's option values from ``options`` (a DoPrOptions)."""
+        if self.factor is None:
+            return None
+        return functools.partial(self.factor, **{k: getattr(options, k) for k in self.options})
 
 
 SOLVERS: dict = {}
 
 
-def register_solver(name: str, statistic: str, factor: Optional[Callable] = None, finite_inputs: bool = True) -> None:
-    SOLVERS[name] = Solver(name, statistic, factor, finite_inputs)
+def register_solver(name: str, statistic: str, factor: Optional[Callable] = None, finite_inputs: bool = True,
+                    options: tuple = ()) -> None:
+    """Add a solver: ``DoPr(..., solver=name)`` then factors with ``factor`` (see :class:`Solver`)."""
+    SOLVERS[name] = Solver(name, statistic, factor, finite_inputs, tuple(options))
 
 
-register_solver("cholesky", "dense", lambda sigma, lam, o, counts: CholeskyBatch(sigma, lam, o["eigh_rcond"]),
-                finite_inputs=False)
-register_solver("eigh", "dense", lambda sigma, lam, o, counts: factor_eigh(sigma, lam, o["eigh_rcond"]))
+register_solver("cholesky", "dense", lambda sigma, lam, counts, eigh_rcond: CholeskyBatch(sigma, lam, eigh_rcond),
+                finite_inputs=False, options=("eigh_rcond",))
+register_solver("eigh", "dense", lambda sigma, lam, counts, eigh_rcond: factor_eigh(sigma, lam, eigh_rcond),
+                options=("eigh_rcond",))
 register_solver("rank1_diag", "moments")
-register_solver("newton_schulz", "dense", lambda sigma, lam, o, counts: factor_newton_schulz(sigma, lam))
-register_solver("rankk_diag", "dense", lambda sigma, lam, o, counts: factor_rankk(sigma, lam, o["rank"]))
+register_solver("newton_schulz", "dense", lambda sigma, lam, counts: factor_newton_schulz(sigma, lam))
+register_solver("rankk_diag", "dense", lambda sigma, lam, counts, rank: factor_rankk(sigma, lam, rank),
+                options=("rank",))

@@ -59,18 +59,20 @@ class ActivationStatistics:
         raise NotImplementedError
 
     @classmethod
-    def prepare(cls, means: list, options: dict, solver=None) -> tuple:
+    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True) -> tuple:
         """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
-        :meth:`factor` takes, the damping of each member (a (B,) tensor) and whether its Sigma is finite
+        :meth:`factor` takes, the damping of each member (a (B,) tensor, from ``gamma`` and
+        ``damping_mode``, see dopr.options.damping) and whether its Sigma is finite
         (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
         every entry: O(d) to check). No host sync."""
         diags = torch.stack([cls.diagonal(m) for m in means])
-        return means, damping(options["damping"], options["damping_mode"], diags), diags.isfinite().all(-1)
+        return means, damping(gamma, damping_mode, diags), diags.isfinite().all(-1)
 
     @classmethod
-    def factor(cls, batch, lam: Tensor, solver, options: dict, counts: dict):
+    def factor(cls, batch, lam: Tensor, factor, counts: dict):
         """Operators M = G (Sigma + lam I)^-1 for a prepared batch, or a dopr.solvers.Deferred of them;
-        `solver` is the dopr.solvers.Solver chosen, retries and fallbacks are added to `counts`."""
+        `factor` is the chosen solver's factorisation with its options bound (dopr.solvers.Solver.bind;
+        dense statistics only), retries and fallbacks are added to `counts`."""
         raise NotImplementedError
 
 
@@ -113,16 +115,16 @@ class DenseCovariance(ActivationStatistics):
         return mean[0].diagonal()
 
     @classmethod
-    def prepare(cls, means: list, options: dict, solver=None) -> tuple:
+    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True) -> tuple:
         """One stack (a copy the solver may damp in place; a lone mean is the step's own) and batched
-        damping. For a solver that needs finite input (``Solver.finite_inputs``: eigh raises) a
+        damping. For a solver that needs finite input (``finite_inputs``, Solver.finite_inputs: eigh raises) a
         non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
         leaves that member out after the step's read-back either way."""
         sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
-        lam = damping(options["damping"], options["damping_mode"], diag)
-        if (solver is None or solver.finite_inputs) and not bool(finite.all()):
+        lam = damping(gamma, damping_mode, diag)
+        if finite_inputs and not bool(finite.all()):
             bad = ~finite
             sigma.masked_fill_(bad[:, None, None], 0.0)
             diag.add_(bad[:, None].to(sigma.dtype))
@@ -130,8 +132,8 @@ class DenseCovariance(ActivationStatistics):
         return sigma, lam, finite
 
     @classmethod
-    def factor(cls, sigma, lam: Tensor, solver, options: dict, counts: dict):
-        return solver.factor(sigma, lam.to(sigma.dtype), options, counts)
+    def factor(cls, sigma, lam: Tensor, factor, counts: dict):
+        return factor(sigma, lam.to(sigma.dtype), counts)
 
 
 class Moments(ActivationStatistics):
@@ -158,7 +160,7 @@ class Moments(ActivationStatistics):
         return mean[1]
 
     @classmethod
-    def factor(cls, means, lam: Tensor, solver, options: dict, counts: dict) -> list:
+    def factor(cls, means, lam: Tensor, factor, counts: dict) -> list:
         return [factor_rank1(m[0], m[1], x) for m, x in zip(means, lam.unbind(0))]
 
 
@@ -180,7 +182,7 @@ class Diagonal(ActivationStatistics):
         return mean[0]
 
     @classmethod
-    def factor(cls, means, lam: Tensor, solver, options: dict, counts: dict) -> list:
+    def factor(cls, means, lam: Tensor, factor, counts: dict) -> list:
         return [factor_diagonal(m[0], x) for m, x in zip(means, lam.unbind(0))]
 
 

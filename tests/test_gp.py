@@ -7,12 +7,12 @@ from torch import nn
 
 import dopr
 
-from dopr.gp import SGD, AdaMuon, HybridOptimizer, Signum, build_gp, mark_role, route_matrix_params
+from dopr.gp import GPS, SGD, AdaMuon, HybridOptimizer, Lion, Signum, build_gp, mark_role, register_gp, route_matrix_params
 from dopr.gp.newton_schulz import newton_schulz5
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
 
-GP_NAMES = ["sgd", "adamw", "muon", "signum", "adamuon"]
+GP_NAMES = ["sgd", "adamw", "muon", "signum", "adamuon", "lion"]
 
 
 def _step_with_grad(opt, p, grad):
@@ -291,7 +291,7 @@ def test_hybrid_state_dict_round_trip_is_bit_identical(name):
 # --- build_gp --------------------------------------------------------------------------------
 
 GP_SETTINGS = {"sgd": dict(lr=0.1), "adamw": dict(lr=1e-2), "muon": dict(lr=0.02),
-               "signum": dict(lr=1e-2), "adamuon": dict(lr=1e-2)}
+               "signum": dict(lr=1e-2), "adamuon": dict(lr=1e-2), "lion": dict(lr=1e-2)}
 
 
 @pytest.mark.parametrize("name", GP_NAMES)
@@ -310,7 +310,7 @@ def test_bad_learning_rate_raises_with_value(name):
         build_gp(Net(), name, lr=-1.0)
 
 
-@pytest.mark.parametrize("cls", [SGD, Signum, AdaMuon])
+@pytest.mark.parametrize("cls", [SGD, Signum, AdaMuon, Lion])
 def test_optimizer_rejects_bad_learning_rate(cls):
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0"):
         cls([nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
@@ -318,7 +318,7 @@ def test_optimizer_rejects_bad_learning_rate(cls):
 
 def test_unknown_gp_name_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        build_gp(Net(), "lion", lr=1e-3)
+        build_gp(Net(), "adafactor", lr=1e-3)
     assert all(name in str(err.value) for name in GP_NAMES)
 
 
@@ -440,3 +440,73 @@ def test_dopr_muon_hands_the_preconditioned_conv_gradient_to_muon_flattened():
     buf = muon.state[net.body.weight]["momentum_buffer"]
     torch.testing.assert_close(buf, 0.05 * m)      # B = (1 - mu) M after one step (mu = 0.95)
     assert not torch.equal(before, net.body.weight.detach())
+
+
+# --- the GP registry and Lion ----------------------------------------------------------------
+def test_every_registered_gp_is_in_the_standard_tests():
+    assert sorted(GPS) == sorted(GP_NAMES) == sorted(GP_SETTINGS)
+    assert set(dopr.names()) == set(GP_NAMES) | {f"dopr_{g}" for g in GP_NAMES}
+
+
+def test_a_new_gp_is_one_registry_line():
+    register_gp("heavy_ball", SGD)   # its keywords from the class's signature
+    try:
+        assert GPS["heavy_ball"].kwargs == {"momentum", "nesterov"}
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = dopr.build(model, "dopr_heavy_ball", lr=0.1, momentum=0.5, damping=1e-3)
+        assert isinstance(opt.base, SGD) and opt.options.damping == 1e-3
+        assert "dopr_heavy_ball" in dopr.names()
+    finally:
+        del GPS["heavy_ball"]
+
+
+def test_lion_follows_the_papers_update_rule_computed_by_hand():
+    """Chen et al. 2023, Algorithm 2, lr 0.1, betas (0.9, 0.99), weight decay 0.1, float64. The
+    gradients make sign(c_t) differ from sign(g_t) (step 2, entries 0 and 1) and tell a momentum kept
+    with beta2 from one kept with beta1 (step 3, entry 2: +1 with beta1, -1 with beta2)."""
+    p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    opt = Lion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.1)
+    grads = ([0.3, -0.1, 0.0], [-0.02, 0.005, 1.0], [0.0, 0.0, -0.5])
+    # c1 = 0.1 g1, sign [1, -1, 0]:             p1 = 0.99 p0 - 0.1 [1, -1, 0];   m1 = 0.01 g1 = [0.003, -0.001, 0]
+    # c2 = 0.9 m1 + 0.1 g2 = [7e-4, -4e-4, 0.1]: p2 = 0.99 p1 - 0.1 [1, -1, 1];  m2 = [0.00277, -0.00094, 0.01]
+    # c3 = 0.9 m2 + 0.1 g3 = [., ., -0.041]:    p3 = 0.99 p2 - 0.1 [1, -1, -1]
+    expected = ([0.89, -1.88, 0.495], [0.7811, -1.7612, 0.39005], [0.673289, -1.643588, 0.4861495])
+    for g, want in zip(grads, expected):
+        _step_with_grad(opt, p, torch.tensor(g, dtype=torch.float64))
+        torch.testing.assert_close(p.detach(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(opt.state[p]["exp_avg"], torch.tensor([0.0027423, -0.0009306, 0.0049], dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+
+
+def test_lion_rejects_bad_betas_naming_them():
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1.0"):
+        Lion([nn.Parameter(torch.zeros(2))], lr=1e-4, betas=(0.9, 1.0))
+
+
+def test_lion_state_dict_round_trip_is_bit_identical():
+    model, X, y = _regression_problem()
+    opt = build_gp(model, "lion", lr=1e-3, weight_decay=0.1)
+    _train(model, opt, X, y, steps=3)
+    model_sd, opt_sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train(model, opt, X, y, steps=3)
+    twin, _, _ = _regression_problem()
+    twin.load_state_dict(model_sd)
+    twin_opt = build_gp(twin, "lion", lr=1e-3, weight_decay=0.1)
+    twin_opt.load_state_dict(opt_sd)
+    _train(twin, twin_opt, X, y, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_dopr_wraps_lion_and_lion_receives_the_preconditioned_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = dopr.build(model, "dopr_lion", lr=1e-3, betas=(0.9, 0.99), damping=1e-3)
+    assert isinstance(opt.base, Lion)
+    seen = []
+    opt.base.register_step_pre_hook(lambda o, a, k: seen.append(model[0].weight.grad.clone()))
+    x = torch.randn(64, 6) * torch.logspace(0, 1, 6)
+    model(x).pow(2).sum().backward()
+    raw = model[0].weight.grad.clone()
+    opt.step()
+    assert opt.stats()["preconditioned"] == 2 and not torch.allclose(seen[0], raw)

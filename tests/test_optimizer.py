@@ -320,7 +320,7 @@ def test_every_gp_plain_and_dopr_lowers_the_loss_and_the_ap_really_runs(name):
     w = torch.randn(8, 4)
     x = torch.randn(256, 8) * torch.logspace(0, 1, 8)  # anisotropic inputs
     y = torch.tanh(x @ w)
-    lr = {"sgd": 0.05, "signum": 3e-3, "adamw": 3e-3, "muon": 0.02, "adamuon": 0.01}[name.removeprefix("dopr_")]
+    lr = {"sgd": 0.05, "signum": 3e-3, "adamw": 3e-3, "muon": 0.02, "adamuon": 0.01, "lion": 3e-3}[name.removeprefix("dopr_")]
     opt = dopr.build(model, name, lr=lr)
     seen = {}
     if isinstance(opt, DoPr):
@@ -375,11 +375,11 @@ def test_a_new_solver_is_a_registry_entry_not_a_change_to_the_step():
 
     calls = []
 
-    def counted(sigma, lam, options, counts):
+    def counted(sigma, lam, counts, eigh_rcond):   # the options it names, not all of DoPr's
         calls.append(sigma.shape)
-        return solvers.factor_cholesky(sigma, lam, options["eigh_rcond"], counts)
+        return solvers.factor_cholesky(sigma, lam, eigh_rcond, counts)
 
-    solvers.register_solver("counted_cholesky", "dense", counted)
+    solvers.register_solver("counted_cholesky", "dense", counted, options=("eigh_rcond",))
     try:
         out = {}
         for name in ("cholesky", "counted_cholesky"):

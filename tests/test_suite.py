@@ -259,15 +259,12 @@ def test_every_tuned_preset_composes(tuned, compose):
         assert "damping_mode" in text or "damping_mode" in (CONF / "tuned" / f"{base}.yaml").read_text()
 
 
-def test_ap_config_and_dopr_signature_cannot_drift_apart():
-    import inspect
+def test_ap_config_and_dopr_options_cannot_drift_apart():
+    from dopr.options import DoPrOptions
 
-    from dopr import DoPr
-
-    sig = {k: p.default for k, p in inspect.signature(DoPr.__init__).parameters.items()
-           if k not in ("self", "model", "base")}
     ap = OmegaConf.to_container(OmegaConf.load(CONF / "ap" / "default.yaml"))
-    assert {k: tuple(v) if isinstance(v, list) else v for k, v in ap.items()} == sig
+    assert list(ap) == list(DoPrOptions.names())   # every option, in the dataclass's order
+    assert DoPrOptions.from_dict(ap) == DoPrOptions()   # at its default
 
 
 @pytest.mark.slow
@@ -334,3 +331,44 @@ def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path)
     other = _run_py("-m", "task=feature_learning", "optim=signum", "debug=default", "skip_finished=true",
                     f"hydra.sweep.dir={tmp_path}")
     assert other.returncode != 0 and "not ['task=feature_learning', 'optim=signum'" in other.stderr
+
+
+# ------------------------------------------------------------------ the optim group: (gp, ap)
+def test_every_registered_gp_has_its_plain_config_and_the_generated_dopr_one(compose):
+    from dopr.gp import GPS
+    from experiments.common.optim import dopr_config_text, main, optim_identity
+
+    assert main(["--check"]) == 0   # every conf/optim/dopr_<gp>.yaml is what the generator writes
+    for gp in GPS:
+        plain = compose(f"optim={gp}").optim
+        assert (plain.name, plain.gp, plain.ap) == (gp, gp, False)
+        wrapped = compose(f"optim=dopr_{gp}").optim
+        assert (CONF / "optim" / f"dopr_{gp}.yaml").read_text() == dopr_config_text(gp)
+        assert optim_identity(wrapped) == (gp, True)
+        assert {k: v for k, v in wrapped.items() if k not in ("name", "ap")} == \
+               {k: v for k, v in plain.items() if k not in ("name", "ap")}   # the plain GP's arguments
+    wrapped_files = {p.stem.removeprefix("dopr_") for p in (CONF / "optim").glob("dopr_*.yaml")}
+    assert wrapped_files == set(GPS)   # no dopr_<gp> without its GP
+
+
+def test_the_generator_writes_a_missing_dopr_config(tmp_path):
+    from experiments.common.optim import dopr_config_text, main
+
+    (tmp_path / "optim").mkdir()
+    for p in (CONF / "optim").glob("*.yaml"):
+        if p.stem != "dopr_lion":
+            (tmp_path / "optim" / p.name).write_text(p.read_text())
+    assert main(["--check"], conf=tmp_path) == 1
+    assert main([], conf=tmp_path) == 0
+    assert (tmp_path / "optim" / "dopr_lion.yaml").read_text() == dopr_config_text("lion")
+
+
+def test_the_identity_of_an_optim_config_is_read_through_one_helper(compose):
+    from experiments.common.checks import refuse_bad_optimizer_values
+    from experiments.common.optim import optim_identity
+
+    assert optim_identity({"name": "dopr_muon"}) == ("muon", True)   # a run's config from before the keys
+    with pytest.raises(ValueError, match=r"optim.name=adamw but optim.gp=adamw with optim.ap=true is dopr_adamw"):
+        optim_identity(compose("optim=adamw", "optim.ap=true").optim)
+    with pytest.raises(ConfigError, match=r"optim.name=adamw but .* choose optim=dopr_adamw"):
+        refuse_bad_optimizer_values(compose("optim=adamw", "optim.ap=true"))

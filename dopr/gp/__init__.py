@@ -1,36 +1,59 @@
 """Gradient preconditioners (GPs): the optimizers that take the step after DoPr's activation
 preconditioner has rewritten the gradients."""
 
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
 import torch
 from torch import nn
 
 from .adamuon import AdaMuon
+from .lion import Lion
 from .muon import HybridOptimizer, Muon, mark_role, route_matrix_params
 from .newton_schulz import newton_schulz5
 from .sgd import SGD
 from .signum import Signum
 
-__all__ = ["SGD", "Signum", "AdaMuon", "Muon", "HybridOptimizer", "mark_role", "route_matrix_params", "newton_schulz5",
-           "build_gp"]
+__all__ = ["SGD", "Signum", "Lion", "AdaMuon", "Muon", "HybridOptimizer", "mark_role", "route_matrix_params", "newton_schulz5",
+           "GPS", "GradientPreconditioner", "register_gp", "build_gp"]
 
-# Keyword arguments each GP accepts in build_gp, besides lr and weight_decay.
-GP_KWARGS = {
-    "sgd": {"momentum", "nesterov"},
-    "adamw": {"betas", "eps"},
-    "signum": {"momentum"},
-    "muon": {"momentum", "nesterov", "adjust_lr_fn", "ns_steps",
-             "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names", "conv"},
-    "adamuon": {"momentum", "nesterov", "beta2", "ns_steps", "adjust_lr_fn",
-                "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names", "conv"},
-}
+
+@dataclass(frozen=True)
+class GradientPreconditioner:
+    """A GP by name: ``build(params, lr=, weight_decay=, **kwargs)`` makes it, over a list of
+    parameters (or param groups), or over the ``nn.Module`` itself when ``needs_module`` (Muon's
+    hybrids route parameters by module); ``kwargs`` are the keywords it takes besides lr and
+    weight_decay."""
+
+    name: str
+    build: Callable
+    kwargs: frozenset
+    needs_module: bool = False
+
+
+GPS: dict = {}
+
+
+def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = None,
+                needs_module: bool = False) -> None:
+    """Add a GP: ``build_gp(model, name, lr=...)`` and ``dopr.build(model, name)`` / ``"dopr_" + name``
+    then make it. ``build`` is a ``torch.optim.Optimizer`` class or a function with its constructor's
+    form; ``kwargs`` defaults to its keyword parameters besides the first (the parameters), lr and
+    weight_decay."""
+    if kwargs is None:
+        params = list(inspect.signature(build).parameters.values())[1:]
+        kwargs = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    GPS[name] = GradientPreconditioner(name, build, frozenset(kwargs) - {"lr", "weight_decay"}, needs_module)
 
 
 def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float = 0.0,
              **kwargs) -> torch.optim.Optimizer:
     """Build the gradient preconditioner ``name`` over the trainable parameters of a model.
 
-    ``name`` is one of "sgd", "adamw", "signum" (an ``nn.Module`` or an iterable of
-    parameters / param groups), or "muon", "adamuon" (an ``nn.Module`` only). The last two
+    ``name`` is a registered GP (:data:`GPS`): "sgd", "adamw", "signum", "lion" (an ``nn.Module`` or
+    an iterable of parameters / param groups), or "muon", "adamuon" (an ``nn.Module`` only). The last two
     return a :class:`HybridOptimizer`: Muon / AdaMuon on the hidden ``nn.Linear`` weights
     (see :func:`route_matrix_params`; ``input_layer="muon"`` adds the input layer) and AdamW, at
     ``adamw_lr`` (default ``lr``), on the rest; a member with no parameters is left out.
@@ -40,30 +63,22 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
     to AdaMuon too). Keywords a GP does not take raise ``TypeError``.
     """
-    if name not in GP_KWARGS:
+    gp = GPS.get(name)
+    if gp is None:
         raise ValueError(f"Unknown gradient preconditioner {name!r}; "
-                         f"valid names: {list(GP_KWARGS)}")
-    unknown = sorted(set(kwargs) - GP_KWARGS[name])
+                         f"valid names: {list(GPS)}")
+    unknown = sorted(set(kwargs) - gp.kwargs)
     if unknown:
         raise TypeError(f"Unexpected arguments for GP {name!r}: {unknown}; "
-                        f"it accepts {sorted(GP_KWARGS[name])}")
+                        f"it accepts {sorted(gp.kwargs)}")
 
     source = model_or_params_source
-    if name in ("muon", "adamuon"):
-        if not isinstance(source, nn.Module):
-            raise TypeError(f"GP {name!r} routes parameters by module and needs an nn.Module, "
-                            f"got {type(source).__name__}")
-        return _build_hybrid(source, name, lr, weight_decay, **kwargs)
-
-    if isinstance(source, nn.Module):
-        params = [p for p in source.parameters() if p.requires_grad]
-    else:
-        params = source
-    if name == "sgd":
-        return SGD(params, lr, weight_decay=weight_decay, **kwargs)
-    if name == "signum":
-        return Signum(params, lr, weight_decay=weight_decay, **kwargs)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kwargs)
+    if gp.needs_module and not isinstance(source, nn.Module):
+        raise TypeError(f"GP {name!r} routes parameters by module and needs an nn.Module, "
+                        f"got {type(source).__name__}")
+    if not gp.needs_module and isinstance(source, nn.Module):
+        source = [p for p in source.parameters() if p.requires_grad]
+    return gp.build(source, lr=lr, weight_decay=weight_decay, **kwargs)
 
 
 def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, ns_steps=5,
@@ -88,3 +103,16 @@ def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, n
         raise ValueError("optimizer got an empty parameter list: the model has no trainable "
                          "parameters")
     return HybridOptimizer(members)
+
+
+# Keyword arguments of the hybrids, besides lr and weight_decay.
+_HYBRID_KWARGS = {"momentum", "nesterov", "adjust_lr_fn", "ns_steps",
+                  "betas", "eps", "adamw_lr", "head_names", "input_layer", "input_names", "conv"}
+
+register_gp("sgd", SGD)
+register_gp("adamw", torch.optim.AdamW, kwargs=("betas", "eps"))
+register_gp("muon", functools.partial(_build_hybrid, name="muon"), _HYBRID_KWARGS, needs_module=True)
+register_gp("signum", Signum)
+register_gp("adamuon", functools.partial(_build_hybrid, name="adamuon"), _HYBRID_KWARGS | {"beta2"},
+            needs_module=True)
+register_gp("lion", Lion)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+import dopr.gp
+from dopr import optimizer_name
 from experiments.common.report import save_figure, write_table
 from experiments.common.stats import best_per, bootstrap, dopr_vs_gp, group_runs
 
-GPS = ("adamw", "muon", "signum", "adamuon")
+GPS = tuple(g for g in dopr.gp.GPS if g != "sgd")   # the figures' columns, of those that ran
 TABLE_COLUMNS = ["optimizer", "num_trajectories", "seeds", "episodes", "return_mean", "return_q10", "return_q50",
                  "return_q90", "seed_return_min", "seed_return_median", "seed_return_max", "train_loss", "val_loss",
                  "lr", "weight_decay", "damping", "grad_ema", "precond_ema",
@@ -89,10 +91,10 @@ def bc(records, out_dir, stamp) -> None:
                 out_dir / f"{task}_timing", stamp,
                 f"{env}: seconds per BC job (1000 steps + evaluation episodes), 1 torch thread per job")
 
-    gps = [gp for gp in GPS if any(k[0] in (gp, f"dopr_{gp}") for k in by)]
+    gps = [gp for gp in GPS if any(k[0] in (gp, optimizer_name(gp, True)) for k in by)]
     fig, axes = plt.subplots(3, len(gps), figsize=(3.6 * len(gps), 8.5), squeeze=False, sharex=True)
     for j, gp in enumerate(gps):
-        for name, style, shift in ((gp, "--", -0.6), (f"dopr_{gp}", "-", 0.6)):
+        for name, style, shift in ((gp, "--", -0.6), (optimizer_name(gp, True), "-", 0.6)):
             pts = sorted((n, r) for (o, n), r in by.items() if o == name)
             if not pts:
                 continue
@@ -144,7 +146,7 @@ def sensitivity(records, out_dir, stamp) -> None:
                 f"{env}: DoPr over AP damping x EMA of G and Sigma, the plain GPs beside them (bootstrap return, "
                 f"per-seed mean return min/median/max, DoPr's Cholesky retries summed over seeds)")
     counts = sorted({r["num_trajectories"] for r in rows})
-    gps = [gp for gp in GPS if any(r["optimizer"] == f"dopr_{gp}" for r in rows)]
+    gps = [gp for gp in GPS if any(r["optimizer"] == optimizer_name(gp, True) for r in rows)]
     fig, axes = plt.subplots(len(counts), len(gps), figsize=(4.2 * len(gps), 3.6 * len(counts)), squeeze=False)
     for i, n in enumerate(counts):
         for j, gp in enumerate(gps):
@@ -153,12 +155,12 @@ def sensitivity(records, out_dir, stamp) -> None:
                 ax.axhspan(base["seed_return_min"], base["seed_return_max"], color="0.85", label=f"{gp} (seeds)")
                 ax.axhline(base["seed_return_median"], color="0.5", lw=1)
             for ema, style in ((0.0, "-o"), (0.9, "--s")):
-                pts = sorted((r["damping"], r) for r in rows if r["optimizer"] == f"dopr_{gp}"
+                pts = sorted((r["damping"], r) for r in rows if r["optimizer"] == optimizer_name(gp, True)
                              and r["num_trajectories"] == n and r["grad_ema"] == ema)
                 if not pts:
                     continue
                 x = np.array([d for d, _ in pts])
-                line, = ax.plot(x, [r["seed_return_median"] for _, r in pts], style, ms=4, label=f"dopr_{gp}, EMA {ema:g}")
+                line, = ax.plot(x, [r["seed_return_median"] for _, r in pts], style, ms=4, label=f"{optimizer_name(gp, True)}, EMA {ema:g}")
                 c = line.get_color()
                 ax.fill_between(x, [r["seed_return_min"] for _, r in pts], [r["seed_return_max"] for _, r in pts],
                                 color=c, alpha=0.15)

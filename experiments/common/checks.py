@@ -91,12 +91,20 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
     for i, beta in enumerate(optim.get("betas") or []):
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             raise ConfigError(f"optim.betas[{i}]={beta}: must be in [0, 1)")
-    if str(optim.get("name", "")).startswith("dopr_") and "ap" in cfg:
+    if "name" not in optim:
+        return
+    from .optim import optim_identity
+
+    try:
+        _, ap = optim_identity(optim)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if ap and "ap" in cfg:
         from dopr.options import check_options
 
         try:
             check_options(OmegaConf.to_container(cfg.ap, resolve=True))
-        except (ValueError, KeyError) as e:
+        except (ValueError, TypeError) as e:
             raise ConfigError(f"the ap group (conf/ap/): {e}".replace("Invalid ", "ap.", 1)) from e
 
 

@@ -29,6 +29,8 @@ from omegaconf import open_dict
 import dopr
 from dopr.health import WEAK_SHARE_WARNING
 
+from .optim import optim_identity
+
 COLUMNS = ["sweep", "task", "optimizer", "model", "batch", "params_M", "loss_first", "loss_last", "falls",
            "preconditioned", "weak_layers", "worst_weak_share", "step_s", "param_MB", "opt_state_MB",
            "dopr_state_MB", "peak_rss_MB", "verdict"]
@@ -86,7 +88,7 @@ def rehearse(cfg, run, model: torch.nn.Module, loss_fn, model_name: str, batch: 
     # health reports (one eigh per layer) on the first and last steps, unless the task says the eigh at its
     # widths costs too much here (task.rehearsal.health=false: the table then says "not measured")
     health = bool(cfg.task.rehearsal.get("health", True))
-    if cfg.optim.name.startswith("dopr_") and health:
+    if optim_identity(cfg.optim)[1] and health:
         with open_dict(cfg):
             cfg.ap.health_every = steps - 1
     fresh = reset_peak_memory(run.device)   # the model is built: the peak counts from its weights on

@@ -26,6 +26,7 @@ import dopr
 
 from .distributed import is_main, world
 from .loop import Clock
+from .optim import gp_arguments, optim_identity
 from .provenance import atomic_write, git_revision, package_versions
 
 
@@ -44,13 +45,14 @@ def pick_device(name: str) -> torch.device:
 def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
     """dopr.build from the `optim` group (name and GP arguments) and, for the dopr_* optimizers,
     the `ap` group (the AP's options)."""
-    kwargs = OmegaConf.to_container(cfg.optim, resolve=True)
-    name = kwargs.pop("name")
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    gp, ap = optim_identity(optim)
+    kwargs = gp_arguments(optim)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if name.startswith("dopr_"):
+    if ap:
         kwargs.update(OmegaConf.to_container(cfg.ap, resolve=True))
-    return dopr.build(model, name, **kwargs)
+    return dopr.build(model, dopr.optimizer_name(gp, ap), **kwargs)
 
 
 def numpy_array_globals() -> list:
@@ -215,7 +217,7 @@ DOPR_COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factor
 
 def ap_record(cfg: DictConfig) -> dict:
     """The AP settings of a dopr_* run (damping None for a GP alone), for the reports' grouping."""
-    if not cfg.optim.name.startswith("dopr_"):
+    if not optim_identity(cfg.optim)[1]:
         return {"damping": None}
     return {"damping": float(cfg.ap.damping), "grad_ema": float(cfg.ap.grad_ema),
             "precond_ema": float(cfg.ap.precond_ema), "warmup_steps": int(cfg.ap.warmup_steps)}
@@ -226,7 +228,7 @@ def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:
     damping form, Muon's step scale and which layers it gets) and DoPr's counters (summed over the
     job's DoPr optimizers), so an effective damping other than the table's shows (Cholesky retries)."""
     conventions = {k: cfg.optim[k] for k in ("adjust_lr_fn", "input_layer") if k in cfg.optim}
-    if cfg.optim.name.startswith("dopr_"):
+    if optim_identity(cfg.optim)[1]:
         conventions["damping_mode"] = cfg.ap.damping_mode
     out = {"conventions": conventions}
     stats = [o.stats() for o in optimizers if isinstance(o, dopr.DoPr)]

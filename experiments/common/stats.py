@@ -8,6 +8,8 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from dopr import optimizer_name, split_name
+
 
 def bootstrap(outcomes, trials: int = 1000, sample_size: Optional[int] = None, seed: int = 0) -> dict:
     """Algorithm "Bootstrap Mean Estimation": outcomes pooled over checkpoints (and seeds); `trials`
@@ -67,13 +69,13 @@ def dopr_vs_gp(best: dict, gps: Optional[Iterable[str]], cell: str, score: str, 
     optimizers' intervals overlap), and gp_<k>, dopr_<k> for each key in `carry` (or each {k: row key}
     of a dict)."""
     if gps is None:
-        gps = sorted({k[0] for k in best if not k[0].startswith("dopr_")})
+        gps = sorted({k[0] for k in best if not split_name(k[0])[1]})
     carry = carry if isinstance(carry, dict) else {k: k for k in carry}
     out = []
     cells = sorted({k[1] for k in best})
     for gp in gps:
         for c in cells:
-            base, dp = best.get((gp, c)), best.get((f"dopr_{gp}", c))
+            base, dp = best.get((gp, c)), best.get((optimizer_name(gp, True), c))
             if not (base and dp):
                 continue
             a, b = base[score], dp[score]

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from dopr import split_name
 from experiments.common.report import save_figure, write_table
 from experiments.common.stats import group_runs, mean_and_error
 
@@ -59,9 +60,10 @@ def sft(records, out_dir, stamp) -> None:
     rows, benchmarks = sweep_rows(records)
     base = {(r["optimizer"], r["lr"]): r for r in rows}
     for row in rows:  # DoPr's gain over its GP at the same learning rate
-        gp = base.get((row["optimizer"].removeprefix("dopr_"), row["lr"]))
+        name, ap = split_name(row["optimizer"])
+        gp = base.get((name, row["lr"]))
         for b in benchmarks:
-            row[f"{b}_delta"] = row[b] - gp[b] if row["optimizer"].startswith("dopr_") and gp else ""
+            row[f"{b}_delta"] = row[b] - gp[b] if ap and gp else ""
     columns = ["optimizer", "lr_index", "lr", "seeds", "val_nll", "val_nll_se", "train_loss"]
     columns += [c for b in benchmarks for c in (b, f"{b}_se", f"{b}_delta")]
     write_table(rows, columns, out_dir / task, stamp,

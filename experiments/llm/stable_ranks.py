@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from dopr import split_name
 from dopr.ranks import activation_stable_rank, nuclear_rank, stable_rank
+from experiments.common.optim import optim_identity
 
 QUANTITIES = ("nuclear_rank_G", "nuclear_rank_M", "stable_rank_Sigma", "activation_stable_rank_Sigma",
               "stable_rank_W")
@@ -99,7 +101,7 @@ def measure(job: Path, batches: int = 1) -> list:
     out.loss.backward()
     for h in handles:
         h.remove()
-    gamma = float(cfg.ap.damping) if str(cfg.optim.name).startswith("dopr_") else 1e-4
+    gamma = float(cfg.ap.damping) if optim_identity(cfg.optim)[1] else 1e-4
     rows = []
     for name, mod in factors.items():
         s, count = sums[name]
@@ -118,10 +120,10 @@ def ratio_table(rows: list) -> list:
     min-max, and in how many of the group's layers DoPr's ratio is the lower. Closing rows per
     ratio: the mean over groups and the number of groups (and of factors) where DoPr is lower."""
     runs = sorted({r["run"] for r in rows})
-    dopr = next((r for r in runs if r.startswith("dopr_") and r.removeprefix("dopr_") in runs), None)
+    dopr = next((r for r in runs if split_name(r)[1] and split_name(r)[0] in runs), None)
     if dopr is None:
         raise ValueError(f"the ratio table needs a GP run and its DoPr run, got runs {runs}")
-    gp = dopr.removeprefix("dopr_")
+    gp = split_name(dopr)[0]
     out = []
     for num, den in RATIOS:
         per: dict = {}
@@ -189,9 +191,9 @@ def figure(rows: list, path: Path, stamp: str) -> None:
         ax.set(title=q.replace("_", " "), yscale="log", xticks=x + 0.4 - width / 2)
         ax.set_xticklabels(groups, rotation=60, fontsize=6)
         ax.legend(fontsize=6)
-        dopr = [r for r in runs if r.startswith("dopr_")]
-        if dopr and dopr[0].removeprefix("dopr_") in runs:
-            gp = dopr[0].removeprefix("dopr_")
+        dopr = [r for r in runs if split_name(r)[1]]
+        if dopr and split_name(dopr[0])[0] in runs:
+            gp = split_name(dopr[0])[0]
             diff.bar(x, [mean[(dopr[0], g, q)] - mean[(gp, g, q)] for g in groups], 0.6, color="gray")
             diff.axhline(0, color="k", lw=0.5)
             diff.set_title(f"{dopr[0]} minus {gp}", fontsize=7)

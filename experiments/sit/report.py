@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from dopr import optimizer_name, split_name
 from experiments.common.report import save_figure, seed_band, write_table
 from experiments.common.stats import dopr_vs_gp, group_runs
 
@@ -34,7 +35,7 @@ def _worst(quality) -> float:
 def panel_title(settings) -> str:
     """The quality panel's title names the optimizers it shows: "adamw vs dopr_adamw" for a pair, the one
     name for a single-arm sweep (a tuning sweep of the GP alone is not a comparison)."""
-    names = sorted({name for name, _ in settings}, key=lambda n: (n.startswith("dopr_"), n))
+    names = sorted({name for name, _ in settings}, key=lambda n: (split_name(n)[1], n))
     return " vs ".join(names) + ": sample quality"
 
 
@@ -96,10 +97,10 @@ def quality(records, out_dir, stamp) -> None:
     for r in records:
         if r["summary"]["quality_curve"]:
             by_opt[(r["summary"]["optim"], r["summary"]["lr"])].append(r)
-    gps = sorted({n.removeprefix("dopr_") for n, _ in by_opt})
+    gps = sorted({split_name(n)[0] for n, _ in by_opt})
     fig, axes = plt.subplots(2, len(gps), figsize=(5.5 * len(gps), 7.5), squeeze=False)
     for j, gp in enumerate(gps):
-        settings = sorted(key for key in by_opt if key[0] in (gp, f"dopr_{gp}"))
+        settings = sorted(key for key in by_opt if key[0] in (gp, optimizer_name(gp, True)))
         several = len(settings) > len({name for name, _ in settings})
         for k, (name, lr) in enumerate(settings):
             rs = by_opt[(name, lr)]

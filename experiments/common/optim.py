@@ -1,0 +1,72 @@
+"""The `optim` config group: an optimizer's identity, and the generated `dopr_<gp>` configs.
+
+A plain GP's config (`conf/optim/<gp>.yaml`) says `name: <gp>`, `gp: <gp>`, `ap: false` and the GP's
+arguments; `conf/optim/dopr_<gp>.yaml` is generated from it (`python -m experiments.common.optim`
+writes the missing ones, `--check` says which differ; tests/test_suite.py checks every registered GP):
+the plain config with `name: dopr_<gp>` and `ap: true`. Every reader of which optimizer a run uses
+calls :func:`optim_identity`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dopr import optimizer_name, split_name
+from dopr.gp import GPS
+
+from .provenance import ROOT
+
+#: keys of the `optim` group that say which optimizer, not what it is given
+IDENTITY_KEYS = ("name", "gp", "ap")
+
+
+def optim_identity(optim) -> tuple:
+    """(gp, ap) of an `optim` config (a DictConfig or dict): its `gp` and `ap` keys, which must agree
+    with its `name`; a config written before those keys (an earlier run's .hydra/config.yaml) by its name."""
+    name = str(optim["name"])
+    if "gp" not in optim and "ap" not in optim:
+        return split_name(name)
+    gp, ap = str(optim.get("gp")), optim.get("ap")
+    if not isinstance(ap, bool):
+        raise ValueError(f"optim.ap={ap}: must be true or false")
+    if optimizer_name(gp, ap) != name:
+        raise ValueError(f"optim.name={name} but optim.gp={gp} with optim.ap={str(ap).lower()} is "
+                         f"{optimizer_name(gp, ap)}: choose optim={optimizer_name(gp, ap)} (conf/optim/)")
+    return gp, ap
+
+
+def gp_arguments(optim: dict) -> dict:
+    """The `optim` config's arguments of the GP (all but its identity keys)."""
+    return {k: v for k, v in optim.items() if k not in IDENTITY_KEYS}
+
+
+def dopr_config_text(gp: str) -> str:
+    """The text of conf/optim/dopr_<gp>.yaml: the plain config, wrapped in DoPr."""
+    return (f"# DoPr with {gp} as the gradient preconditioner; the AP's options are the `ap` group (conf/ap/)\n"
+            f"# Generated from conf/optim/{gp}.yaml by `python -m experiments.common.optim`: edit that one\n"
+            f"defaults:\n  - {gp}\n  - _self_\n\n"
+            f"name: {optimizer_name(gp, True)}\nap: true\n")
+
+
+def main(argv=None, conf: Path = ROOT / "conf") -> int:
+    """Write conf/optim/dopr_<gp>.yaml for every registered GP with a conf/optim/<gp>.yaml; with
+    ``--check``, write nothing and list those missing or different (exit status 1)."""
+    argv = sys.argv[1:] if argv is None else argv
+    check = "--check" in argv
+    stale = []
+    for gp in GPS:
+        if not (conf / "optim" / f"{gp}.yaml").exists():
+            print(f"conf/optim/{gp}.yaml: missing (write the plain GP's config first)")
+            stale.append(gp)
+            continue
+        path = conf / "optim" / f"{optimizer_name(gp, True)}.yaml"
+        if not path.exists() or path.read_text() != dopr_config_text(gp):
+            stale.append(gp)
+            if not check:
+                path.write_text(dopr_config_text(gp))
+            print(f"{path.relative_to(conf.parent)}: {'differs' if check else 'written'}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
