@@ -24,6 +24,29 @@ def subspace_distance(g_theta: torch.Tensor, g_star: torch.Tensor) -> float:
     return torch.linalg.matrix_norm(q @ q.T @ p_perp, ord=2).item()
 
 
+def tail_change(steps, values, total_steps: int, frac: float = 0.1) -> float:
+    """(max - min) / min of the logged values at steps >= (1 - frac) * total_steps: how much the validation
+    loss still moves over the run's last `frac` of steps (a decrease, or an oscillation). inf when a value
+    is not finite, nan with fewer than two logged points in that window."""
+    start = (1 - frac) * total_steps
+    tail = [float(v) for s, v in zip(steps, values) if s >= start]
+    if len(tail) < 2:
+        return float("nan")
+    if not all(math.isfinite(v) for v in tail):
+        return float("inf")
+    return (max(tail) - min(tail)) / min(tail)
+
+
+def converged(steps, values, total_steps: int, noise_floor: float, frac: float = 0.1,
+              max_change: float = 0.1, floor_factor: float = 2.0) -> bool:
+    """The validation loss has converged: it moves by less than `max_change` (relative, tail_change) over
+    the last `frac` of steps AND ends within `floor_factor` of the noise floor sigma^2 d_y (the Bayes
+    loss: a plateau far above it is not convergence of the fit)."""
+    change = tail_change(steps, values, total_steps, frac)
+    return bool(math.isfinite(change) and change < max_change and math.isfinite(values[-1])
+                and values[-1] <= floor_factor * noise_floor)
+
+
 class Problem:
     """The data-generating process of one seed (train task only: the metrics are in-distribution)."""
 
@@ -66,17 +89,20 @@ def run(cfg, run) -> dict:
     x_val, y_val = problem.sample(t.n_val)
     loss_fn = lambda x, y: ((model(x) - y) ** 2).sum(1).mean()
     state = TrainingState(model=model, optimizer=opt, generators={"data": gen})
-    start, _ = state.resume(run)  # a requeued (preempted) job continues where it stopped
+    start, extra = state.resume(run)  # a requeued (preempted) job continues where it stopped
+    history = dict((extra or {}).get("val_history", {"steps": [], "values": []}))  # for the convergence rule
     bar = run.progress(t.steps, initial=start)
     for step in range(start, t.steps + 1):
         if ((t.checkpoint_every and step % t.checkpoint_every == 0) or interrupt.due()) and step > start:
-            state.save(run, step)
+            state.save(run, step, val_history=history)
         if step % t.log_every == 0 or step == t.steps:
             with torch.no_grad():
                 val = loss_fn(x_val, y_val).item()
             w = model.G.weight.detach()
             dist = subspace_distance(w, problem.g_star) if torch.isfinite(w).all() else float("nan")
             run.log({"val_loss": val, "subspace_distance": dist}, step)
+            history["steps"].append(step)
+            history["values"].append(val)
             if not math.isfinite(val):
                 break
         if step == t.steps:
@@ -90,5 +116,11 @@ def run(cfg, run) -> dict:
         opt.step()
         bar.update()
     bar.close()
-    return {"val_loss": val, "subspace_distance": dist, "lr": float(cfg.optim.lr),
-            "noise_floor": t.noise_std**2 * t.d_y}
+    floor = t.noise_std**2 * t.d_y
+    c = t.get("convergence", {})
+    rule = dict(frac=float(c.get("frac", 0.1)), max_change=float(c.get("max_change", 0.1)),
+                floor_factor=float(c.get("floor_factor", 2.0)))
+    ok = converged(history["steps"], history["values"], t.steps, floor, **rule)
+    return {"val_loss": val, "subspace_distance": dist, "lr": float(cfg.optim.lr), "noise_floor": floor,
+            "val_loss_tail_change": tail_change(history["steps"], history["values"], t.steps, rule["frac"]),
+            "converged": float(ok)}
