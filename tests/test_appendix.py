@@ -116,24 +116,3 @@ def test_missing_cifar_names_the_files_and_where_to_get_them(tmp_path):
         image_data.cifar10(tmp_path)
     with pytest.raises(FileNotFoundError, match="task.data_path=<folder holding cifar-10-batches-py/>"):
         image_data.cifar10(None)
-
-
-def test_a_grafting_job_logs_three_validation_curves_and_the_report_writes_the_verdict(tmp_path, compose):
-    from experiments.common.launch import run_job
-    from experiments.report import main as report_main
-
-    for opt in ("adamw", "sgd"):
-        cfg = compose("task=grafting_digits", f"+tuned/grafting={opt}", "task.steps=6", "task.val_every=3")
-        (tmp_path / "sweep" / opt / ".hydra").mkdir(parents=True)
-        OmegaConf.save(cfg, tmp_path / "sweep" / opt / ".hydra" / "config.yaml")   # as Hydra writes it
-        s = run_job(cfg, tmp_path / "sweep" / opt)
-        assert s["optim"] == opt and 0 <= s["val_acc_grafted"] <= 1
-        rows = [json.loads(l) for l in (tmp_path / "sweep" / opt / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [3, 6]
-        assert all(r["gap_grafted"] == pytest.approx(abs(r["val_loss_grafted"] - r["val_loss_transformed"]))
-                   for r in rows)
-        assert s["gap_ratio"] == pytest.approx(s["mean_gap_grafted"] / s["mean_gap_original"])
-    report_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
-    md = next((tmp_path / "out").rglob("grafting.md")).read_text()
-    assert "| adamw | 1 |" in md and "| sgd | 1 |" in md and "seeds |" in md
-    assert next((tmp_path / "out").rglob("grafting.png")).stat().st_size > 0

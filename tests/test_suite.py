@@ -197,6 +197,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
               "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift",
               "sit_digits": "sit_digits", "sit_imagenet": "sit_imagenet", "grafting": "grafting_digits",
+              "grafting_paper": "grafting_digits",
               # written by the tuning protocol's selection (experiments/common/tuning.py)
               "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
               "sit_digits_muon_protocol": "sit_digits", "sit_mnist_protocol": "sit_mnist",

@@ -9,9 +9,21 @@ covariance that the Transformed model's same layer saw on the transformed batch:
 
 (square roots by a symmetric eigendecomposition, each matrix damped by 1e-6 tr(A), as the appendix).
 The map's matrices and means are computed from detached activations, so the gradient flows through X
-alone. All three are validated on the transformed validation set, the Grafted and Original models
-without any map: the claim is that the Grafted model's validation loss tracks the Transformed model's
-far more closely than the Original model's does.
+alone. All three are validated on the transformed validation set; the Grafted model in two readings
+(`evaluate`):
+
+- maps on: the network that was trained. The Transformed model runs on the transformed validation
+  batch and its layer inputs' moments become the targets; the Grafted model runs on the matching
+  original validation batch (the data it sees in training) with each layer input mapped to them, the
+  same X_new as in training, with mu, Sigma the Grafted input's own moments on that batch;
+- maps off: the bare weights on the transformed validation images (the reading of the earlier runs).
+
+The claim: the Grafted model's validation loss tracks the Transformed model's far more closely than
+the Original model's does.
+
+`task.parameterization`: null keeps PyTorch's initialisation and one rate for every parameter (the
+earlier runs); sp or mup re-initialise the weights and split the rates by `experiments.appendix.mup`'s
+rules (biases: its "vector" role, rate eta, no decay), the same initialisation for all three models.
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from . import data as image_data
+from . import mup
 from .model import mlp
 
 #: the appendix's damping of the square roots, relative to tr(A)
@@ -82,6 +95,56 @@ class Graft:
             h.remove()
 
 
+def layer_roles(model: nn.Sequential) -> dict:
+    """{parameter: μP role}: `mup.roles` for the weights, the "vector" role for the biases."""
+    return {**mup.roles(model), **{m.bias: "vector" for m in model if isinstance(m, nn.Linear) and m.bias is not None}}
+
+
+def parameterize(models: dict, opts: dict, parameterization, width: int) -> dict:
+    """Apply `parameterization` (None: leave PyTorch's initialisation and the optimizer's one rate; "sp" |
+    "mup": `mup`'s initialisation and per-role rates) to the models of {name: model}, which share one
+    initialisation before and after, and their optimizers {name: optimizer}. Returns {role: (lr, wd)}
+    (empty for None). The presets carry no weight decay; its scaling is the constant one."""
+    if parameterization is None:
+        return {}
+    if parameterization not in mup.PARAMETERIZATIONS:
+        raise ValueError(f"task.parameterization must be null or one of {mup.PARAMETERIZATIONS}, got {parameterization!r}")
+    first, *rest = models.values()
+    mup.initialize(first, parameterization)
+    with torch.no_grad():
+        for m in rest:
+            for p, q in zip(m.parameters(), first.parameters()):
+                p.copy_(q)
+    rates = {}
+    for name, m in models.items():
+        rates = mup.apply(opts[name], layer_roles(m), width, parameterization, "constant")
+    return rates
+
+
+def evaluate(models: dict, graft: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) -> dict:
+    """Validation on the transformed data, one full-batch pass per reading (a flat dict):
+    val_loss_/val_acc_ of `transformed` and `original` (on xtv), `grafted_on` (maps on: the Transformed
+    model's layer-input moments on xtv are the targets, the Grafted model reads the matching original
+    images xv through its maps) and `grafted_off` (maps off, on xtv). Leaves the maps enabled."""
+    loss_fn = nn.CrossEntropyLoss()
+    out = {}
+    with torch.no_grad():
+        graft.enabled = True
+        logits = {"transformed": models["transformed"](xtv), "grafted_on": models["grafted"](xv)}
+        graft.enabled = False
+        logits.update(grafted_off=models["grafted"](xtv), original=models["original"](xtv))
+        graft.enabled = True
+    for name in READINGS:
+        out[f"val_loss_{name}"] = loss_fn(logits[name], yv).item()
+        out[f"val_acc_{name}"] = (logits[name].argmax(1) == yv).float().mean().item()
+    return out
+
+
+#: what `evaluate` scores; the gaps are to the Transformed model's validation loss
+READINGS = ("transformed", "grafted_on", "grafted_off", "original")
+GAPPED = ("grafted_on", "grafted_off", "original")
+
+
 def run(cfg, run) -> dict:
     t = cfg.task
     sets = image_data.load(t)
@@ -93,11 +156,12 @@ def run(cfg, run) -> dict:
     models = {"transformed": (transformed, xt), "grafted": (grafted, x), "original": (original, x)}
     graft = Graft(transformed, grafted)   # before the optimizers: a DoPr's capture sees the mapped inputs
     opts = {name: run.build_optimizer(m) for name, (m, _) in models.items()}
+    rates = parameterize({n: m for n, (m, _) in models.items()}, opts, t.parameterization, int(t.width))
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(int(cfg.seed))
     batch = min(int(t.batch_size), len(y))
     order, pos = torch.randperm(len(y), generator=gen), 0
-    gaps = {"grafted": [], "original": []}
+    gaps = {name: [] for name in GAPPED}
     bar = run.progress(int(t.steps))
     for step in range(1, int(t.steps) + 1):
         if pos + batch > len(y):
@@ -111,19 +175,16 @@ def run(cfg, run) -> dict:
         bar.update()
         if step % int(t.val_every) and step != int(t.steps):
             continue
-        graft.enabled = False
-        with torch.no_grad():
-            val = {name: loss_fn(m(xtv), yv).item() for name, (m, _) in models.items()}
-            acc = {name: (m(xtv).argmax(1) == yv).float().mean().item() for name, (m, _) in models.items()}
-        graft.enabled = True
+        val = evaluate({n: m for n, (m, _) in models.items()}, graft, xv, xtv, yv)
         for name in gaps:
-            gaps[name].append(abs(val[name] - val["transformed"]))
-        run.log({**{f"val_loss_{k}": v for k, v in val.items()}, **{f"val_acc_{k}": v for k, v in acc.items()},
-                 "gap_grafted": gaps["grafted"][-1], "gap_original": gaps["original"][-1]}, step)
+            gaps[name].append(abs(val[f"val_loss_{name}"] - val["val_loss_transformed"]))
+        run.log({**val, **{f"gap_{k}": v[-1] for k, v in gaps.items()}}, step)
     bar.close()
     graft.remove()
     mean_gap = {k: sum(v) / len(v) for k, v in gaps.items()}
-    return {**{f"val_loss_{k}": v for k, v in val.items()}, **{f"val_acc_{k}": v for k, v in acc.items()},
-            "mean_gap_grafted": mean_gap["grafted"], "mean_gap_original": mean_gap["original"],
-            "gap_ratio": mean_gap["grafted"] / mean_gap["original"] if mean_gap["original"] > 0 else float("nan"),
-            "lr": float(cfg.optim.lr)}
+    ratio = lambda a, b: a / b if b > 0 else float("nan")
+    return {**val, **{f"mean_gap_{k}": v for k, v in mean_gap.items()},
+            **{f"gap_ratio_{r}": ratio(mean_gap[f"grafted_{r}"], mean_gap["original"]) for r in ("on", "off")},
+            "lr": float(cfg.optim.lr), "parameterization": t.parameterization or "pytorch default",
+            "batch": batch, "steps": int(t.steps),
+            "rates": {k: {"lr": v[0], "weight_decay": v[1]} for k, v in rates.items()}}
