@@ -297,3 +297,15 @@ def test_a_re_run_half_is_reported_beside_the_kept_rows_of_the_committed_table(t
     with pytest.raises(ValueError, match="no row"):
         main([str(sweep), "--keep", str(out / "mup_runs.csv"), "--keep-where", "optimizer=lion", "--out",
               str(tmp_path / "none")])
+
+
+def test_a_width_sweep_with_sp_at_constant_decay_draws_no_weight_decay_panel(tmp_path):
+    # SP records "constant" beside muP's "mup": that is a width sweep, not the weight-decay panel
+    # (which varies the rule within one parameterisation and needs the update-ratio curves)
+    from experiments.appendix.report import mup as mup_report
+
+    records = [{"summary": _summary("adamw", par, w, k, 0.1 + 0.01 * k)}
+               for par in ("sp", "mup") for w in (16, 32) for k in (-1, 1)]
+    mup_report(records, tmp_path, "stamp")
+    assert (tmp_path / "mup_transfer.md").exists()
+    assert not list(tmp_path.glob("mup_update_ratio*"))

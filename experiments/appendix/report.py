@@ -202,7 +202,12 @@ def mup(records, out_dir, stamp, kept_rows=()) -> None:
                 ax.legend(fontsize=7)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_lr_sweep.png", stamp)
-    if records and len({r["summary"]["weight_decay_scaling"] for r in records}) > 1:
+    # the weight-decay panel: one parameterisation run with several decay rules (a width sweep has SP
+    # at "constant" beside muP at "mup": that is not this panel)
+    scalings: dict = {}
+    for r in records:
+        scalings.setdefault(r["summary"]["parameterization"], set()).add(r["summary"]["weight_decay_scaling"])
+    if any(len(v) > 1 for v in scalings.values()):
         ratio_rows = []
         for r in sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["weight_decay_scaling"],
                                                 r["summary"]["width"], r["summary"]["seed"])):
