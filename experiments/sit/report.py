@@ -125,6 +125,9 @@ def quality(records, out_dir, stamp) -> None:
         found = sorted(r["dir"].glob("samples_step*.png"), key=lambda p: int(p.stem.removeprefix("samples_step")))
         if found:
             grids[name] = found[0]
+    if not grids:   # the committed sweeps' grids are kept out of git (runs/MANIFEST.csv lists them)
+        print("sit report: no samples_step*.png in the job folders, sit_samples.png not drawn; the committed "
+              "sweeps' grids are listed in runs/MANIFEST.csv")
     if grids:
         fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids), 3.9), squeeze=False)
         for ax, (name, path) in zip(axes[0], grids.items()):
