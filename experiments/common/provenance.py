@@ -3,6 +3,7 @@ leave either the old file or the new one, never half of one."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -73,3 +74,55 @@ def emit_report(lines, out=None) -> str:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write(Path(out), lambda p: p.write_text(text))
     return text
+
+
+def _checkout(path: Path):
+    """The checkout of this repository that holds `path` (this one, another worktree or a clone: a
+    folder with a .git and a run.py), or None."""
+    for d in (path, *path.parents):
+        if d == ROOT.resolve() or ((d / ".git").exists() and (d / "run.py").is_file()):
+            return d
+    return None
+
+
+def repo_path(arg: str) -> str:
+    """A path as a reader of the repository can follow it, not as the machine that wrote it saw it:
+    relative to the checkout that holds it (results/x, not /home/me/clone/results/x, also when the
+    checkout is another worktree of the repository), `<tmp>/...` under a temporary folder, `~/...` under
+    the home folder; a relative path, and an absolute one elsewhere, unchanged. `key=/abs/path` (a
+    Hydra override, `--out=...`) has its value rewritten."""
+    import tempfile
+
+    key, sep, value = arg.partition("=")
+    if sep and not key.startswith("/") and value:
+        return key + sep + repo_path(value)
+    path = Path(arg)
+    if not path.is_absolute():
+        return arg
+    resolved = path.resolve()
+    checkout = _checkout(resolved)
+    if checkout is not None:
+        return str(resolved.relative_to(checkout)) if resolved != checkout else "."
+    for tmp in {Path(tempfile.gettempdir()), Path("/tmp"), Path(tempfile.gettempdir()).resolve(), Path("/tmp").resolve()}:
+        for p in (path, resolved):
+            if p == tmp or tmp in p.parents:
+                return "<tmp>/" + str(p.relative_to(tmp)) if p != tmp else "<tmp>"
+    home = Path.home()
+    for p in (path, resolved):
+        if home != Path("/") and (p == home or home in p.parents):
+            return "~/" + str(p.relative_to(home)) if p != home else "~"
+    return arg
+
+
+def portable_command(command: str) -> str:
+    """`command` with each path argument as `repo_path` writes it (the placeholders left unquoted)."""
+    try:
+        tokens = shlex.split(command)
+    except ValueError:
+        return command
+    out = []
+    for token in tokens:
+        token = repo_path(token)
+        bare = token.replace("<tmp>", "tmp").replace("~", "home")
+        out.append(token if shlex.quote(bare) == bare else shlex.quote(token))
+    return " ".join(out)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .provenance import git_revision
+from .provenance import git_revision, portable_command, repo_path
 
 
 def _sweep_command(job: Path, root: Path) -> str:
@@ -35,12 +35,12 @@ def _sweep_command(job: Path, root: Path) -> str:
         if f.exists():
             o = OmegaConf.load(f).hydra.overrides
             args = [a for a in list(o.task) + list(o.hydra) if a != "hydra.mode=MULTIRUN"]
-            return "python run.py -m " + " ".join(shlex.quote(a) for a in args)
+            return portable_command("python run.py -m " + " ".join(shlex.quote(a) for a in args))
         if d == root:
             break
     overrides = job / ".hydra" / "overrides.yaml"
     args = OmegaConf.load(overrides) if overrides.exists() else []
-    return "python run.py " + " ".join(shlex.quote(str(a)) for a in args)
+    return portable_command("python run.py " + " ".join(shlex.quote(str(a)) for a in args))
 
 
 def load_records(sweep_dirs) -> list:
@@ -124,9 +124,12 @@ def first_seed_panels(records: list, path: Path, stamp: str, draw) -> None:
 
 
 def make_stamp(records: list, report_command: str) -> str:
+    """Which commands made the runs and the tables, at which commit; paths as the repository names them
+    (`repo_path`: relative to the checkout, `<tmp>/...`), never the writing machine's absolute ones."""
+    report_command = portable_command(report_command)
     runs = defaultdict(int)
     for r in records:
-        runs[r["command"]] += 1
+        runs[portable_command(r["command"])] += 1
     made = "; ".join(f"`{c}` ({n} runs)" for c, n in runs.items())
     debug = sum(_is_debug(r) for r in records)
     note = f" {debug} of them debug runs (debug=default: shrunk tasks, not the paper's settings)." if debug else ""
@@ -144,13 +147,8 @@ def _unfinished(sweep_dirs) -> int:
 
 
 def _in_repo(arg: str) -> str:
-    """A path argument as the repository sees it (results/x, not /home/me/clone/results/x)."""
-    from .provenance import ROOT
-
-    path = Path(arg)
-    if path.is_absolute() and ROOT.resolve() in path.resolve().parents:
-        return str(path.resolve().relative_to(ROOT.resolve()))
-    return arg
+    """A path argument as the repository sees it (results/x, not /home/me/clone/results/x): `repo_path`."""
+    return repo_path(arg)
 
 
 def output_root(out, sweeps, records, replace_results: bool) -> Path:
