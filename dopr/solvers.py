@@ -1,7 +1,7 @@
 """Solvers: from a damped activation covariance to an operator that maps G to G (Sigma + lam I)^-1.
 
-``lam`` is the absolute damping (the optimizer turns the trace-relative gamma * tr(Sigma) / d into
-it). Every solver takes a batch of same-size covariances and factors them in one call.
+``lam`` is the absolute damping (the optimizer turns ``damping`` into it as ``damping_mode`` says:
+gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a batch of same-size covariances and factors them in one call.
 
 * ``cholesky``: cholesky_ex, then two triangular solves. A failed factor, or one whose smallest pivot is
   under half the damping (``unreliable``: rounding ate the damping), is retried with 10x, 100x,
