@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_base_task,
@@ -45,7 +46,9 @@ def main(cfg: DictConfig):
     out = Path(hc.runtime.output_dir)
     refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""),
            folder=out)
-    return refuse(run_job, cfg, out)
+    # a sweep's failed job is logged and recorded, and the sweep goes on; it ends with its counts
+    # (experiments/common/callbacks.py, SummarizeSweep) and exits 1
+    return refuse(run_job, cfg, out, hc.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":

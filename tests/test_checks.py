@@ -87,11 +87,12 @@ def test_a_job_runs_on_its_task_configs_thread_count(compose, tmp_path, monkeypa
 @pytest.mark.slow
 def test_a_job_ends_with_one_line_naming_its_metrics_and_folder_also_in_run_log(tmp_path):
     out = tmp_path / "job"
-    r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=sgd", "debug=default",
+    r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=adamw", "debug=default",
                         f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     last = [line for line in r.stdout.splitlines() if line.strip()][-1]   # Hydra logs to stdout, bars to stderr
-    assert "feature_learning/sgd seed 0: finished" in last and "val_loss" in last and last.endswith(f"wrote {out}")
+    assert "feature_learning/adamw seed 0: finished" in last and "val_loss" in last and "subspace_distance" in last
+    assert last.endswith(f"wrote {out}")
     log = (out / "run.log").read_text()
     assert "started, writing to" in log and log.strip().endswith(f"wrote {out}")
 
