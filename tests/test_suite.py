@@ -324,9 +324,13 @@ def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path)
     assert res.stdout.count("finished already") == 1
     assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     assert (tmp_path / "1" / "summary.json").exists()
-    # resumed on another launcher: the same jobs, still skipped
+    counts = f"1 finished, 1 diverged, 0 failed; report with: python -m experiments.report {tmp_path}"   # SGD diverges here
+    assert res.stdout.rstrip("\n").splitlines()[-1] == counts   # the skipped job counts too
+    # resumed on another launcher: the same jobs, still skipped, each skip's line on the console
     res = _run_py(*args, "launcher=local_parallel")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"skip_finished: {tmp_path / '0'} finished already (diverged): val_loss inf" in res.stdout
+    assert res.stdout.count("finished already") == 2 and res.stdout.rstrip("\n").splitlines()[-1] == counts
     assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     other = _run_py("-m", "task=feature_learning", "optim=signum", "debug=default", "skip_finished=true",
                     f"hydra.sweep.dir={tmp_path}")

@@ -75,8 +75,11 @@ def finished_summary(cfg: DictConfig, out_dir: Path):
     if _job_identity(summary["overrides"]) != _job_identity(command_line_overrides()):
         raise ConfigError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
                           f"{command_line_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
-    diverged = " (diverged)" if job_status(cfg, summary) == "diverged" else ""
-    print(f"skip_finished: {out_dir} finished already{diverged}: {headline_metrics(cfg, summary)}", flush=True)
+    status = job_status(cfg, summary)
+    line = (f"skip_finished: {out_dir} finished already{' (diverged)' if status == 'diverged' else ''}: "
+            f"{headline_metrics(cfg, summary)}")
+    write_status(out_dir, status, line)   # this sweep's ending of the job (echoed under submitit)
+    print(line, flush=True)
     return summary
 
 
