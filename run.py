@@ -11,10 +11,11 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_empty_protocol_sweep,
-                                       refuse_renamed_at_gp_preset,
+from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_base_task,
+                                       refuse_empty_protocol_sweep, refuse_renamed_at_gp_preset,
                                        refuse_sweep_without_multirun, refuse_unwritable_output, suggest_key)
 from experiments.common.launch import run_job
 from experiments.common.resume import with_resume
@@ -45,13 +46,16 @@ def main(cfg: DictConfig):
     out = Path(hc.runtime.output_dir)
     refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""),
            folder=out)
-    return refuse(run_job, cfg, out)
+    # a sweep's failed job is logged and recorded, and the sweep goes on; it ends with its counts
+    # (experiments/common/callbacks.py, SummarizeSweep) and exits 1
+    return refuse(run_job, cfg, out, hc.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":
     refuse(refuse_sweep_without_multirun, sys.argv[1:])
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
+    refuse(refuse_base_task, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     refuse(refuse_empty_protocol_sweep, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     refuse(refuse_renamed_at_gp_preset, sys.argv[1:])
     refuse(suggest_key, sys.argv[1:], Path(__file__).resolve().parent / "conf")

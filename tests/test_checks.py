@@ -52,14 +52,22 @@ def test_an_invalid_optimizer_or_ap_value_names_its_config_key(compose):
     _check(compose, "optim=adamw", "ap.damping=-1.0")   # the AP's options apply to dopr_* optimizers only
 
 
+def test_a_family_base_task_is_refused_naming_the_tasks_built_on_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"task=bc is the shared settings of a family \(conf/task_base/bc\.yaml\), not a "
+                                          r"task: choose one of the tasks built on it: halfcheetah, hopper, humanoid, walker2d"):
+        checks.refuse_base_task(["task=bc"], ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"task=sit is the shared settings .* sit_digits, sit_imagenet, sit_mnist"):
+        checks.refuse_base_task(["-m", "task=sit_digits,sit"], ROOT / "conf")
+    checks.refuse_base_task(["task=humanoid", "task.env=bc"], ROOT / "conf")   # tasks and other keys pass
+
+
 @pytest.mark.slow
-def test_a_family_base_task_is_refused_naming_its_unset_keys_and_the_tasks_built_on_it(compose):
-    with pytest.raises(ConfigError, match=r"task=bc leaves task\.env unset .*halfcheetah, hopper, humanoid, walker2d"):
-        _check(compose, "task=bc")
-    out = ROOT / "outputs"                      # and through run.py, where Hydra names the folder first
+def test_run_py_refuses_a_family_base_task_in_one_line():
+    out = ROOT / "outputs"
     r = subprocess.run([sys.executable, "run.py", "task=bc", f"hydra.run.dir={out}/never"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("Error: task=bc leaves task.env unset")
+    assert r.returncode == 2 and r.stderr.startswith("Error: task=bc is the shared settings of a family")
+    assert not (out / "never").exists()
 
 
 def test_a_job_runs_on_its_task_configs_thread_count(compose, tmp_path, monkeypatch):
@@ -79,11 +87,12 @@ def test_a_job_runs_on_its_task_configs_thread_count(compose, tmp_path, monkeypa
 @pytest.mark.slow
 def test_a_job_ends_with_one_line_naming_its_metrics_and_folder_also_in_run_log(tmp_path):
     out = tmp_path / "job"
-    r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=sgd", "debug=default",
+    r = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=adamw", "debug=default",
                         f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     last = [line for line in r.stdout.splitlines() if line.strip()][-1]   # Hydra logs to stdout, bars to stderr
-    assert "feature_learning/sgd seed 0: finished" in last and "val_loss" in last and last.endswith(f"wrote {out}")
+    assert "feature_learning/adamw seed 0: finished" in last and "val_loss" in last and "subspace_distance" in last
+    assert last.endswith(f"wrote {out}")
     log = (out / "run.log").read_text()
     assert "started, writing to" in log and log.strip().endswith(f"wrote {out}")
 

@@ -101,6 +101,13 @@ def test_sweep_runs_as_one_job_array(cluster, tmp_path):
     for num, optim in enumerate(("sgd", "dopr_sgd")):
         summary = json.loads((sweep / str(num) / "summary.json").read_text())
         assert summary["optim"] == optim and summary["task"] == "feature_learning"
+        # each job's last line reaches the submitting console (the jobs' own output is in .submitit/)
+        assert re.search(rf"feature_learning/{optim} seed 0: (finished|diverged) in \d+ s: val_loss .*; wrote "
+                         rf"{re.escape(str(sweep / str(num)))}$", res.stdout, re.M), res.stdout[-2000:]
+    # and the sweep ends with its counts, read on the submitting host once the array ended
+    last = res.stdout.rstrip("\n").splitlines()[-1]
+    assert re.fullmatch(rf"\d finished, \d diverged, 0 failed; report with: python -m experiments.report "
+                        rf"{re.escape(str(sweep))}", last), last
     print(f"2-job array sweep: {time.time() - t0:.1f} s")
 
 

@@ -12,11 +12,11 @@ pytest.importorskip("hydra")
 
 from experiments.common.checks import ConfigError, refuse_empty_protocol_sweep  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
+from experiments.common.tasks import task_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-BASES = {"bc", "robomimic", "sit", "grafting", "mup_mlp", "mup_gpt"}  # shared settings of a family's tasks, not tasks of their own
-TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml") if p.stem not in BASES)
+TASKS = task_names()   # conf/task/*.yaml; the families' shared settings are in conf/task_base/
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}
 OPTIMS = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no key: W&B goes offline
@@ -60,6 +60,9 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
+        # the job's last line shows keys its job writes (lm-eval's only when the debug run evaluates with it)
+        assert cfg.task.headline and all(k.split(".")[0] in summary for k in cfg.task.headline
+                                         if not k.startswith("lm_eval.")), (list(cfg.task.headline), sorted(summary))
         assert json.loads((tmp_path / optim / "summary.json").read_text())["optim"] == optim
 
 
@@ -278,16 +281,13 @@ def test_debug_run_records_the_values_that_ran(tmp_path):
     assert metrics[-1]["step"] == 2
 
 
-@pytest.mark.parametrize("task", TASKS + ["bc"])
+@pytest.mark.parametrize("task", TASKS)
 def test_every_task_names_a_report_function(task):
     import hydra
 
-    cfg = OmegaConf.load(CONF / "task" / f"{task}.yaml")
-    if "report" not in cfg:  # a BC or image-policy task inherits it from its family's base (bc.yaml, robomimic.yaml)
-        bases = [d for d in cfg.defaults if isinstance(d, str) and d in BASES]
-        assert bases, task
-        cfg = OmegaConf.load(CONF / "task" / f"{bases[0]}.yaml")
-    fn = hydra.utils.get_method(cfg.report)
+    from experiments.common.tasks import task_config
+
+    fn = hydra.utils.get_method(task_config(task).report)   # its own, or its family base's (conf/task_base/)
     assert callable(fn) and fn.__module__.endswith(".report")
 
 
@@ -325,9 +325,13 @@ def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path)
     assert res.stdout.count("finished already") == 1
     assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     assert (tmp_path / "1" / "summary.json").exists()
-    # resumed on another launcher: the same jobs, still skipped
+    counts = f"1 finished, 1 diverged, 0 failed; report with: python -m experiments.report {tmp_path}"   # SGD diverges here
+    assert res.stdout.rstrip("\n").splitlines()[-1] == counts   # the skipped job counts too
+    # resumed on another launcher: the same jobs, still skipped, each skip's line on the console
     res = _run_py(*args, "launcher=local_parallel")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"skip_finished: {tmp_path / '0'} finished already (diverged): val_loss inf" in res.stdout
+    assert res.stdout.count("finished already") == 2 and res.stdout.rstrip("\n").splitlines()[-1] == counts
     assert (tmp_path / "0" / "summary.json").stat().st_mtime_ns == first[tmp_path / "0" / "summary.json"]
     other = _run_py("-m", "task=feature_learning", "optim=signum", "debug=default", "skip_finished=true",
                     f"hydra.sweep.dir={tmp_path}")

@@ -1,13 +1,17 @@
 """Hydra callbacks of the submitit launchers (conf/launcher/)."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from .launch import STATUS_FILE, STATUSES, finished_line, job_status
 
 
 class RemoveSubmititTemplateFolder(Callback):
@@ -51,8 +55,10 @@ class CheckJobsBeforeLaunch(Callback):
             _refuse(f"launcher={config.hydra.runtime.choices.get('launcher')} submits with {self.needs}, which is not "
                     "on this machine's PATH: run the sweep on the cluster's login node, or use launcher=local_parallel here")
         jobs = sweep_jobs(config)
+        # configs added with hydra.searchpath=[...] (a task that lives outside conf/) compose here too
+        searchpath = [o for o in config.hydra.overrides.hydra if o.split("=", 1)[0] == "hydra.searchpath"]
         for i, job in enumerate(jobs):
-            cfg = compose(config_name=config.hydra.job.config_name, overrides=job, return_hydra_config=True)
+            cfg = compose(config_name=config.hydra.job.config_name, overrides=job + searchpath, return_hydra_config=True)
             choices = cfg.hydra.runtime.choices
             try:
                 check_job(cfg, job, set(choices), choices.get("task", ""), here=self.runs_here)
@@ -67,3 +73,103 @@ def _refuse(message: str) -> None:
     """The message alone, exit status 2, as run.py's own refusals."""
     print(f"Error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def job_folders(sweep_dir: Path) -> list:
+    """The sweep's job folders (each has Hydra's .hydra/), in job order."""
+    found = [p.parent for p in Path(sweep_dir).glob("*/.hydra")]
+    return sorted(found, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def job_ending(folder: Path) -> dict:
+    """How the job in `folder` ended: its status.json, or for a job finished before status files were
+    written its summary.json read with its config's headline; "failed" when it left neither (it
+    crashed, or was killed, before it could write one)."""
+    folder = Path(folder)
+    if (folder / STATUS_FILE).exists():
+        return json.loads((folder / STATUS_FILE).read_text())
+    config = folder / ".hydra" / "config.yaml"
+    if (folder / "summary.json").exists() and config.exists():
+        cfg, summary = OmegaConf.load(config), json.loads((folder / "summary.json").read_text())
+        return {"status": job_status(cfg, summary), "line": finished_line(cfg, summary, folder)}
+    return {"status": "failed", "line": f"{folder}: failed: it ended without status.json or summary.json "
+                                        "(killed, or crashed; its log says how)"}
+
+
+def sweep_line(counts: dict, sweep_dir: Path, rehearsals: bool = False) -> str:
+    """"N finished, M diverged, K failed; report with: <command>"."""
+    where = Path(sweep_dir)
+    try:
+        where = where.resolve().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    counted = ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES)
+    if not counts.get("finished") and not counts.get("diverged"):
+        return f"{counted}; nothing to report in {where}"
+    folder = shlex.quote(str(where))
+    command = (f"python -m experiments.common.rehearsal {folder} --out {shlex.quote(str(where / 'rehearsal.md'))}"
+               if rehearsals else f"python -m experiments.report {folder}")
+    return f"{counted}; report with: {command}"
+
+
+class SummarizeSweep(Callback):
+    """Every launcher: the sweep ends with "N finished, M diverged, K failed; report with: <command>",
+    from the status.json its jobs wrote (a job that left none failed; a job the sweep launched that
+    made no folder failed too), and exits 1 when a job failed. `echo_jobs`: the jobs run as other
+    processes (submitit: local_parallel, SLURM), whose output goes to their .submitit/ logs, so each
+    job's last line is printed here when its status.json appears (polled every `poll_s` seconds)."""
+
+    def __init__(self, echo_jobs: bool = False, poll_s: float = 2.0) -> None:
+        self.echo_jobs, self.poll_s = echo_jobs, poll_s
+        self._shown, self._stop, self._thread = {}, None, None   # _shown: folder -> its status.json's mtime
+
+    def __getstate__(self) -> dict:
+        """submitit pickles the launcher with Hydra's callbacks for each job: without the watcher."""
+        return {**self.__dict__, "_shown": {}, "_stop": None, "_thread": None}
+
+    def _endings(self, sweep_dir: Path) -> dict:
+        return {f: (f / STATUS_FILE).stat().st_mtime_ns for f in job_folders(sweep_dir) if (f / STATUS_FILE).exists()}
+
+    def _echo_new(self, sweep_dir: Path) -> None:
+        for folder, mtime in self._endings(sweep_dir).items():
+            if self._shown.get(folder) != mtime:
+                try:
+                    line = job_ending(folder)["line"]
+                except (OSError, ValueError):   # being replaced (atomic_write makes this rare)
+                    continue
+                self._shown[folder] = mtime
+                print(line, flush=True)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if not self.echo_jobs:
+            return
+        import threading
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        self._shown = self._endings(sweep_dir)   # a re-run sweep (skip_finished): endings already there are not news
+        self._stop = threading.Event()
+
+        def watch() -> None:
+            while not self._stop.wait(self.poll_s):
+                self._echo_new(sweep_dir)
+
+        self._thread = threading.Thread(target=watch, name="echo-job-endings", daemon=True)
+        self._thread.start()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._echo_new(sweep_dir)
+        folders = job_folders(sweep_dir)
+        counts = dict.fromkeys(STATUSES, 0)
+        for folder in folders:
+            status = job_ending(folder)["status"]
+            counts[status if status in counts else "failed"] += 1
+        counts["failed"] += max(0, len(sweep_jobs(config)) - len(folders))   # launched, never started
+        rehearsals = bool(folders) and all(bool(OmegaConf.select(OmegaConf.load(f / ".hydra" / "config.yaml"),
+                                                                 "rehearse", default=False)) for f in folders)
+        print(sweep_line(counts, sweep_dir, rehearsals), flush=True)
+        if counts["failed"]:
+            sys.exit(1)

@@ -109,20 +109,34 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
 
 
 def refuse_missing_task_values(cfg: DictConfig, choice: str) -> None:
-    """A task config with mandatory values unset (`???`): the shared base of a family (task=bc), named
-    with the tasks that build on it."""
+    """A task config with mandatory values unset (`???`, e.g. a dataset path no default can name),
+    named with the tasks that build on it."""
     tree = OmegaConf.to_container(cfg.task, resolve=False) if "task" in cfg else {}
     missing = sorted(k for k in _keys(tree) if _get(tree, k) == "???")
     if not missing:
         return
-    from .provenance import ROOT
+    from .tasks import built_on
 
-    based = sorted(f.stem for f in (ROOT / "conf" / "task").glob("*.yaml")
-                   if f"\n  - {choice}\n" in f.read_text())
+    based = built_on(choice) if choice else []
     keys = ", ".join(f"task.{k}" for k in missing)
     hint = f"; the tasks built on it: {', '.join(based)}" if based else ""
-    raise ConfigError(f"task={choice} leaves {keys} unset (??? in conf/task/{choice}.yaml): set them, or choose "
+    raise ConfigError(f"task={choice} leaves {keys} unset (??? in its config): set them, or choose "
                       f"a task that does{hint}")
+
+
+def refuse_base_task(argv: list, conf: Path) -> None:
+    """`task=bc`: a family's shared settings (conf/task_base/), not a task; named with its tasks
+    (Hydra alone would say only that conf/task/ has no such option)."""
+    from .tasks import base_names, built_on, task_names
+
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key != "task":
+            continue
+        for name in (v.strip() for v in value.split(",")):
+            if name in base_names(conf) and name not in task_names(conf):
+                raise ConfigError(f"task={name} is the shared settings of a family (conf/task_base/{name}.yaml), "
+                                  f"not a task: choose one of the tasks built on it: {', '.join(built_on(name, conf))}")
 
 
 #: task keys that count steps or sizes: a whole number >= 1 wherever a task has them
@@ -151,11 +165,13 @@ def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "", her
 
 
 def refuse_missing_rehearsal(cfg: DictConfig) -> None:
-    """rehearse=true is for the paper-scale tasks, whose configs name a `rehearse:` function."""
+    """rehearse=true is for the tasks whose configs name a `rehearse:` function (the paper-scale ones
+    and the families' smaller tasks that share their base)."""
     if OmegaConf.select(cfg, "rehearse", default=False) and not OmegaConf.select(cfg, "task.rehearse", default=None):
+        from .tasks import with_rehearsal
+
         raise ConfigError(f"rehearse=true: task={cfg.task.name} has no rehearsal (it runs on this machine as it is); "
-                          "the paper-scale tasks have one: robomimic_toolhang, robomimic_transport, sit_imagenet, "
-                          "sft_llama32_3b, sft_llama31_8b")
+                          f"the tasks whose config names one (rehearse:): {', '.join(with_rehearsal())}")
 
 
 def refuse_unwritable_output(argv: list, cwd: Path) -> None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -61,38 +63,101 @@ def init_distributed(cfg: DictConfig) -> None:
 def finished_summary(cfg: DictConfig, out_dir: Path):
     """With `skip_finished=true`, the summary of a job that already finished in `out_dir` (a re-run
     sweep with the same hydra.sweep.dir skips its finished jobs); None when it must run. A finished
-    job with other overrides in that directory is an error, not a skip."""
+    job with other overrides in that directory is refused, not skipped."""
     path = Path(out_dir) / "summary.json"
     if not (cfg.skip_finished and path.exists()):
         return None
     import json
 
+    from .checks import ConfigError
+
     summary = json.loads(path.read_text())
     if _job_identity(summary["overrides"]) != _job_identity(command_line_overrides()):
-        raise ValueError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
-                         f"{command_line_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
-    print(f"skip_finished: {out_dir} finished already", flush=True)
+        raise ConfigError(f"skip_finished: {path} is a job with overrides {summary['overrides']}, not "
+                          f"{command_line_overrides()}; re-run a sweep with the same command and hydra.sweep.dir")
+    status = job_status(cfg, summary)
+    line = (f"skip_finished: {out_dir} finished already{' (diverged)' if status == 'diverged' else ''}: "
+            f"{headline_metrics(cfg, summary)}")
+    write_status(out_dir, status, line)   # this sweep's ending of the job (echoed under submitit)
+    print(line, flush=True)
     return summary
 
 
 log = logging.getLogger("experiments")
 
-#: the metrics a job's last line shows, the first three its summary has (in this order)
-HEADLINE = ("loss_last", "return_mean", "best_success", "success", "val_nll", "accuracy", "fd", "fd_digits", "val_loss",
-            "final_loss", "gap_ratio", "error", "train_loss", "lval_closed", "lideal_closed", "ttf_paper_T", "max_relative_gap")
+#: how a job ended (status.json, the last line): it ran to its end; it ran to its end or stopped with
+#: a loss or headline metric that is not finite; it raised
+STATUSES = ("finished", "diverged", "failed")
 
 
 def job_name(cfg: DictConfig) -> str:
     return f"{cfg.task.name}/{cfg.task.get('folder_optim', cfg.optim.name)} seed {cfg.seed}"
 
 
+def headline(cfg: DictConfig) -> list:
+    """The summary keys a job's last line shows: the task config's `headline:` (a nested key: a.b),
+    or a rehearsal's own (experiments/common/rehearsal.py writes those keys for every task)."""
+    if cfg.get("rehearse"):
+        from .rehearsal import HEADLINE
+
+        return list(HEADLINE)
+    return list(OmegaConf.select(cfg, "task.headline", default=None) or [])
+
+
+def _lookup(summary: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(summary, dict) or part not in summary:
+            return None
+        summary = summary[part]
+    return summary
+
+
+def _finite(v) -> bool:
+    return not (isinstance(v, float) and not math.isfinite(v))
+
+
+def job_status(cfg: DictConfig, summary: dict) -> str:
+    """"diverged" when the summary flags it (`diverged_at`; a rehearsal: `finite` false) or a headline
+    metric is NaN or infinite; else "finished"."""
+    values = [_lookup(summary, k) for k in headline(cfg)]
+    flagged = summary.get("diverged_at") is not None or (bool(cfg.get("rehearse")) and summary.get("finite") is False)
+    return "diverged" if flagged or not all(map(_finite, values)) else "finished"
+
+
+def headline_metrics(cfg: DictConfig, summary: dict) -> str:
+    """"val_loss 0.01234, subspace_distance 0.5" (a missing or null key: n/a)."""
+    def show(v) -> str:
+        if isinstance(v, bool) or v is None:
+            return "n/a" if v is None else str(v).lower()
+        return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+    shown = [f"{k} {show(_lookup(summary, k))}" for k in headline(cfg)]
+    return ", ".join(shown) or "no headline metric (the task config names none: headline: [...])"
+
+
 def finished_line(cfg: DictConfig, summary: dict, out_dir) -> str:
-    """The job's last line: what ran, its headline metrics and the folder it wrote."""
-    shown = [(k, summary[k]) for k in HEADLINE if isinstance(summary.get(k), (int, float))][:3]
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in shown) or "no headline metric"
+    """The job's last line: what ran, its status (finished or diverged), its headline metrics and the
+    folder it wrote."""
     wall = summary.get("wall_time_s")
     took = f" in {wall:.0f} s" if isinstance(wall, (int, float)) else ""
-    return f"{job_name(cfg)}: finished{took}: {metrics}; wrote {out_dir}"
+    return f"{job_name(cfg)}: {job_status(cfg, summary)}{took}: {headline_metrics(cfg, summary)}; wrote {out_dir}"
+
+
+def failed_line(cfg: DictConfig, error: BaseException, out_dir) -> str:
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{job_name(cfg)}: failed: {type(error).__name__}: {first}; wrote {out_dir} (traceback in status.json)"
+
+
+STATUS_FILE = "status.json"
+
+
+def write_status(out_dir: Path, status: str, line: str, **extra) -> None:
+    """status.json: how the job ended and its last line (the sweep's summary and the launchers that
+    run jobs elsewhere read it; experiments/common/callbacks.py)."""
+    import json
+
+    path = Path(out_dir) / STATUS_FILE
+    atomic_write(path, lambda p: p.write_text(json.dumps({"status": status, "line": line, **extra}, indent=1)))
 
 
 #: overrides that change how a job runs, not what it computes: a sweep resumed on another launcher
@@ -124,8 +189,11 @@ def set_cpu_numerics(cfg: DictConfig) -> None:
         log.warning("flush_denormal=true: this CPU cannot flush subnormal floats; they stay (slow, same results)")
 
 
-def run_job(cfg: DictConfig, out_dir: Path) -> dict:
-    """Run the task named by `cfg.task.entry`; summary.json is written only if it returns."""
+def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | None:
+    """Run the task named by `cfg.task.entry`; summary.json is written only if it returns, status.json
+    (finished, diverged or failed, and the last line) however it ends but by a signal. `keep_going`
+    (a sweep's job): a failure is logged and recorded, not raised, so the sweep goes on and ends with
+    its counts (the sweep then exits 1); None is returned for it."""
     done = finished_summary(cfg, out_dir)
     if done is not None:
         return done
@@ -137,13 +205,18 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
     task = hydra.utils.get_method("experiments.common.rehearsal.run_rehearsal" if cfg.get("rehearse")
                                   else cfg.task.entry)
     run = Run(cfg, out_dir)
+    if run.is_main:
+        (Path(out_dir) / STATUS_FILE).unlink(missing_ok=True)   # an earlier attempt's ending is not this one's
     failed = True
     log.info("%s: started, writing to %s", job_name(cfg), out_dir)
     interrupt.install(float(cfg.get("checkpoint_minutes", 0) or 0))
     try:
         result = run.finish(task(cfg, run))
         failed = False
-        log.info("%s", finished_line(cfg, result, out_dir))
+        line = finished_line(cfg, result, out_dir)
+        if run.is_main:
+            write_status(out_dir, job_status(cfg, result), line)
+        log.info("%s", line)
         return result
     except interrupt.JobInterrupted as e:   # a signal: the loop saved its checkpoint, then stopped
         log.info("%s: %s: checkpoint %s; it continues from there when requeued or run again with resume=true",
@@ -151,7 +224,17 @@ def run_job(cfg: DictConfig, out_dir: Path) -> dict:
         interrupt.hand_over(e.signum)   # submitit's handler requeues the job (and exits); otherwise it ends here
         raise SystemExit(128 + e.signum) from None
     except Exception as e:                 # the job's log says that it failed and why
-        log.error("%s: failed: %s: %s", job_name(cfg), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        import traceback
+
+        line = failed_line(cfg, e, out_dir)
+        if run.is_main:
+            write_status(out_dir, "failed", line, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        log.error("%s", line)
+        from .checks import ConfigError
+
+        refused = isinstance(e, (ConfigError, FileNotFoundError))   # run.py's refusals (missing input): the sweep stops
+        if keep_going and not refused and not os.environ.get("DOPR_TRACEBACK"):
+            return None
         raise
     except KeyboardInterrupt:              # Ctrl-C before the loop had its training state (or a second one)
         log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; nothing to resume from this attempt",

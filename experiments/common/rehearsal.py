@@ -34,6 +34,8 @@ from .optim import optim_identity
 COLUMNS = ["sweep", "task", "optimizer", "model", "batch", "params_M", "loss_first", "loss_last", "falls",
            "preconditioned", "weak_layers", "worst_weak_share", "step_s", "param_MB", "opt_state_MB",
            "dopr_state_MB", "peak_rss_MB", "verdict"]
+#: what a rehearsal's last line shows, for every task (a loss that is not finite makes it "diverged")
+HEADLINE = ("loss_first", "loss_last", "step_s", "verdict")
 #: the peak-memory column by device: what each measures differs (peak_memory_mb)
 MEMORY_COLUMNS = {"cpu": "peak_rss_MB", "cuda": "peak_cuda_alloc_MB"}
 

@@ -7,6 +7,8 @@ Every job writes into its own Hydra output directory:
   summary.json         final metrics, wall time, git revision (the commit the job started at; every
                        commit it ran at when a resume came at another), package versions; written last,
                        atomically, and only when the job finished (never for a failed run)
+  status.json          how the job ended (finished / diverged / failed) and its last line; written by
+                       experiments/common/launch.py, read by the sweep's summary (callbacks.py)
   wandb/               the W&B run directory when logger=wandb (offline without an API key)
 """
 from __future__ import annotations
