@@ -10,7 +10,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from experiments.common.report import first_seed_panels, save_figure, write_table
+from experiments.common.report import (first_seed_panels, legend, line_with_divergence, save_figure, seed_band,
+                                       write_table)
 
 matplotlib.use("Agg")
 
@@ -40,7 +41,7 @@ def lds(records, out_dir, stamp) -> None:
     """construction.{csv,md} (the T = inf construction grid; deterministic, taken from the lowest seed),
     monte_carlo.{csv,md} (closed forms vs Monte Carlo, one row per seed) and lds_construction.png."""
     rows = report_tables(records, out_dir, stamp)
-    report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
+    return report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
 
 
 def report_tables(records, out_dir, stamp) -> list:
@@ -95,7 +96,7 @@ def report_figure(rows, path, stamp) -> None:
                  r"; > 1 means $L_{val}(K_\theta) < L_{val}(K_\psi)$ and $L_{ideal}(K_\psi) < L_{ideal}(K_\theta)$",
                  fontsize=9, y=0.995)
     fig.tight_layout(rect=(0, 0.02, 1, 0.97))
-    save_figure(fig, path, stamp)
+    return save_figure(fig, path, stamp)
 
 
 def feature_learning(records, out_dir, stamp) -> None:
@@ -124,19 +125,20 @@ def feature_learning(records, out_dir, stamp) -> None:
                 "Feature learning: final validation loss and subspace distance (median over seeds; * = best lr)")
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for opt_name in sorted(best):
+    for i, opt_name in enumerate(sorted(best)):
         rs = by[opt_name][best[opt_name]]
-        steps = np.array([m["step"] for m in rs[0]["metrics"]])
         for ax, key in zip(axes, ("val_loss", "subspace_distance")):
-            curves = np.array([[m[key] for m in r["metrics"]] for r in rs if len(r["metrics"]) == len(steps)])
-            q10, q50, q90 = np.quantile(curves, [0.1, 0.5, 0.9], axis=0)
-            line, = ax.plot(steps, q50, label=f"{opt_name} (lr {best[opt_name]:g})")
-            ax.fill_between(steps, q10, q90, color=line.get_color(), alpha=0.2)
-    axes[0].set(yscale="log", xlabel="step", ylabel="validation loss", title="in-distribution validation loss")
+            seed_band(ax, [{m["step"]: m[key] for m in r["metrics"] if key in m} for r in rs],
+                      f"{opt_name} (lr {best[opt_name]:g}, {len(rs)} seed{'s' if len(rs) != 1 else ''})", f"C{i}",
+                      quantiles=(0.1, 0.9))
+    axes[0].set(yscale="log", xlabel="step", ylabel="validation loss",
+                title="in-distribution validation loss (median, 10-90% of seeds)")
     axes[1].set(xlabel="step", ylabel=r"dist$(G_\theta, G_\star)$", title="feature subspace distance")
-    axes[0].legend(fontsize=7)
+    legend(axes[0], fontsize=7)
+    if getattr(axes[1], "_dopr_diverged_marked", False):
+        legend(axes[1], fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / "feature_learning.png", stamp)
+    return save_figure(fig, out_dir / "feature_learning.png", stamp)
 
 
 def invariance(records, out_dir, stamp) -> None:
@@ -150,11 +152,11 @@ def invariance(records, out_dir, stamp) -> None:
                 "Activation invariance: validation loss on x vs on Qx+d (largest relative gap over training)")
 
     def draw(ax, name, r):
-        steps = [m["step"] for m in r["metrics"]]
-        ax.plot(steps, [m["val_loss_original"] for m in r["metrics"]], label="original x")
-        ax.plot(steps, [m["val_loss_transformed"] for m in r["metrics"]], "--", label="transformed Qx+d")
+        for key, fmt, color, label in (("val_loss_original", "-", "C0", "original x"),
+                                       ("val_loss_transformed", "--", "C1", "transformed Qx+d")):
+            line_with_divergence(ax, {m["step"]: m[key] for m in r["metrics"] if key in m}, fmt, color, label)
         ax.set(yscale="log", xlabel="step", ylabel="validation loss",
                title=f"{name}: max relative gap {r['summary']['max_relative_gap']:.1e}")
-        ax.legend()
+        legend(ax)
 
-    first_seed_panels(records, out_dir / "invariance.png", stamp, draw)
+    return first_seed_panels(records, out_dir / "invariance.png", stamp, draw)
