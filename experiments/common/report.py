@@ -233,17 +233,22 @@ def save_figure(fig, path: Path, stamp: str, dpi: int = 150):
     return fig
 
 
-def first_seed_panels(records: list, path: Path, stamp: str, draw):
-    """One panel per optimizer, drawn by draw(ax, optimizer, record) from the optimizer's first run
-    in `records` (sorted by optimizer and seed beforehand); the figure stamped and written to path."""
+def first_seed_panels(records: list, path: Path, stamp: str, draw, sharey: bool = False):
+    """One panel per optimizer (GPs before DoPr variants), drawn by draw(ax, optimizer, record) from the
+    optimizer's first run in `records` (sorted by optimizer and seed beforehand); the figure stamped,
+    written to path and returned. sharey: one y axis for every panel (curves compared across panels)."""
     import matplotlib.pyplot as plt
+    from dopr import split_name
 
     shown = {}
     for r in records:
         shown.setdefault(r["summary"]["optim"], r)
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, (name, r) in zip(axes[0], sorted(shown.items())):
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False, sharey=sharey)
+    for ax, (name, r) in zip(axes[0], sorted(shown.items(), key=lambda kv: (split_name(kv[0])[1], kv[0]))):
         draw(ax, name, r)
+    if sharey:
+        for ax in axes[0, 1:]:
+            ax.tick_params(labelleft=True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     return save_figure(fig, path, stamp)
 
@@ -345,4 +350,5 @@ def main(argv=None) -> None:
             rehearsal_report(recs, out, make_stamp(recs, command))
         else:
             report_function(recs[0]["config"])(recs, out, make_stamp(recs, command))
-        print(f"{task} ({sweep}{', rehearsals' if rehearsals else ''}): {len(recs)} runs -> {out}")
+        print(f"{task} ({sweep}{', rehearsals' if rehearsals else ''}): {len(recs)} run{'s' if len(recs) != 1 else ''} "
+              f"-> {out}")

@@ -90,8 +90,10 @@ def report_figure(rows, path, stamp) -> None:
         bx.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  mismatch margin")
     axes[0, 0].set_ylabel("loss")
     axes[1, 0].set_ylabel("margin (> 1: mismatch holds)")
-    axes[0, 0].legend(fontsize=6)
-    axes[1, 0].legend(fontsize=6, title="o: corrected regime, x: printed regime", title_fontsize=6)
+    # the legends beside the last column (every column has the same entries), not over the first one's data
+    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    axes[1, -1].legend(fontsize=7, title="o: corrected regime\nx: printed regime", title_fontsize=7,
+                       loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(r"margin = min($L_{val}(K_\psi)/L_{val}(K_\theta)$, $L_{ideal}(K_\theta)/L_{ideal}(K_\psi)$)"
                  r"; > 1 means $L_{val}(K_\theta) < L_{val}(K_\psi)$ and $L_{ideal}(K_\psi) < L_{ideal}(K_\theta)$",
                  fontsize=9, y=0.995)
@@ -156,7 +158,7 @@ def invariance(records, out_dir, stamp) -> None:
                                        ("val_loss_transformed", "--", "C1", "transformed Qx+d")):
             line_with_divergence(ax, {m["step"]: m[key] for m in r["metrics"] if key in m}, fmt, color, label)
         ax.set(yscale="log", xlabel="step", ylabel="validation loss",
-               title=f"{name}: max relative gap {r['summary']['max_relative_gap']:.1e}")
+               title=f"{name}, seed {r['summary']['seed']}: max relative gap {r['summary']['max_relative_gap']:.1e}")
         legend(ax)
 
-    return first_seed_panels(records, out_dir / "invariance.png", stamp, draw)
+    return first_seed_panels(records, out_dir / "invariance.png", stamp, draw, sharey=True)
