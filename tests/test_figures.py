@@ -199,20 +199,24 @@ def _fl_record(optim, seed, lr, values) -> dict:
                         "subspace_distance": 0.5}, "metrics": metrics}
 
 
-def test_a_diverged_feature_learning_seed_is_marked(tmp_path):
+def test_feature_learning_draws_each_of_two_rates_and_marks_a_diverged_seed(tmp_path):
+    """A protocol sweep runs DoPr at its own and at its GP's rate: both are drawn (the figure used to keep
+    the lower validation loss only, hiding the selected arm); a tuning sweep's many rates: the best."""
     from experiments.theory import report as theory_report
 
     records = [_fl_record("sgd", 0, 0.1, [1.0, 0.5, 0.2]), _fl_record("sgd", 1, 0.1, [1.0, 0.6, 0.3]),
-               _fl_record("sgd", 2, 0.1, [1.0, math.nan, math.nan]), _fl_record("sgd", 0, 0.01, [1.0, 0.9, 0.8])]
+               _fl_record("sgd", 2, 0.1, [1.0, math.nan, math.nan]), _fl_record("sgd", 0, 0.01, [1.0, 0.9, 0.8]),
+               _fl_record("dopr_sgd", 0, 0.01, [1.0, 0.1, 0.01])]
     fig = theory_report.feature_learning(records, tmp_path, "stamp")
-    ax = fig.axes[0]
-    assert _legend(ax) == ["sgd (lr 0.01, 1 seed)"]   # the best rate: lr 0.1 has a diverged seed (inf median)
-    records = records[:3]
-    fig = theory_report.feature_learning(records, tmp_path, "stamp")
-    ax = fig.axes[0]
-    assert _legend(ax)[0] == "sgd (lr 0.1, 3 seeds), 1 of 3 diverged" and _legend(ax)[1].startswith("diverged")
-    x = [l for l in ax.get_lines() if l.get_marker() == "x"][0]
+    assert _legend(fig.axes[1]) == ["sgd (lr 0.01, 1 seed)", "sgd (lr 0.1, 3 seeds), 1 of 3 diverged",
+                                    "dopr_sgd (lr 0.01, 1 seed)", "diverged (x: last finite value)"]
+    x = [l for l in fig.axes[0].get_lines() if l.get_marker() == "x"][0]
     assert (x.get_xdata()[0], x.get_ydata()[0]) == (10, 1.0)
+    dashed = {l.get_label(): l.get_linestyle() for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")}
+    assert dashed["sgd (lr 0.01, 1 seed)"] == "--" and dashed["dopr_sgd (lr 0.01, 1 seed)"] == "-"
+    records += [_fl_record("sgd", 0, lr, [1.0, 0.9, 0.85]) for lr in (1e-3, 1e-4)]
+    fig = theory_report.feature_learning(records, tmp_path, "stamp")
+    assert _legend(fig.axes[1])[0] == "sgd (lr 0.01, best of 4 rates, 1 seed)"   # lr 0.1 has a diverged seed: inf
 
 
 def test_a_diverged_sft_rate_is_marked_on_the_right_edge(tmp_path):

@@ -125,7 +125,7 @@ def line_with_divergence(ax, curve: dict, fmt: str, color, label: str) -> None:
         mark_diverged(ax, steps[-1], c[steps[-1]], color)
 
 
-def seed_band(ax, curves: list, label: str, color, quantiles=(0.0, 1.0)) -> None:
+def seed_band(ax, curves: list, label: str, color, quantiles=(0.0, 1.0), linestyle="-") -> None:
     """Curves of several seeds ({step: value} each): the median as the line, the quantiles (min..max)
     as the band, on the steps every seed that did not diverge has. A seed whose curve holds a non-finite
     value diverged: its finite part is drawn thin and ends in an 'x' (a "diverged" entry in the legend),
@@ -149,10 +149,10 @@ def seed_band(ax, curves: list, label: str, color, quantiles=(0.0, 1.0)) -> None
             left, right = ax.get_xlim()
             ax.set_xlim(min(left, 0), max(right, steps[0] * 1.1))
         else:
-            ax.plot(steps, med, label=label, color=color)
+            ax.plot(steps, med, linestyle, label=label, color=color)
             ax.fill_between(steps, lo, hi, color=color, alpha=0.2)
     else:
-        ax.plot([], [], color=color, label=label)   # its legend entry
+        ax.plot([], [], linestyle, color=color, label=label)   # its legend entry
     for c in diverged:
         if c:
             steps = sorted(c)
@@ -179,9 +179,15 @@ def tidy_log_axis(ax) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def legend(ax, **kw):
-    """ax.legend with the "diverged" entries last (after the optimizers they belong to)."""
+def legend(ax, also=None, **kw):
+    """ax.legend with the "diverged" entries last (after the optimizers they belong to); `also`: another
+    axes whose entries join (once per label)."""
     handles, labels = ax.get_legend_handles_labels()
+    if also is not None:
+        for h, label in zip(*also.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
     order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("diverged"))
     return ax.legend([handles[i] for i in order], [labels[i] for i in order], **kw)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from dopr import split_name
 from experiments.common.report import (first_seed_panels, legend, line_with_divergence, save_figure, seed_band,
                                        write_table)
 
@@ -101,9 +102,13 @@ def report_figure(rows, path, stamp) -> None:
     return save_figure(fig, path, stamp)
 
 
-def feature_learning(records, out_dir, stamp) -> None:
-    """Per optimizer: the learning rate with the lowest median final validation loss, then the median
-    and 10/90% quantiles over seeds of both metrics over training (the paper's figure)."""
+SHOWN_RATES = 2   # an optimizer with more rates in the sweep (a tuning sweep) is drawn at its best only
+
+
+def feature_learning(records, out_dir, stamp):
+    """Per optimizer: the learning rate with the lowest median final validation loss (the table marks it),
+    then the median and 10/90% quantiles over seeds of both metrics over training (the paper's figure),
+    for every rate of an optimizer that ran at most SHOWN_RATES of them, else for its best."""
     import matplotlib.pyplot as plt
 
     by = {}
@@ -126,19 +131,31 @@ def feature_learning(records, out_dir, stamp) -> None:
                 out_dir / "feature_learning", stamp,
                 "Feature learning: final validation loss and subspace distance (median over seeds; * = best lr)")
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, opt_name in enumerate(sorted(best)):
-        rs = by[opt_name][best[opt_name]]
-        for ax, key in zip(axes, ("val_loss", "subspace_distance")):
-            seed_band(ax, [{m["step"]: m[key] for m in r["metrics"] if key in m} for r in rs],
-                      f"{opt_name} (lr {best[opt_name]:g}, {len(rs)} seed{'s' if len(rs) != 1 else ''})", f"C{i}",
-                      quantiles=(0.1, 0.9))
+    # drawn: every rate of an optimizer that ran at most SHOWN_RATES of them (a protocol sweep: DoPr at its
+    # own and at its GP's chosen rate; hiding one would hide an arm), else its best (a tuning sweep); one
+    # colour per GP, its DoPr variant solid beside the GP dashed
+    gps = sorted({split_name(n)[0] for n in by})
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4))
+    for opt_name in sorted(by, key=lambda n: (gps.index(split_name(n)[0]), split_name(n)[1])):
+        gp_rates = list(by.get(split_name(opt_name)[0], {})) if split_name(opt_name)[1] else []
+        lrs = (sorted(by[opt_name], key=lambda lr: (gp_rates == [lr], lr)) if len(by[opt_name]) <= SHOWN_RATES
+               else [best[opt_name]])   # DoPr at its own rate first (solid), at its GP's dotted
+        for k, lr in enumerate(lrs):
+            rs = by[opt_name][lr]
+            what = f"lr {lr:g}" + ("" if len(lrs) == len(by[opt_name]) else f", best of {len(by[opt_name])} rates")
+            gp = split_name(opt_name)[0]
+            if len(lrs) > 1 and gp != opt_name and list(by.get(gp, {})) == [lr]:   # DoPr at its GP's rate
+                what += f" = {gp}'s"
+            label = f"{opt_name} ({what}, {len(rs)} seed{'s' if len(rs) != 1 else ''})"
+            style = ("-" if split_name(opt_name)[1] else "--") if k == 0 else ":"
+            for ax, key in zip(axes, ("val_loss", "subspace_distance")):
+                seed_band(ax, [{m["step"]: m[key] for m in r["metrics"] if key in m} for r in rs], label,
+                          f"C{gps.index(split_name(opt_name)[0])}", quantiles=(0.1, 0.9), linestyle=style)
     axes[0].set(yscale="log", xlabel="step", ylabel="validation loss",
                 title="in-distribution validation loss (median, 10-90% of seeds)")
     axes[1].set(xlabel="step", ylabel=r"dist$(G_\theta, G_\star)$", title="feature subspace distance")
-    legend(axes[0], fontsize=7)
-    if getattr(axes[1], "_dopr_diverged_marked", False):
-        legend(axes[1], fontsize=7)
+    legend(axes[1], fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1),   # beside the curves, not over them
+           also=axes[0])
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     return save_figure(fig, out_dir / "feature_learning.png", stamp)
 
