@@ -164,6 +164,7 @@ def test_the_report_of_a_rehearsal_sweep_is_the_rehearsal_table(tmp_path, compos
     report.main([str(sweep), "--out", str(tmp_path / "out")])
     md = (tmp_path / "out" / "sit_imagenet" / "paper_sit" / "rehearsal.md").read_text()
     assert "| sweep | sit_imagenet | adamw | SiT-S/2 | 4 |" in md and "dopr_adamw" in md
+    assert "The AP health is measured on the rehearsal batch" in md and ".." not in md
     assert not list((tmp_path / "out").rglob("sit_quality*"))
     # handed to the SiT report directly: the same table, and no quality figure
     from experiments.common.launch import run_job  # noqa: F401  (the suite's imports, as the driver has them)

@@ -201,7 +201,7 @@ def report(records: list, out_dir, stamp: str) -> list:
 
     rows = [row(r["summary"], r["dir"].parent.name) for r in records]
     columns, memory, title = columns_and_title(rows)
-    write_table(rows, columns, Path(out_dir) / "rehearsal", stamp + stamp_note(memory), title)
+    write_table(rows, columns, Path(out_dir) / "rehearsal", stamp.rstrip(".") + stamp_note(memory), title)
     return rows
 
 
