@@ -306,11 +306,17 @@ def output_root(out, sweeps, records, replace_results: bool) -> Path:
     return root
 
 
-def report_function(cfg):
+REHEARSAL_REPORT = "experiments.common.rehearsal.report"   # by name: rehearsal.py writes its table with this module
+
+
+def report_function(cfg, rehearsals: bool = False):
     """The task's report function: the job config's task.report, or, for jobs made before task configs
-    named one, that of the task config of the same name in conf/task/."""
+    named one, that of the task config of the same name in conf/task/; for rehearsals (rehearse=true:
+    no training curve) the rehearsal table's."""
     import hydra
 
+    if rehearsals:
+        return hydra.utils.get_method(REHEARSAL_REPORT)
     name = cfg.task.report if "report" in cfg.task else _task_config(cfg.task.name).report
     return hydra.utils.get_method(name)
 
@@ -350,11 +356,6 @@ def main(argv=None) -> None:
     for (task, sweep, rehearsals), recs in sorted(by_sweep.items()):
         out = out_root / task / ("" if sweep == task else sweep)
         out.mkdir(parents=True, exist_ok=True)
-        if rehearsals:
-            from .rehearsal import report as rehearsal_report
-
-            rehearsal_report(recs, out, make_stamp(recs, command))
-        else:
-            report_function(recs[0]["config"])(recs, out, make_stamp(recs, command))
+        report_function(recs[0]["config"], rehearsals)(recs, out, make_stamp(recs, command))
         print(f"{task} ({sweep}{', rehearsals' if rehearsals else ''}): {len(recs)} run{'s' if len(recs) != 1 else ''} "
               f"-> {out}")
