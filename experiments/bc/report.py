@@ -6,7 +6,8 @@ import numpy as np
 
 import dopr.gp
 from dopr import optimizer_name
-from experiments.common.report import save_figure, write_table
+from experiments.common.report import (count_axis, legend, optimizers_title, points_with_divergence, save_figure,
+                                       write_table)
 from experiments.common.stats import best_per, bootstrap, dopr_vs_gp, group_runs
 
 GPS = tuple(g for g in dopr.gp.GPS if g != "sgd")   # the figures' columns, of those that ran
@@ -56,11 +57,7 @@ def bc(records, out_dir, stamp) -> None:
     """The paper's BC figure (return vs number of trajectories per GP, plain vs DoPr: the median, min
     and max over seeds of each seed's mean return as line and band, the bootstrap 10/50/90 quantiles as
     error bars beside them; train and validation loss), the table behind it, DoPr-vs-GP deltas and
-    timings."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    timings. Returns the figure."""
     task = records[0]["summary"]["task"]
     env = records[0]["summary"]["env"]
     rows = cell_rows(records)
@@ -91,34 +88,63 @@ def bc(records, out_dir, stamp) -> None:
                 out_dir / f"{task}_timing", stamp,
                 f"{env}: seconds per BC job (1000 steps + evaluation episodes), 1 torch thread per job")
 
+    return figure(by, env, rows[0]["expert_return"], out_dir / f"{task}.png", stamp)
+
+
+def figure(by: dict, env: str, expert_return: float, path, stamp: str):
+    """The paper's BC figure from each optimizer's best cell per trajectory count ({(optimizer, n): row}):
+    one column per GP that ran, titled by the optimizers it shows; per optimizer the per-seed mean
+    return's median as the line (min..max as the band) and the bootstrap q10..q90 as a bar around its
+    q50 (a short tick) a few points to the side of the line's point; train and validation MSE below. A
+    cell whose value is not finite (a diverged run) is an 'x' on the panel's top edge."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.transforms import offset_copy
+
     gps = [gp for gp in GPS if any(k[0] in (gp, optimizer_name(gp, True)) for k in by)]
-    fig, axes = plt.subplots(3, len(gps), figsize=(3.6 * len(gps), 8.5), squeeze=False, sharex=True)
+    counts = sorted({n for _, n in by})
+    fig, axes = plt.subplots(3, len(gps), figsize=(max(3.6 * len(gps), 5.0), 8.5), squeeze=False, sharex=True)
     for j, gp in enumerate(gps):
-        for name, style, shift in ((gp, "--", -0.6), (optimizer_name(gp, True), "-", 0.6)):
+        shown = []
+        for name, style, shift in ((gp, "--", -4), (optimizer_name(gp, True), "-", 4)):
             pts = sorted((n, r) for (o, n), r in by.items() if o == name)
             if not pts:
                 continue
-            x = np.array([n for n, _ in pts], dtype=float)
-            line, = axes[0, j].plot(x, [r["seed_return_median"] for _, r in pts], style, marker="o", ms=3, label=name)
-            c = line.get_color()
-            axes[0, j].fill_between(x, [r["seed_return_min"] for _, r in pts], [r["seed_return_max"] for _, r in pts],
-                                    color=c, alpha=0.2)
-            q50 = np.array([r["return_q50"] for _, r in pts])
-            err = [q50 - [r["return_q10"] for _, r in pts], np.array([r["return_q90"] for _, r in pts]) - q50]
-            axes[0, j].errorbar(x + shift, q50, yerr=err, fmt="none", ecolor=c, elinewidth=1.5, capsize=2)
+            shown.append(name)
+            x = [n for n, _ in pts]
+            c = "C0" if style == "--" else "C1"
+            ax = axes[0, j]
+            seeds = sorted({r["seeds"] for _, r in pts})
+            label = f"{name} ({'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''})"
+            points_with_divergence(ax, x, [r["seed_return_median"] for _, r in pts], style, c, label, marker="o", ms=4)
+            ok = [(n, r) for n, r in pts if all(np.isfinite([r[k] for k in ("seed_return_min", "seed_return_max",
+                                                                             "return_q10", "return_q50", "return_q90")]))]
+            if ok:
+                xo = np.array([n for n, _ in ok], dtype=float)
+                ax.fill_between(xo, [r["seed_return_min"] for _, r in ok], [r["seed_return_max"] for _, r in ok],
+                                color=c, alpha=0.2)
+                q50 = np.array([r["return_q50"] for _, r in ok])
+                err = [q50 - [r["return_q10"] for _, r in ok], np.array([r["return_q90"] for _, r in ok]) - q50]
+                # the bar beside its point by a few points on the page, whatever the axis' range
+                ax.errorbar(xo, q50, yerr=err, fmt="_", ms=7, color=c, elinewidth=1.5, capsize=2,
+                            transform=offset_copy(ax.transData, fig=fig, x=shift, units="points"))
             for i, key in ((1, "train_loss"), (2, "val_loss")):
-                axes[i, j].plot(x, [r[key] for _, r in pts], style, marker="o", ms=3, color=c, label=name)
-        axes[0, j].set_title(gp)
-        axes[0, j].legend(fontsize=7)
-        axes[1, j].set_yscale("log")
-        axes[2, j].set_yscale("log")
-        axes[2, j].set_xlabel("number of trajectories")
-    axes[0, 0].set_ylabel("return: seeds min/median/max (band),\nbootstrap q10/q50/q90 (bars)", fontsize=8)
+                points_with_divergence(axes[i, j], x, [r[key] for _, r in pts], style, c, name, marker="o", ms=4)
+        axes[0, j].set_title(optimizers_title(shown))
+        legend(axes[0, j], fontsize=7)
+        for i in (1, 2):
+            axes[i, j].set_yscale("log")
+            if any(getattr(axes[i, j], "_dopr_diverged_marked", False) for i in (1, 2)):
+                legend(axes[i, j], fontsize=7)
+        count_axis(axes[2, j], counts, "number of trajectories")
+    axes[0, 0].set_ylabel("return: seeds min/median/max (line, band),\nbootstrap q10/q50/q90 (bar beside)",
+                          fontsize=8)
     axes[1, 0].set_ylabel("train MSE")
     axes[2, 0].set_ylabel("validation MSE")
-    fig.suptitle(f"{env} behaviour cloning (expert return {rows[0]['expert_return']:.0f})")
+    fig.suptitle(f"{env} behaviour cloning (expert return {expert_return:.0f})")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / f"{task}.png", stamp)
+    return save_figure(fig, path, stamp)
 
 
 def expert(records, out_dir, stamp) -> None:

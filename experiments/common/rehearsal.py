@@ -150,22 +150,60 @@ def run_rehearsal(cfg, run) -> dict:
     return hydra.utils.get_method(cfg.task.rehearse)(cfg, run)
 
 
+def row(s: dict, sweep: str) -> dict:
+    """The table's row of one rehearsal summary, with its device and its peak in the column of that
+    device's measure (summaries written before the device was recorded ran on CPU)."""
+    device = s.get("device") or ("cuda" if MEMORY_COLUMNS["cuda"] in s else "cpu")
+    memory = MEMORY_COLUMNS.get(device.split()[0], "peak_rss_MB")
+    out = {"sweep": sweep, "task": s["task"], "optimizer": s["optim"], "device": device,
+           **{k: s.get(k, "") for k in COLUMNS[3:] if k != "peak_rss_MB"}, memory: s.get(memory, "")}
+    if s.get("peak_since") != "this job's steps" and memory in s:   # counted from the process's start
+        out[memory] = f"{s[memory]:.4g}*"
+    return out
+
+
 def table(sweeps: list) -> list:
-    """One row per rehearsal summary under `sweeps`, with its device and its peak in the column of
-    that device's measure (summaries written before the device was recorded ran on CPU)."""
+    """One row per rehearsal summary under `sweeps` (see row)."""
     rows = []
     for sweep in sweeps:
         for path in sorted(Path(sweep).rglob("summary.json")):
             s = json.loads(path.read_text())
-            if not s.get("rehearsal"):
-                continue
-            device = s.get("device") or ("cuda" if MEMORY_COLUMNS["cuda"] in s else "cpu")
-            memory = MEMORY_COLUMNS.get(device.split()[0], "peak_rss_MB")
-            row = {"sweep": Path(sweep).name, "task": s["task"], "optimizer": s["optim"], "device": device,
-                   **{k: s.get(k, "") for k in COLUMNS[3:] if k != "peak_rss_MB"}, memory: s.get(memory, "")}
-            if s.get("peak_since") != "this job's steps" and memory in s:   # counted from the process's start
-                row[memory] = f"{s[memory]:.4g}*"
-            rows.append(row)
+            if s.get("rehearsal"):
+                rows.append(row(s, Path(sweep).name))
+    return rows
+
+
+def columns_and_title(rows: list) -> tuple:
+    """The table's columns (the device's only where several ran; each peak-memory measure that occurs)
+    and its title."""
+    devices = sorted({r["device"] for r in rows})
+    memory = [c for c in MEMORY_COLUMNS.values() if any(c in r for r in rows)]
+    columns = [c for c in COLUMNS if c != "peak_rss_MB"][:-1] + memory + ["verdict"]
+    if len(devices) > 1:
+        columns.insert(3, "device")
+    where = " and ".join(d.upper() if d == "cpu" else "CUDA" + d[4:] for d in devices)
+    return columns, memory, f"Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, {where}"
+
+
+def stamp_note(memory: list) -> str:
+    return (". The AP health is measured on the rehearsal batch: a few samples give a low-rank Sigma, so "
+            "the weak layers flagged here bound those of the real batch from above; the peak memory ("
+            + "; ".join({"peak_rss_MB": "peak_rss_MB: the process's peak RSS on CPU",
+                         "peak_cuda_alloc_MB": "peak_cuda_alloc_MB: the peak of CUDA memory allocated by tensors, "
+                                               "torch.cuda.max_memory_allocated"}[c] for c in memory)
+            + ") counts from the built model (the synthetic batch, the optimizer and the steps); *: from the "
+            "process's start, the earlier jobs of a local sweep included")
+
+
+def report(records: list, out_dir, stamp: str) -> list:
+    """`python -m experiments.report <rehearsal sweep>`: a rehearsal has no training curve, so not the
+    task's figures but this table (rehearsal.{md,csv} in out_dir), as `python -m
+    experiments.common.rehearsal` writes it. Returns its rows."""
+    from .report import write_table
+
+    rows = [row(r["summary"], r["dir"].parent.name) for r in records]
+    columns, memory, title = columns_and_title(rows)
+    write_table(rows, columns, Path(out_dir) / "rehearsal", stamp.rstrip(".") + stamp_note(memory), title)
     return rows
 
 
@@ -180,23 +218,10 @@ def main(argv=None) -> None:
     rows = table(args.sweeps)
     if not rows:
         sys.exit(f"no rehearsal summaries under {args.sweeps}: run `python run.py -m sweep=<paper sweep> rehearse=true`")
-    devices = sorted({r["device"] for r in rows})
-    memory = [c for c in MEMORY_COLUMNS.values() if any(c in r for r in rows)]
-    columns = [c for c in COLUMNS if c != "peak_rss_MB"][:-1] + memory + ["verdict"]
+    columns, memory, title = columns_and_title(rows)
     stamp = (f"`python -m experiments.common.rehearsal {' '.join(args.sweeps)} --out {args.out}`, commit "
              f"{git_revision()}, torch {torch.__version__}")
-    stamp += (". The AP health is measured on the rehearsal batch: a few samples give a low-rank Sigma, so "
-              "the weak layers flagged here bound those of the real batch from above; the peak memory ("
-              + "; ".join({"peak_rss_MB": "peak_rss_MB: the process's peak RSS on CPU",
-                           "peak_cuda_alloc_MB": "peak_cuda_alloc_MB: the peak of CUDA memory allocated by tensors, "
-                                                 "torch.cuda.max_memory_allocated"}[c] for c in memory)
-              + ") counts from the built model (the synthetic batch, the optimizer and the steps); *: from the "
-              "process's start, the earlier jobs of a local sweep included")
-    if len(devices) > 1:
-        columns.insert(3, "device")
-    where = " and ".join(d.upper() if d == "cpu" else "CUDA" + d[4:] for d in devices)
-    write_table(rows, columns, Path(args.out).with_suffix(""), stamp,
-                f"Rehearsals of the paper sweeps: the real models at their real sizes on synthetic batches, {where}")
+    write_table(rows, columns, Path(args.out).with_suffix(""), stamp + stamp_note(memory), title)
 
 
 if __name__ == "__main__":

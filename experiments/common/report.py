@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import shlex
 import sys
 import textwrap
@@ -80,15 +81,143 @@ def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: s
 STAMP_POINTS = 6
 
 
-def seed_band(ax, curves: list, label: str, color) -> None:
-    """Curves of several seeds ({step: value} each): the median as the line, min..max as the band,
-    on the steps every seed has."""
+DIVERGED = "diverged (x: last finite value)"
+
+
+def _finite(v) -> bool:
+    """A plottable number: not None, "", NaN or inf."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def split_diverged(curve: dict) -> tuple:
+    """A curve ({step: value}) up to its first non-finite value (None, NaN or inf), and whether it has
+    one (the run diverged there)."""
+    out = {}
+    for s in sorted(curve):
+        if not _finite(curve[s]):
+            return out, True
+        out[s] = curve[s]
+    return out, False
+
+
+def mark_diverged(ax, x, y, color) -> None:
+    """An 'x' at a diverged run's last finite value, one "diverged" entry in the legend per axes."""
+    seen = getattr(ax, "_dopr_diverged_marked", False)
+    ax.plot([x], [y], "x", color=color, ms=9, mew=2, zorder=5, label="_nolegend_" if seen else DIVERGED)
+    ax._dopr_diverged_marked = True
+
+
+def mark_diverged_at_edge(ax, x, color, text="diverged") -> None:
+    """A point whose value is not finite (a diverged cell): an 'x' at its x on the top edge of the axes."""
+    seen = getattr(ax, "_dopr_diverged_marked", False)
+    ax.plot([x], [0.97], "x", color=color, ms=9, mew=2, zorder=5, clip_on=False,
+            transform=ax.get_xaxis_transform(), label="_nolegend_" if seen else f"{text} (x on the top edge)")
+    ax._dopr_diverged_marked = True
+
+
+def line_with_divergence(ax, curve: dict, fmt: str, color, label: str) -> None:
+    """One run's curve ({step: value}) up to its first non-finite value, an 'x' at its last finite value
+    where it diverged; a single point drawn as a marker."""
+    c, diverged = split_diverged(curve)
+    steps = sorted(c)
+    ax.plot(steps, [c[s] for s in steps], fmt, color=color, label=label, marker="o" if len(steps) == 1 else None)
+    if diverged and steps:
+        mark_diverged(ax, steps[-1], c[steps[-1]], color)
+
+
+def seed_band(ax, curves: list, label: str, color, quantiles=(0.0, 1.0), linestyle="-") -> None:
+    """Curves of several seeds ({step: value} each): the median as the line, the quantiles (min..max)
+    as the band, on the steps every seed that did not diverge has. A seed whose curve holds a non-finite
+    value diverged: its finite part is drawn thin and ends in an 'x' (a "diverged" entry in the legend),
+    and the label counts it. A single common step (one evaluation) is drawn as a point with its band as
+    a bar."""
     import numpy as np
 
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    y = np.array([[c[s] for s in steps] for c in curves])
-    ax.plot(steps, np.median(y, 0), label=label, color=color)
-    ax.fill_between(steps, y.min(0), y.max(0), color=color, alpha=0.2)
+    parts = [split_diverged(c) for c in curves]
+    kept = [c for c, d in parts if not d and c]
+    diverged = [c for c, d in parts if d]
+    if diverged:
+        label = f"{label}, {len(diverged)} of {len(curves)} diverged"
+    if kept:
+        steps = sorted(set.intersection(*(set(c) for c in kept)))
+        y = np.array([[c[s] for s in steps] for c in kept])
+        med, lo, hi = np.median(y, 0), np.quantile(y, quantiles[0], 0), np.quantile(y, quantiles[1], 0)
+        if len(steps) == 1:
+            note = "one evaluation point"
+            ax.errorbar(steps, med, yerr=[med - lo, hi - med], fmt="o", color=color, ms=6, capsize=3,
+                        label=f"{label[:-1]}; {note})" if label.endswith(")") else f"{label} ({note})")
+            left, right = ax.get_xlim()
+            ax.set_xlim(min(left, 0), max(right, steps[0] * 1.1))
+        else:
+            ax.plot(steps, med, linestyle, label=label, color=color)
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2)
+    else:
+        ax.plot([], [], linestyle, color=color, label=label)   # its legend entry
+    for c in diverged:
+        if c:
+            steps = sorted(c)
+            ax.plot(steps, [c[s] for s in steps], color=color, lw=0.8, alpha=0.7)
+            mark_diverged(ax, steps[-1], c[steps[-1]], color)
+        else:   # diverged before its first logged value: nothing finite to mark
+            ax.annotate(f"{label.split(',')[0]}: diverged before its first value", (0.02, 0.02),
+                        xycoords="axes fraction", fontsize=7, color=color)
+
+
+def tidy_log_axis(ax) -> None:
+    """A log-scale y axis spanning less than a decade gets plain numbers (381.76, not 3.8176 x 10^2 on
+    every minor tick); call it after drawing."""
+    from matplotlib.ticker import MaxNLocator, NullFormatter, NullLocator, ScalarFormatter
+
+    lo, hi = ax.get_ylim()
+    if ax.get_yscale() != "log" or not (0 < lo < hi < 10 * lo):
+        return
+    ax.yaxis.set_major_locator(MaxNLocator(5))
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def legend(ax, also=None, **kw):
+    """ax.legend with the "diverged" entries last (after the optimizers they belong to); `also`: another
+    axes whose entries join (once per label)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if also is not None:
+        for h, label in zip(*also.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("diverged"))
+    return ax.legend([handles[i] for i in order], [labels[i] for i in order], **kw)
+
+
+def optimizers_title(names) -> str:
+    """A panel's title naming the optimizers it shows, GPs first: "adamw vs dopr_adamw" for a pair, the one
+    name for a single arm (a DoPr-AdamW-only run is "dopr_adamw", never its GP's name)."""
+    from dopr import split_name
+
+    return " vs ".join(sorted(set(names), key=lambda n: (split_name(n)[1], n)))
+
+
+def points_with_divergence(ax, x, y, fmt, color, label, **kw) -> None:
+    """A line over x of the finite y; each non-finite y (a diverged cell) an 'x' on the top edge."""
+    xs = [a for a, b in zip(x, y) if _finite(b)]
+    ax.plot(xs, [b for b in y if _finite(b)], fmt, color=color, label=label, **kw)
+    for a, b in zip(x, y):
+        if not _finite(b):
+            mark_diverged_at_edge(ax, a, color)
+
+
+def count_axis(ax, counts, label: str) -> None:
+    """An axis of a few integer settings (trajectory counts): a tick at each, half a spacing of margin
+    (one setting: its value +-10%), never the fractional ticks matplotlib gives a single value."""
+    counts = sorted(set(counts))
+    pad = 0.5 * min((b - a for a, b in zip(counts, counts[1:])), default=max(1.0, 0.2 * abs(counts[0])))
+    ax.set_xticks(counts)
+    ax.set_xticklabels([f"{c:g}" for c in counts])
+    ax.set_xlim(counts[0] - pad, counts[-1] + pad)
+    ax.set_xlabel(label)
 
 
 def stamp_figure(fig, stamp: str) -> None:
@@ -99,28 +228,36 @@ def stamp_figure(fig, stamp: str) -> None:
     fig.text(0.01, -0.01, text, fontsize=STAMP_POINTS, color="0.4", ha="left", va="top")
 
 
-def save_figure(fig, path: Path, stamp: str, dpi: int = 150) -> None:
-    """Stamp the figure with the commands and commit, write it, close it."""
+def save_figure(fig, path: Path, stamp: str, dpi: int = 100):
+    """Stamp the figure with the commands and commit, write it (100 dpi: line plots stay small), close it;
+    the figure is returned (its axes, titles and legends stay readable after closing: what the tests
+    check)."""
     import matplotlib.pyplot as plt
 
     stamp_figure(fig, stamp)
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
+    return fig
 
 
-def first_seed_panels(records: list, path: Path, stamp: str, draw) -> None:
-    """One panel per optimizer, drawn by draw(ax, optimizer, record) from the optimizer's first run
-    in `records` (sorted by optimizer and seed beforehand); the figure stamped and written to path."""
+def first_seed_panels(records: list, path: Path, stamp: str, draw, sharey: bool = False):
+    """One panel per optimizer (GPs before DoPr variants), drawn by draw(ax, optimizer, record) from the
+    optimizer's first run in `records` (sorted by optimizer and seed beforehand); the figure stamped,
+    written to path and returned. sharey: one y axis for every panel (curves compared across panels)."""
     import matplotlib.pyplot as plt
+    from dopr import split_name
 
     shown = {}
     for r in records:
         shown.setdefault(r["summary"]["optim"], r)
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False)
-    for ax, (name, r) in zip(axes[0], sorted(shown.items())):
+    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4), squeeze=False, sharey=sharey)
+    for ax, (name, r) in zip(axes[0], sorted(shown.items(), key=lambda kv: (split_name(kv[0])[1], kv[0]))):
         draw(ax, name, r)
+    if sharey:
+        for ax in axes[0, 1:]:
+            ax.tick_params(labelleft=True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, path, stamp)
+    return save_figure(fig, path, stamp)
 
 
 def make_stamp(records: list, report_command: str) -> str:
@@ -130,7 +267,7 @@ def make_stamp(records: list, report_command: str) -> str:
     runs = defaultdict(int)
     for r in records:
         runs[portable_command(r["command"])] += 1
-    made = "; ".join(f"`{c}` ({n} runs)" for c, n in runs.items())
+    made = "; ".join(f"`{c}` ({n} run{'s' if n != 1 else ''})" for c, n in runs.items())
     debug = sum(_is_debug(r) for r in records)
     note = f" {debug} of them debug runs (debug=default: shrunk tasks, not the paper's settings)." if debug else ""
     return f"Runs made by {made}.{note} Tables by `{report_command}` at commit `{git_revision()}`."
@@ -168,11 +305,17 @@ def output_root(out, sweeps, records, replace_results: bool) -> Path:
     return root
 
 
-def report_function(cfg):
+REHEARSAL_REPORT = "experiments.common.rehearsal.report"   # by name: rehearsal.py writes its table with this module
+
+
+def report_function(cfg, rehearsals: bool = False):
     """The task's report function: the job config's task.report, or, for jobs made before task configs
-    named one, that of the task config of the same name in conf/task/."""
+    named one, that of the task config of the same name in conf/task/; for rehearsals (rehearse=true:
+    no training curve) the rehearsal table's."""
     import hydra
 
+    if rehearsals:
+        return hydra.utils.get_method(REHEARSAL_REPORT)
     name = cfg.task.report if "report" in cfg.task else _task_config(cfg.task.name).report
     return hydra.utils.get_method(name)
 
@@ -204,13 +347,14 @@ def main(argv=None) -> None:
     if missing:
         raise SystemExit(f"no .hydra/config.yaml (the job's config) in {missing[:3]}: cannot tell its task's report")
     by_sweep = defaultdict(list)  # results/<task>/ for a task's main sweep, results/<task>/<sweep>/ else
-    for r in records:
-        by_sweep[(r["summary"]["task"], r["config"].sweep_name)].append(r)
+    for r in records:   # rehearsals (rehearse=true) apart: no training curve, their own table
+        by_sweep[(r["summary"]["task"], r["config"].sweep_name, bool(r["summary"].get("rehearsal")))].append(r)
     out_root = output_root(args.out, args.sweeps, records, args.replace_results)
     command = "python -m experiments.report " + " ".join(
         shlex.quote(_in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
-    for (task, sweep), recs in sorted(by_sweep.items()):
+    for (task, sweep, rehearsals), recs in sorted(by_sweep.items()):
         out = out_root / task / ("" if sweep == task else sweep)
         out.mkdir(parents=True, exist_ok=True)
-        report_function(recs[0]["config"])(recs, out, make_stamp(recs, command))
-        print(f"{task} ({sweep}): {len(recs)} runs -> {out}")
+        report_function(recs[0]["config"], rehearsals)(recs, out, make_stamp(recs, command))
+        print(f"{task} ({sweep}{', rehearsals' if rehearsals else ''}): {len(recs)} run{'s' if len(recs) != 1 else ''} "
+              f"-> {out}")

@@ -3,6 +3,7 @@
 ${paper_hparam:<table>,<key>,<field>}: one entry of a hyperparameter table keyed by an integer, e.g.
 the paper's per-trajectory-count tables: ${paper_hparam:${paper_hparams},${task.num_trajectories},lr}.
 ${pow2:<base>,<k>}: base * 2**k, the appendix's learning-rate multipliers.
+${sweep_folder:${rehearse},${sweep_name}}: a sweep's folder under multirun/ (rehearsals under rehearsal/).
 """
 from omegaconf import OmegaConf
 
@@ -25,3 +26,14 @@ def pow2(base, k):
 
 if not OmegaConf.has_resolver("pow2"):
     OmegaConf.register_new_resolver("pow2", pow2)
+
+
+def sweep_folder(rehearse, sweep_name):
+    """${sweep_folder:${rehearse},${sweep_name}}: the folder under multirun/ of a sweep: its name, and for a
+    rehearsal (rehearse=true) rehearsal/<name>, so that a rehearsal never lands among the real runs
+    of a paper sweep (multirun/paper_sit/<time>) whose report it would break."""
+    return f"rehearsal/{sweep_name}" if str(rehearse).lower() == "true" else str(sweep_name)
+
+
+if not OmegaConf.has_resolver("sweep_folder"):
+    OmegaConf.register_new_resolver("sweep_folder", sweep_folder)

@@ -36,9 +36,9 @@ def find_previous(argv: list, root: Path) -> tuple[str, Path] | None:
     """("run" | "sweep", folder) of the latest earlier run of the command `argv`, or None."""
     multirun = "-m" in argv or "--multirun" in argv
     want = identity(a for a in argv if not a.startswith("-"))
-    pattern = "multirun/*/*" if multirun else "outputs/*/*/*"
+    patterns = ("multirun/*/*", "multirun/rehearsal/*/*") if multirun else ("outputs/*/*/*",)  # rehearsals apart
     found = []
-    for folder in root.glob(pattern):
+    for folder in (f for p in patterns for f in root.glob(p)):
         got = _recorded(folder, multirun)
         if got is not None and identity(got) == want and (multirun or not (folder / "summary.json").exists()):
             found.append(folder)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from dopr import split_name
-from experiments.common.report import save_figure, write_table
+from experiments.common.report import legend, save_figure, write_table
 from experiments.common.stats import group_runs, mean_and_error
 
 
@@ -72,26 +72,37 @@ def sft(records, out_dir, stamp) -> None:
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 4), squeeze=False)
     scale = nll_axis_scale([r["val_nll"] for r in rows])
     for ax, b in zip(axes[0], benchmarks):
-        for opt_name in sorted({r["optimizer"] for r in rows}):
-            rs = sorted((r for r in rows if r["optimizer"] == opt_name and math.isfinite(r["val_nll"])),
-                        key=lambda r: r["lr"])
-            if not rs:
-                continue
-            x, y = [r["val_nll"] for r in rs], [100 * r[b] for r in rs]
-            bars = ax.errorbar(x, y, xerr=[r["val_nll_se"] for r in rs], yerr=[100 * r[f"{b}_se"] for r in rs],
-                               fmt="o-", lw=0.8, ms=5, capsize=2, label=opt_name)
-            for r, xi, yi in zip(rs, x, y):
-                ax.annotate(str(r["lr_index"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                            color=bars[0].get_color())
+        for k, opt_name in enumerate(sorted({r["optimizer"] for r in rows})):
+            color = f"C{k}"
+            mine = sorted((r for r in rows if r["optimizer"] == opt_name), key=lambda r: r["lr"])
+            rs = [r for r in mine if math.isfinite(r["val_nll"])]
+            if rs:
+                x, y = [r["val_nll"] for r in rs], [100 * r[b] for r in rs]
+                ax.errorbar(x, y, xerr=[r["val_nll_se"] for r in rs], yerr=[100 * r[f"{b}_se"] for r in rs],
+                            fmt="o-", lw=0.8, ms=5, capsize=2, label=opt_name, color=color)
+                for r, xi, yi in zip(rs, x, y):
+                    ax.annotate(str(r["lr_index"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                                color=color)
+            else:
+                ax.plot([], [], "o-", color=color, label=opt_name)
+            # a rate whose NLL is not finite (diverged): an 'x' on the right edge at its accuracy, labelled
+            for r in (r for r in mine if not math.isfinite(r["val_nll"])):
+                seen = getattr(ax, "_dopr_diverged_marked", False)
+                ax.plot([0.985], [100 * r[b]], "x", color=color, ms=9, mew=2, clip_on=False,
+                        transform=ax.get_yaxis_transform(),
+                        label="_nolegend_" if seen else "diverged (NLL not finite; x on the right edge)")
+                ax.annotate(str(r["lr_index"]), (0.985, 100 * r[b]), xycoords=ax.get_yaxis_transform(),
+                            textcoords="offset points", xytext=(-10, 4), fontsize=7, color=color)
+                ax._dopr_diverged_marked = True
         ax.set(xlabel="validation NLL (per token)", ylabel=f"{b} accuracy (%)", title=b, xscale=scale)
         if scale == "linear":
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
-        ax.legend(fontsize=7)
+        legend(ax, fontsize=7)
     lrs = sorted({r["lr"] for r in rows})
     fig.suptitle(f"{task}: labels = learning-rate rank: " + ", ".join(f"{i + 1}={lr:g}" for i, lr in enumerate(lrs)),
                  fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / f"{task}_nll_vs_accuracy.png", stamp)
+    return save_figure(fig, out_dir / f"{task}_nll_vs_accuracy.png", stamp)
 
 
 def nll_axis_scale(nlls, spread: float = 10.0) -> str:

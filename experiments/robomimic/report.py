@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from experiments.common.report import save_figure, seed_band, write_table
+from experiments.common.report import legend, save_figure, seed_band, write_table
 from experiments.common.stats import bootstrap, dopr_vs_gp, group_runs
 
 COLUMNS = ["task", "optimizer", "seeds", "best_success_mean", "best_q10", "best_q50", "best_q90",
@@ -61,9 +61,9 @@ def deltas(table: list) -> list:
     return sorted(out, key=lambda r: (r["task"], r["gp"]))
 
 
-def success(records, out_dir, stamp) -> None:
+def success(records, out_dir, stamp):
     """robomimic_success.{md,csv}, robomimic_deltas.{md,csv}, robomimic_success.png (best success so far
-    and success vs steps, min/median/max over seeds) and robomimic_train_loss.png."""
+    and success vs steps, min/median/max over seeds) and robomimic_train_loss.png; returns both figures."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -92,9 +92,9 @@ def success(records, out_dir, stamp) -> None:
         axes[0, j].set(title=f"{task}: best success rate so far", xlabel="training step", ylabel="success rate")
         axes[1, j].set(title=f"{task}: success rate at each checkpoint", xlabel="training step",
                        ylabel="success rate")
-        axes[0, j].legend(fontsize=8)
+        legend(axes[0, j], fontsize=8)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    save_figure(fig, out_dir / "robomimic_success.png", stamp)
+    success_fig = save_figure(fig, out_dir / "robomimic_success.png", stamp)
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.5), squeeze=False)
     for j, task in enumerate(tasks):
@@ -104,6 +104,6 @@ def success(records, out_dir, stamp) -> None:
                 seed_band(axes[0, j], curves, name, colors[name])
         axes[0, j].set(title=f"{task}: training loss (min/median/max over seeds)", xlabel="training step",
                        ylabel="flow loss", yscale="log")
-        axes[0, j].legend(fontsize=8)
+        legend(axes[0, j], fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    save_figure(fig, out_dir / "robomimic_train_loss.png", stamp)
+    return success_fig, save_figure(fig, out_dir / "robomimic_train_loss.png", stamp)

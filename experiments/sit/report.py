@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 
 from dopr import optimizer_name, split_name
-from experiments.common.report import save_figure, seed_band, write_table
+from experiments.common.report import legend, save_figure, seed_band, tidy_log_axis, write_table
 from experiments.common.stats import dopr_vs_gp, group_runs
 
 COLUMNS = ["task", "optimizer", "seeds", "metric", "final_min", "final_median", "final_max", "best_median",
@@ -39,10 +39,14 @@ def panel_title(settings) -> str:
     return " vs ".join(names) + ": sample quality"
 
 
+def _evaluated(s: dict) -> bool:
+    """A run the quality table holds: one with a sample-quality curve, or one that diverged (the worst)."""
+    return bool(s.get("quality_curve")) or s.get("diverged_at") is not None
+
+
 def rows(records) -> list:
     out = []
-    for (task, name, *_), ss in group_runs((r["summary"] for r in records
-                                            if r["summary"]["quality_curve"] or r["summary"].get("diverged_at")),
+    for (task, name, *_), ss in group_runs((r["summary"] for r in records if _evaluated(r["summary"])),
                                            _setting).items():
         final = [_worst(s["quality"]) for s in ss]
         acc = [s["label_accuracy"] for s in ss if s.get("label_accuracy") is not None]
@@ -74,16 +78,54 @@ def deltas(table: list) -> list:
     return sorted(out, key=lambda r: (r["task"], r["gp"]))
 
 
-def quality(records, out_dir, stamp) -> None:
+UNEVALUATED_COLUMNS = ["task", "optimizer", "seeds", "lr", "steps", "train_loss_median", "why"]
+
+
+def unevaluated_rows(records) -> list:
+    """Finished runs without a sample-quality curve that did not diverge (sample quality off:
+    task.fid.every=0 or no classifier): their training loss, and why they have no quality."""
+    out = []
+    for (task, name, lr), ss in group_runs((r["summary"] for r in records if not _evaluated(r["summary"])),
+                                           lambda s: (s["task"], s["optim"], s["lr"])).items():
+        losses = [s["train_loss"] for s in ss if s.get("train_loss") is not None]
+        out.append({"task": task, "optimizer": name, "seeds": len(ss), "lr": lr, "steps": ss[0].get("steps", ""),
+                    "train_loss_median": float(np.median(losses)) if losses else "",
+                    "why": "no sample-quality evaluation in the run"})
+    return out
+
+
+def _quality_curve(s: dict) -> dict:
+    """{step: quality}; a diverged run's ends in NaN at the step it diverged (drawn as an 'x')."""
+    curve = {int(k): v for k, v in (s.get("quality_curve") or {}).items()}
+    if s.get("diverged_at") is not None:
+        curve[int(s["diverged_at"])] = math.nan
+    return curve
+
+
+def quality(records, out_dir, stamp):
     """sit_quality.{md,csv}, sit_deltas.{md,csv}, sit_quality.png (quality vs steps over loss vs steps,
     one column per GP pair, as the paper's figure) and sit_samples.png (each optimizer's grid, seed 0,
-    at the earliest step with a grid)."""
+    at the earliest step with a grid). Rehearsals (rehearse=true) get the rehearsal table instead, runs
+    without sample quality a table of their training loss (sit_unevaluated). Returns the quality figure
+    (None where no run has a quality curve)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.image as mpimg
     import matplotlib.pyplot as plt
 
+    rehearsals = [r for r in records if r["summary"].get("rehearsal")]
+    if rehearsals:
+        from experiments.common.rehearsal import report as rehearsal_report
+
+        rehearsal_report(rehearsals, out_dir, stamp)
+        records = [r for r in records if not r["summary"].get("rehearsal")]
+    other = unevaluated_rows(records)
+    if other:
+        write_table(other, UNEVALUATED_COLUMNS, out_dir / "sit_unevaluated", stamp,
+                    "Runs without sample quality (none measured, none diverged): training loss only")
     table = rows(records)
+    if not table:
+        return None
     metric = table[0]["metric"] if table else "quality"
     write_table(table, COLUMNS, out_dir / "sit_quality", stamp,
                 f"Sample quality ({metric}, lower is better) at the last step, min/median/max over seeds")
@@ -95,27 +137,32 @@ def quality(records, out_dir, stamp) -> None:
     # deltas table (the protocol's report pairs the chosen settings); one band per setting in the figure
     by_opt = defaultdict(list)
     for r in records:
-        if r["summary"]["quality_curve"]:
+        if _evaluated(r["summary"]):
             by_opt[(r["summary"]["optim"], r["summary"]["lr"])].append(r)
     gps = sorted({split_name(n)[0] for n, _ in by_opt})
-    fig, axes = plt.subplots(2, len(gps), figsize=(5.5 * len(gps), 7.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(gps), figsize=(5.5 * len(gps), 7.5), squeeze=False, sharex="col")
     for j, gp in enumerate(gps):
         settings = sorted(key for key in by_opt if key[0] in (gp, optimizer_name(gp, True)))
         several = len(settings) > len({name for name, _ in settings})
         for k, (name, lr) in enumerate(settings):
             rs = by_opt[(name, lr)]
             color, label = f"C{k}", f"{name}, lr {lr:g}" if several else name
-            seed_band(axes[0, j], [{int(s): v for s, v in r["summary"]["quality_curve"].items()} for r in rs],
-                  f"{label} ({len(rs)} seeds)", color)
+            seed_band(axes[0, j], [_quality_curve(r["summary"]) for r in rs],
+                      f"{label} ({len(rs)} seed{'s' if len(rs) != 1 else ''})", color)
             seed_band(axes[1, j], [{m["step"]: m["train_loss"] for m in r["metrics"] if "train_loss" in m} for r in rs],
-                  label, color)
+                      label, color)
         axes[0, j].set(title=panel_title(settings), xlabel="training step", ylabel=metric,
                        yscale="log")
         axes[1, j].set(title="training loss (min/median/max over seeds)", xlabel="training step",
                        ylabel="velocity loss", yscale="log")
-        axes[0, j].legend(fontsize=8)
+        legend(axes[0, j], fontsize=8)
+        if getattr(axes[1, j], "_dopr_diverged_marked", False):
+            legend(axes[1, j], fontsize=8)
+        axes[0, j].tick_params(labelbottom=True)
+        for i in (0, 1):
+            tidy_log_axis(axes[i, j])
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    save_figure(fig, out_dir / "sit_quality.png", stamp)
+    quality_fig = save_figure(fig, out_dir / "sit_quality.png", stamp)
 
     grids = {}
     for (name, lr), rs in sorted(by_opt.items()):
@@ -138,3 +185,4 @@ def quality(records, out_dir, stamp) -> None:
         save_figure(fig, out_dir / "sit_samples.png", stamp)
         for name, path in grids.items():
             shutil.copyfile(path, out_dir / f"sit_samples_{name}.png")
+    return quality_fig

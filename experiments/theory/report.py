@@ -10,7 +10,9 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from experiments.common.report import first_seed_panels, save_figure, write_table
+from dopr import split_name
+from experiments.common.report import (first_seed_panels, legend, line_with_divergence, save_figure, seed_band,
+                                       write_table)
 
 matplotlib.use("Agg")
 
@@ -40,7 +42,7 @@ def lds(records, out_dir, stamp) -> None:
     """construction.{csv,md} (the T = inf construction grid; deterministic, taken from the lowest seed),
     monte_carlo.{csv,md} (closed forms vs Monte Carlo, one row per seed) and lds_construction.png."""
     rows = report_tables(records, out_dir, stamp)
-    report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
+    return report_figure(rows, Path(out_dir) / "lds_construction.png", stamp)
 
 
 def report_tables(records, out_dir, stamp) -> list:
@@ -89,18 +91,24 @@ def report_figure(rows, path, stamp) -> None:
         bx.set(xscale="log", yscale="log", xlabel=r"$\theta$", title=rf"$\alpha$ = {a:g}:  mismatch margin")
     axes[0, 0].set_ylabel("loss")
     axes[1, 0].set_ylabel("margin (> 1: mismatch holds)")
-    axes[0, 0].legend(fontsize=6)
-    axes[1, 0].legend(fontsize=6, title="o: corrected regime, x: printed regime", title_fontsize=6)
+    # the legends beside the last column (every column has the same entries), not over the first one's data
+    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    axes[1, -1].legend(fontsize=7, title="o: corrected regime\nx: printed regime", title_fontsize=7,
+                       loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(r"margin = min($L_{val}(K_\psi)/L_{val}(K_\theta)$, $L_{ideal}(K_\theta)/L_{ideal}(K_\psi)$)"
                  r"; > 1 means $L_{val}(K_\theta) < L_{val}(K_\psi)$ and $L_{ideal}(K_\psi) < L_{ideal}(K_\theta)$",
                  fontsize=9, y=0.995)
     fig.tight_layout(rect=(0, 0.02, 1, 0.97))
-    save_figure(fig, path, stamp)
+    return save_figure(fig, path, stamp)
 
 
-def feature_learning(records, out_dir, stamp) -> None:
-    """Per optimizer: the learning rate with the lowest median final validation loss, then the median
-    and 10/90% quantiles over seeds of both metrics over training (the paper's figure)."""
+SHOWN_RATES = 2   # an optimizer with more rates in the sweep (a tuning sweep) is drawn at its best only
+
+
+def feature_learning(records, out_dir, stamp):
+    """Per optimizer: the learning rate with the lowest median final validation loss (the table marks it),
+    then the median and 10/90% quantiles over seeds of both metrics over training (the paper's figure),
+    for every rate of an optimizer that ran at most SHOWN_RATES of them, else for its best."""
     import matplotlib.pyplot as plt
 
     by = {}
@@ -123,20 +131,33 @@ def feature_learning(records, out_dir, stamp) -> None:
                 out_dir / "feature_learning", stamp,
                 "Feature learning: final validation loss and subspace distance (median over seeds; * = best lr)")
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for opt_name in sorted(best):
-        rs = by[opt_name][best[opt_name]]
-        steps = np.array([m["step"] for m in rs[0]["metrics"]])
-        for ax, key in zip(axes, ("val_loss", "subspace_distance")):
-            curves = np.array([[m[key] for m in r["metrics"]] for r in rs if len(r["metrics"]) == len(steps)])
-            q10, q50, q90 = np.quantile(curves, [0.1, 0.5, 0.9], axis=0)
-            line, = ax.plot(steps, q50, label=f"{opt_name} (lr {best[opt_name]:g})")
-            ax.fill_between(steps, q10, q90, color=line.get_color(), alpha=0.2)
-    axes[0].set(yscale="log", xlabel="step", ylabel="validation loss", title="in-distribution validation loss")
+    # drawn: every rate of an optimizer that ran at most SHOWN_RATES of them (a protocol sweep: DoPr at its
+    # own and at its GP's chosen rate; hiding one would hide an arm), else its best (a tuning sweep); one
+    # colour per GP, its DoPr variant solid beside the GP dashed
+    gps = sorted({split_name(n)[0] for n in by})
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4))
+    for opt_name in sorted(by, key=lambda n: (gps.index(split_name(n)[0]), split_name(n)[1])):
+        gp_rates = list(by.get(split_name(opt_name)[0], {})) if split_name(opt_name)[1] else []
+        lrs = (sorted(by[opt_name], key=lambda lr: (gp_rates == [lr], lr)) if len(by[opt_name]) <= SHOWN_RATES
+               else [best[opt_name]])   # DoPr at its own rate first (solid), at its GP's dotted
+        for k, lr in enumerate(lrs):
+            rs = by[opt_name][lr]
+            what = f"lr {lr:g}" + ("" if len(lrs) == len(by[opt_name]) else f", best of {len(by[opt_name])} rates")
+            gp = split_name(opt_name)[0]
+            if len(lrs) > 1 and gp != opt_name and list(by.get(gp, {})) == [lr]:   # DoPr at its GP's rate
+                what += f" = {gp}'s"
+            label = f"{opt_name} ({what}, {len(rs)} seed{'s' if len(rs) != 1 else ''})"
+            style = ("-" if split_name(opt_name)[1] else "--") if k == 0 else ":"
+            for ax, key in zip(axes, ("val_loss", "subspace_distance")):
+                seed_band(ax, [{m["step"]: m[key] for m in r["metrics"] if key in m} for r in rs], label,
+                          f"C{gps.index(split_name(opt_name)[0])}", quantiles=(0.1, 0.9), linestyle=style)
+    axes[0].set(yscale="log", xlabel="step", ylabel="validation loss",
+                title="in-distribution validation loss (median, 10-90% of seeds)")
     axes[1].set(xlabel="step", ylabel=r"dist$(G_\theta, G_\star)$", title="feature subspace distance")
-    axes[0].legend(fontsize=7)
+    legend(axes[1], fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1),   # beside the curves, not over them
+           also=axes[0])
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    save_figure(fig, out_dir / "feature_learning.png", stamp)
+    return save_figure(fig, out_dir / "feature_learning.png", stamp)
 
 
 def invariance(records, out_dir, stamp) -> None:
@@ -150,11 +171,11 @@ def invariance(records, out_dir, stamp) -> None:
                 "Activation invariance: validation loss on x vs on Qx+d (largest relative gap over training)")
 
     def draw(ax, name, r):
-        steps = [m["step"] for m in r["metrics"]]
-        ax.plot(steps, [m["val_loss_original"] for m in r["metrics"]], label="original x")
-        ax.plot(steps, [m["val_loss_transformed"] for m in r["metrics"]], "--", label="transformed Qx+d")
+        for key, fmt, color, label in (("val_loss_original", "-", "C0", "original x"),
+                                       ("val_loss_transformed", "--", "C1", "transformed Qx+d")):
+            line_with_divergence(ax, {m["step"]: m[key] for m in r["metrics"] if key in m}, fmt, color, label)
         ax.set(yscale="log", xlabel="step", ylabel="validation loss",
-               title=f"{name}: max relative gap {r['summary']['max_relative_gap']:.1e}")
-        ax.legend()
+               title=f"{name}, seed {r['summary']['seed']}: max relative gap {r['summary']['max_relative_gap']:.1e}")
+        legend(ax)
 
-    first_seed_panels(records, out_dir / "invariance.png", stamp, draw)
+    return first_seed_panels(records, out_dir / "invariance.png", stamp, draw, sharey=True)
