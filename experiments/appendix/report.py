@@ -163,8 +163,8 @@ def mup(records, out_dir, stamp, kept_rows=()) -> None:
 
     rows = sorted([*mup_rows(records), *kept_rows],
                   key=lambda r: (r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"]))
-    clash = {key for key, n in Counter((r["optimizer"], r["parameterization"], r["width"], r["k"], r["seed"])
-                                       for r in rows).items() if n > 1}
+    clash = {key for key, n in Counter((r["optimizer"], r["parameterization"], r["weight_decay_scaling"], r["width"],
+                                        r["k"], r["seed"]) for r in rows).items() if n > 1}
     if clash:
         raise ValueError(f"the kept rows and the runs both hold {sorted(clash)[:3]}: keep one source per cell")
     write_table(rows, list(rows[0]), out_dir / "mup_runs", stamp,
@@ -291,7 +291,7 @@ def main(argv=None) -> None:
     origin = next((line.split(" Tables by ")[0] for line in earlier.read_text().splitlines()
                    if line.startswith("Runs made by ")), "") if earlier.is_file() else ""
     stamp = make_stamp(records, command) + (f" Beside them {len(kept)} rows kept from `{_in_repo(str(args.keep))}` "
-                                             f"({condition}){'; earlier r' + origin[1:] if origin else ''}.")
+                                             f"({condition}){'; earlier r' + origin[1:].rstrip('.') if origin else ''}.")
     out.mkdir(parents=True, exist_ok=True)
     mup(records, out, stamp, kept_rows=kept)  # `kept` was read before anything is written: --out may be its folder
     print(f"{len(records)} runs + {len(kept)} kept rows -> {out}")
