@@ -99,7 +99,7 @@ DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.pr
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
 AT_GP = "_at_gp_setting"
 # resolved-config keys that differ between two arms without being part of what they trained
-_NOT_COPIED = ("sweep_name", "optim.name", "ap.")
+_NOT_COPIED = ("sweep_name", "optim.name", "optim.gp", "optim.ap", "ap.")   # the optimizer's identity stays DoPr's
 
 
 def grid_edges(grid: dict, winner: dict) -> tuple:
