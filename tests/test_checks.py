@@ -118,6 +118,9 @@ def test_resume_true_continues_the_latest_unfinished_run_of_the_same_command(tmp
         assert f"resume=true: continuing {folder}" in again.stdout and (folder / "summary.json").exists()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        for parent in folder.resolve().relative_to(ROOT).parents:   # outputs/feature_learning/sgd, ... if now empty
+            if parent != Path(".") and (ROOT / parent).is_dir() and not any((ROOT / parent).iterdir()):
+                (ROOT / parent).rmdir()
 
 
 def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_path):

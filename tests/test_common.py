@@ -2,6 +2,7 @@
 atomic writes, the distributed helpers in one process, and the report statistics."""
 import copy
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -336,6 +337,29 @@ def test_summary_names_the_commit_the_job_ran_at_not_one_made_while_it_trained(t
     out = resumed.finish({"loss": 1.0})
     resumed.close(failed=False)
     assert out["git_revision"] == "aaaaaaa" and out["git_revisions"] == ["aaaaaaa", "bbbbbbb"]
+
+
+def test_a_flushing_job_leaves_numpy_its_true_float_limits_and_no_warning():
+    """numpy measures a float type's limits on first use; measured while subnormals are flushed it finds
+    the smallest subnormal 0 and warns at every job. Fresh interpreter: numpy's cache is empty there."""
+    import subprocess
+    import sys
+
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    torch.set_flush_denormal(False)
+    code = ("import warnings, numpy as np, torch\n"
+            "from omegaconf import OmegaConf\n"
+            "from experiments.common.launch import set_cpu_numerics\n"
+            "set_cpu_numerics(OmegaConf.create({'flush_denormal': True}))\n"
+            "assert (torch.tensor([1e-40]) * 1).item() == 0.0   # flushing\n"
+            "warnings.simplefilter('error')\n"
+            "print(*(np.finfo(t).smallest_subnormal.tobytes() != bytes(np.dtype(t).itemsize)   # bits: a comparison\n"
+            "        for t in (np.float32, np.float64)))                 # would read it as 0 (DAZ)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["True", "True"] and "subnormal" not in res.stderr
 
 
 def test_a_job_flushes_subnormal_floats_by_default_and_gives_the_caller_its_setting_back(compose, tmp_path,

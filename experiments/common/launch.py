@@ -176,6 +176,19 @@ def flushing_denormals() -> bool:
     return (torch.tensor([torch.finfo(torch.float32).tiny]) / 2).item() == 0.0
 
 
+def _numpy_limits_before_flushing() -> None:
+    """numpy measures each float type's limits the first time they are asked for and keeps them: asked
+    after subnormals are flushed (MuJoCo, scipy and gymnasium ask), it finds the smallest subnormal zero
+    and warns "The value of the smallest subnormal ... is zero" at every job. Measured here, before
+    flushing, the limits are the true ones and nothing warns."""
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    for dtype in (np.float16, np.float32, np.float64, np.longdouble):
+        np.finfo(dtype)
+
+
 def set_cpu_numerics(cfg: DictConfig) -> None:
     """The job's CPU threads (`task.threads`; 0: torch's default, one per core) and subnormal floats
     (`flush_denormal`): both are process-wide, so each job of a sweep sets its own."""
@@ -185,6 +198,8 @@ def set_cpu_numerics(cfg: DictConfig) -> None:
     if threads:
         torch.set_num_threads(threads)
     flush = bool(OmegaConf.select(cfg, "flush_denormal", default=False))
+    if flush:
+        _numpy_limits_before_flushing()
     if not torch.set_flush_denormal(flush) and flush:
         log.warning("flush_denormal=true: this CPU cannot flush subnormal floats; they stay (slow, same results)")
 
