@@ -51,6 +51,27 @@ def test_build_schedule_drives_the_optimizer_and_names_a_bad_schedule():
         build_schedule(opt, "linear", 10)
 
 
+@pytest.mark.parametrize("name,total,warmup_frac", [("cosine", 40, 0.05), ("cosine", 7, 0.3), ("cosine", 5, 0.0),
+                                                    ("constant", 12, 0.1)])
+def test_the_llm_schedules_are_hugging_faces_rate_for_rate(name, total, warmup_frac):
+    """The LLM family's "cosine" / "constant" (the paper's SFT runs used Hugging Face's) through the one
+    build_schedule: the same learning rate as transformers.get_scheduler on every step, bit for bit."""
+    get_scheduler = pytest.importorskip("transformers").get_scheduler
+    rates = []
+    for build in (lambda o: build_schedule(o, name, total, warmup_frac),
+                  lambda o: get_scheduler(name, o, num_warmup_steps=round(warmup_frac * total), num_training_steps=total)):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=3e-4)
+        sched, seen = build(opt), []
+        for _ in range(total + 2):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        rates.append(seen)
+    assert rates[0] == rates[1]
+    with pytest.raises(ValueError, match="min_factor for schedule 'cosine'"):
+        build_schedule(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), "cosine", 10, 0.1, 0.1)
+
+
 # ---------------------------------------------------------------------------------- checkpoint
 class _FakeRun:
     def __init__(self):
