@@ -49,7 +49,7 @@ demo: setup
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
 
 bench: setup
-	$(PY) -m dopr.bench --out results/bench/cpu.md
+	$(PY) -m benchmarks.bench --out results/bench/cpu.md
 
 # The GPU check (docs/gpu.md): DoPr's cost and numerics on one GPU, under 5 minutes, into
 # results/bench/gpu_<device>.md. No virtual environment: the machine's python3 with a CUDA torch, the

@@ -62,10 +62,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         **overrides: options by name, applied over ``options``: ``DoPr(model, base, damping=1e-3)``.
             ``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step.
 
-    Behaviours by design (README, "Loops real code writes"): torch.optim's global step hooks fire
+    Behaviours by design (docs/library.md, "By design"): torch.optim's global step hooks fire
     twice per step; ``eval()`` forwards gather nothing (raw gradients, warned); a plain optimizer's
     checkpoint is refused; layers that start training later are preconditioned from the next step.
     """
+
+    #: the counters of :meth:`stats` (ints, 0 until counted); a job's summary.json sums them over its
+    #: DoPr optimizers (experiments/common/run.py). "steps" is the AP step counter itself.
+    COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries",
+                "unreliable_factors", "eigh_fallbacks", "nonfinite_skips")
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
                  options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
@@ -96,7 +101,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
         # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
-        self._step = 0
+        self._step = 0            # AP steps taken so far (stats()["steps"])
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
         self._grad_ema = GradientEMA(self.options.grad_ema)
         self._precond_ema = CovarianceEMA(self.options.precond_ema)
@@ -264,7 +269,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self.collecting and self.options.precond_every > 1:
             self._cache = solvers.cached(ops)
         self._counts["preconditioned"] += sum(len(names) for names, _ in solved)
-        self._counts["steps"] += 1
         self._step += 1
         self._capture.collecting = self.collecting
         self._capture.reset()
@@ -400,10 +404,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return self._capture.pending_samples()
 
     def stats(self) -> dict:
-        out = dict(self._counts)
-        for k in ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "nonfinite_skips",
-                  "cholesky_retries", "unreliable_factors", "eigh_fallbacks"):
-            out.setdefault(k, 0)
+        """The :attr:`COUNTERS`, and the layers with no forward / no samples on the last step (and the
+        health reports, once made)."""
+        out = {k: 0 for k in self.COUNTERS}
+        out.update(self._counts, steps=self._step)
         out["no_forward"] = list(self._no_forward)
         out["no_samples"] = sorted(self._empty)
         if self._health.reports:
@@ -466,7 +470,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._grad_ema.load_state_dict(ours["grad_ema"], self._helpers())
         self._precond_ema.load_state_dict(ours["precond_ema"])
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
-        self._counts = defaultdict(int, ours["counts"])
+        # checkpoints written before the step counter was kept once also hold it as counts["steps"]
+        self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
         self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:

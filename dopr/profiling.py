@@ -1,7 +1,7 @@
 """Where the time of a training step goes: wall time against the device's busy time, kernels, host
 syncs and the top kernels, from torch.profiler over a few steps.
 
-The FLOP model (``dopr.bench``'s R_model) cannot see what makes a step slow on a GPU besides its
+The FLOP model (``benchmarks.bench``'s R_model) cannot see what makes a step slow on a GPU besides its
 arithmetic: hundreds of small kernels (launch-bound: busy time far below wall time) or the host waiting
 on the device (a ``.item()``, a Python branch on a GPU value: each is a sync that empties the queue).
 ``profile_steps`` counts both for any step function; ``table`` writes a markdown row per profiled step.

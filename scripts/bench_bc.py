@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.common.launch import run_job
-from experiments.common.provenance import git_revision
+from experiments.common.provenance import emit_report, git_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMS = ("adamw", "dopr_adamw", "muon", "dopr_muon", "signum", "dopr_signum", "adamuon", "dopr_adamuon")
@@ -53,11 +53,7 @@ def main() -> None:
              "Training time in s for 1000 steps is also the step time in ms.", "",
              "| optimizer | training s | evaluation s | job wall s | return |", "|---|---|---|---|---|"]
     lines += [f"| {n} | {tr:.1f} | {ev:.1f} | {w:.1f} | {r:.0f} |" for n, tr, ev, w, r in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    emit_report(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: name -> the module and arguments of the committed benchmark (its --out added here)
 BENCHES = {
-    "dopr": ["dopr.bench"],
+    "dopr": ["benchmarks.bench"],
     "sit": ["experiments.sit.bench", "step", "--batch", "16", "--gps", "adamw,muon", "--precond-every", "1,10",
             "--repeats", "3", "--budget", "1", "--threads", "1"],
     "robomimic": ["experiments.robomimic.bench", "step", "--batch", "256", "--gps", "adamw,muon",
@@ -33,12 +33,14 @@ BENCHES = {
 
 def run(tree: Path, bench: list, out: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": "disabled"}
+    if bench[0] == "benchmarks.bench" and not (tree / "benchmarks" / "bench.py").exists():
+        bench = ["dopr.bench", *bench[1:]]   # a commit from before the bench left the library
     subprocess.run([sys.executable, "-m", *bench, "--out", str(out)], cwd=tree, env=env, check=True)
     return out.read_text()
 
 
 def rows(report: str) -> dict:
-    """{(model header, optimizer): (t_step ms, R)} of a dopr.bench report."""
+    """{(model header, optimizer): (t_step ms, R)} of a benchmarks.bench report."""
     out, model = {}, None
     for line in report.splitlines():
         if line.startswith("### "):

@@ -40,8 +40,10 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dopr import solvers
-from dopr.bench import environment
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's benchmarks/ package
+
+from benchmarks.bench import environment  # noqa: E402
+from dopr import solvers  # noqa: E402
 
 DAMPING, RCOND = 1e-4, 1e-6  # DoPr's defaults: damping (mode 'trace') and eigh_rcond
 

@@ -7,7 +7,7 @@ report of what DoPr costs there and whether it computes there what it computes o
 
 The report (`--out`, default results/bench/gpu_<device>.md) has, after a header naming the command, the
 commit, the device and the torch / CUDA versions, and a table of the parts with their status:
-  bench_*     dopr.bench's rows (t, R = t_dopr / t_gp, R_model, memory) of AdamW and Muon, each alone and
+  bench_*     benchmarks.bench's rows (t, R = t_dopr / t_gp, R_model, memory) of AdamW and Muon, each alone and
               under DoPr with precond_every k = 1 and 10, and dopr.profiling's summary of one step of
               every row (wall and GPU-busy time, kernels, host syncs, top kernels; of a k>1 row a step
               that refreshes the AP's inverse and one that does not): SiT-S/2 at batch 256 under bf16
@@ -74,7 +74,7 @@ PARTS = {
     "rehearsal_table": (10, 60, "python -m experiments.common.rehearsal over the three sweeps"),
     "solvers": (12, 120, "scripts/bench_solvers.py, if present"),
 }
-#: dopr.bench's timing: at least `repeats` timed steps per row, fewer once a row has run `budget` seconds
+#: benchmarks.bench's timing: at least `repeats` timed steps per row, fewer once a row has run `budget` seconds
 #: (but 3, and a k=10 row one refresh and one other step: about 10 rounds of all three rows, enough for
 #: medians on a GPU, and what lets the Llama part fit its limit); the smoke mode's rows run a handful
 BENCH = {"repeats": 10, "budget": 2.0}
@@ -150,7 +150,7 @@ class Context:
 def device_name(ctx) -> str:
     import torch
 
-    from dopr.bench import environment
+    from benchmarks.bench import environment
 
     return torch.cuda.get_device_name() if ctx.cuda else environment("cpu")[1]
 
@@ -279,11 +279,11 @@ def task_llama(ctx):
 
 
 def bench_part(ctx, task) -> str:
-    """dopr.bench's rows of one task for AdamW and Muon (GP, k=1, k=10), then a profile of one step of
+    """benchmarks.bench's rows of one task for AdamW and Muon (GP, k=1, k=10), then a profile of one step of
     every row (of a k>1 row: a step that refreshes the AP's inverse and one that does not)."""
     import torch
 
-    from dopr import bench as B
+    from benchmarks import bench as B
     from dopr.profiling import profile_steps, table
 
     name, make, options = task(ctx)
@@ -310,7 +310,7 @@ def bench_part(ctx, task) -> str:
         header, rows = B.bench_model(name, args, EVERY_SMOKE if ctx.smoke else EVERY, inspect)
         if not rows_out:
             ctx.write(header.replace("### ", "#### "),
-                      f"timing: >= {args.repeats} timed steps per row or {args.budget:g} s of them (dopr.bench.Row.done)")
+                      f"timing: >= {args.repeats} timed steps per row or {args.budget:g} s of them (benchmarks.bench.Row.done)")
         ctx.write(B.table(rows, ctx.cuda), f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles))
         for r in rows:
             rows_out[r["label"]] = {k: r.get(k) for k in ("t", "R", "R_model", "state", "transient", "peak")}

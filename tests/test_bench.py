@@ -1,8 +1,8 @@
-"""dopr.bench: the smoke mode runs in seconds and reports every column and the cost model (no verdict);
+"""benchmarks.bench: the smoke mode runs in seconds and reports every column and the cost model (no verdict);
 the CPU transient-memory measure is exact on a known allocation pattern."""
 import torch
 
-from dopr import bench
+from benchmarks import bench
 
 
 def test_cpu_transient_bytes_is_the_peak_of_allocations_minus_frees():
@@ -17,7 +17,7 @@ def test_cpu_transient_bytes_is_the_peak_of_allocations_minus_frees():
 
 def test_the_smoke_mode_reports_rows_cost_model_memory_and_targets(tmp_path):
     out = tmp_path / "smoke.md"
-    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--out", str(out)], command="python -m dopr.bench --smoke")
+    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--out", str(out)], command="python -m benchmarks.bench --smoke")
     text = out.read_text()
     table = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "optimizer" not in line]
     assert [cells[0].strip() for cells in table] == ["adamw", "dopr_adamw", "dopr_adamw k=2"]

@@ -52,6 +52,27 @@ def test_build_schedule_drives_the_optimizer_and_names_a_bad_schedule():
         build_schedule(opt, "linear", 10)
 
 
+@pytest.mark.parametrize("name,total,warmup_frac", [("cosine", 40, 0.05), ("cosine", 7, 0.3), ("cosine", 5, 0.0),
+                                                    ("constant", 12, 0.1)])
+def test_the_llm_schedules_are_hugging_faces_rate_for_rate(name, total, warmup_frac):
+    """The LLM family's "cosine" / "constant" (the paper's SFT runs used Hugging Face's) through the one
+    build_schedule: the same learning rate as transformers.get_scheduler on every step, bit for bit."""
+    get_scheduler = pytest.importorskip("transformers").get_scheduler
+    rates = []
+    for build in (lambda o: build_schedule(o, name, total, warmup_frac),
+                  lambda o: get_scheduler(name, o, num_warmup_steps=round(warmup_frac * total), num_training_steps=total)):
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=3e-4)
+        sched, seen = build(opt), []
+        for _ in range(total + 2):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        rates.append(seen)
+    assert rates[0] == rates[1]
+    with pytest.raises(ValueError, match="min_factor for schedule 'cosine'"):
+        build_schedule(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), "cosine", 10, 0.1, 0.1)
+
+
 # ---------------------------------------------------------------------------------- checkpoint
 class _FakeRun:
     def __init__(self):
@@ -129,7 +150,9 @@ def test_atomic_write_replaces_whole_files_and_leaves_the_old_one_on_failure(tmp
 # ------------------------------------------------------------------------------ distributed
 def test_distributed_helpers_in_one_process():
     assert distributed.world() == (0, 1) and distributed.is_main()
-    assert distributed.all_reduce_sum(2.5, "cpu") == 2.5
+    assert distributed.all_reduce_sum(2.5, "cpu") == 2.5 and distributed.all_reduce_sum(3, "cpu") == 3.0
+    a = np.arange(4.0).reshape(2, 2)
+    assert distributed.all_reduce_sum(a, "cpu") is a    # an array stays an array (the SiT FD's moments)
     model = nn.Linear(2, 2)
     assert distributed.wrap_ddp(model, "cpu") is model and distributed.unwrap(model) is model
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
@@ -186,6 +209,23 @@ def test_debug_keeps_the_task_keys_set_on_the_command_line(compose, tmp_path):
     cfg = compose("task=robomimic_lift", "debug=default", "task.eval_episodes=0")
     apply_debug(cfg, tmp_path, overrides=[])  # nothing on the command line: the debug block wins
     assert cfg.task.eval_episodes == 1
+
+
+def test_all_reduce_sum_sums_numbers_and_arrays_over_a_group(tmp_path, monkeypatch):
+    """The one sum over ranks (the SiT FD's moments and counts, the LLM's losses): through a real
+    all_reduce (a 1-rank gloo group, world size read as 2), a number comes back a float, an array an array."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(distributed, "world", lambda: (0, 2))
+        a = np.arange(6, dtype=np.float32).reshape(2, 3)
+        out = distributed.all_reduce_sum(a, "cpu")
+        assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.tolist() == a.tolist()
+        assert distributed.all_reduce_sum(7, "cpu") == 7.0 and type(distributed.all_reduce_sum(7, "cpu")) is float
+        assert distributed.all_reduce_sum(np.float64(1.5), "cpu") == 1.5
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_distributed_job_destroys_its_process_group_when_it_ends(compose, tmp_path, monkeypatch):

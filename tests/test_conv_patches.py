@@ -108,3 +108,18 @@ def test_patches_cost_the_same_ops_at_any_batch(module, helper):
     small, large = (_aten_ops(h.activations, torch.randn(n, 4, *spatial)) for n in (2, 32))
     assert small == large
     assert "aten::im2col" not in small and small["aten::clone"] == 1
+
+
+def test_a_sharded_conv_transpose1d_is_skipped_with_its_reason_as_the_registry_contract_says(monkeypatch):
+    """register_layer's contract: a factory returns a helper or the reason it skips the instance. A
+    ConvTranspose1d sharded on its input channels (FSDP2's dim 0) is skipped, as a sharded HF Conv1D
+    is, and the rest of the model is preconditioned (it raised in the helper's constructor before)."""
+    from dopr import layers
+
+    model = nn.Sequential(nn.ConvTranspose1d(3, 4, 3), nn.Conv1d(4, 2, 3))
+    monkeypatch.setattr(layers.sharding, "is_sharded", lambda t: t is model[0].weight)
+    helpers, coverage = layers.find_layers(model, {id(p) for p in model.parameters()},
+                                           {"homogeneous": True, "conv2d": "full"})
+    assert [h.name for h in helpers] == ["1"]
+    entry = next(e for e in coverage if e.name == "0")
+    assert entry.status == "skipped" and "sharded ConvTranspose1d" in entry.reason and "input channels" in entry.reason

@@ -1,10 +1,10 @@
-"""The import graph: a tree. No cycles under experiments/ and dopr/ (function-level imports
-included), and the optimizer library imports nothing of the experiment suite."""
+"""The import graph: a tree. No cycles under experiments/, benchmarks/ and dopr/ (function-level
+imports included), and the optimizer library imports nothing of the experiment suite or the benchmarks."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("dopr", "experiments")
+PACKAGES = ("dopr", "experiments", "benchmarks")
 
 
 def _module_name(path: Path) -> str:
@@ -77,8 +77,20 @@ def test_the_import_graph_has_no_cycle():
 
 def test_the_library_imports_nothing_of_the_suite():
     graph = import_graph()
-    leaks = {n: sorted(m for m in ms if m.startswith("experiments")) for n, ms in graph.items() if n.startswith("dopr")}
+    leaks = {n: sorted(m for m in ms if not m.startswith("dopr")) for n, ms in graph.items() if n.startswith("dopr")}
     assert not {n: m for n, m in leaks.items() if m}
+
+
+def test_the_library_is_the_optimizer():
+    """`pip install dopr`'s package holds the optimizer: the step benchmark and the rank measures of the
+    stable-rank figures live with the suite (issue 47 section 3), and importing dopr loads neither."""
+    import subprocess
+    import sys
+
+    assert not (ROOT / "dopr" / "bench.py").exists() and not (ROOT / "dopr" / "ranks.py").exists()
+    loaded = subprocess.run([sys.executable, "-c", "import sys, dopr; print(' '.join(sys.modules))"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert not [m for m in loaded if m.split(".")[0] in ("experiments", "benchmarks")]
 
 
 def test_the_cycle_finder_finds_a_cycle():

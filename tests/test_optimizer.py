@@ -52,6 +52,41 @@ def test_state_dict_resume_is_bit_identical(gp):
         assert torch.equal(p, q)
 
 
+def test_the_step_is_counted_once_and_an_older_checkpoint_that_counted_it_twice_loads():
+    """The AP's step counter is state_dict()["dopr"]["step"] alone (stats()["steps"] reads it); a
+    checkpoint from before also held it as counts["steps"], and loads to the same counters."""
+    model = _mlp()
+    opt = dopr.build(model, "dopr_adamw", lr=1e-2, precond_every=2)
+    _train(model, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["dopr"]["step"] == opt.stats()["steps"] == 3 and "steps" not in sd["dopr"]["counts"]
+    old = copy.deepcopy(sd)
+    old["dopr"]["counts"]["steps"] = 3                     # the older format's duplicate
+    for state in (sd, old):
+        opt2 = dopr.build(_mlp(), "dopr_adamw", lr=1e-2, precond_every=2)
+        opt2.load_state_dict(state)
+        assert opt2.stats() == opt.stats()
+        _train(opt2.model, opt2, 1, start=3)
+        assert opt2.stats()["steps"] == 4
+        assert "steps" not in opt2.state_dict()["dopr"]["counts"]
+
+
+def test_the_counters_of_stats_are_the_declared_ones_and_the_summary_carries_them():
+    """DoPr.COUNTERS lists every counter the library counts (each `counts["<name>"]` in dopr/), stats()
+    has each of them from the start, and a job's summary.json sums the same list."""
+    import re
+    from pathlib import Path
+
+    counted = {m for path in (Path(dopr.__file__).parent).rglob("*.py")
+               for m in re.findall(r"counts\[\"(\w+)\"\]", path.read_text())}
+    assert counted and counted | {"steps"} == set(DoPr.COUNTERS)
+    opt = dopr.build(_mlp(), "dopr_sgd", lr=1e-2)
+    assert {k: opt.stats()[k] for k in DoPr.COUNTERS} == dict.fromkeys(DoPr.COUNTERS, 0)
+    pytest.importorskip("omegaconf")
+    from experiments.common.run import DOPR_COUNTERS
+    assert DOPR_COUNTERS == DoPr.COUNTERS
+
+
 def test_ema_buffers_hold_half_a_covariance_per_layer():
     model = _mlp()
     opt = dopr.build(model, "dopr_sgd", lr=1e-2, precond_ema=0.9)

@@ -1,8 +1,8 @@
-"""dopr.ranks: stable, nuclear and activation stable ranks on matrices with known spectra (float64)."""
+"""experiments.llm.ranks: stable, nuclear and activation stable ranks on matrices with known spectra (float64)."""
 import pytest
 import torch
 
-from dopr.ranks import activation_stable_rank, nuclear_rank, stable_rank
+from experiments.llm.ranks import activation_stable_rank, nuclear_rank, stable_rank
 
 
 def with_spectrum(s, rows, cols, seed=0):

@@ -226,8 +226,8 @@ def test_paper_presets(task, optim, lr, wd, clip, steps, ema, compose):
 
 
 def test_the_step_benchmark_times_a_registered_model(tmp_path):
-    """dopr.bench with a task registered from outside the library (as experiments.robomimic.bench does)."""
-    from dopr import bench
+    """benchmarks.bench with a task registered from outside it (as experiments.robomimic.bench does)."""
+    from benchmarks import bench
 
     def make():
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))

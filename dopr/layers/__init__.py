@@ -1,7 +1,8 @@
 """The layer registry: which module types the AP preconditions, and why others are skipped.
 
 ``register_layer(ModuleType, factory)`` adds a layer type: ``factory(module, name, options)``
-returns a :class:`LayerHelper`, or a string saying why this instance is skipped. A type from a
+returns a :class:`LayerHelper`, or a string saying why this instance is skipped (it does not raise: a
+layer the AP cannot take goes to the GP unchanged, named with its reason in the coverage report). A type from a
 package dopr does not import (Hugging Face's Conv1D) is registered by its qualified name,
 ``"package.module.ClassName"``; the lookup walks each module's class hierarchy and matches either.
 The walk over a model reports every module that owns trainable parameters (:class:`CoverageEntry`);
@@ -68,6 +69,11 @@ def _conv(module, name, opts):
 def _conv_transpose(module, name, opts):
     if module.groups != 1:
         return f"grouped convolution (groups={module.groups}) is not supported"
+    if sharding.is_sharded(module.weight):
+        # FSDP2 shards dim 0, which for ConvTranspose1d's (C_in, C_out, k) weight is the input: the
+        # columns of G that Sigma mixes (as for Conv1D below)
+        return ("sharded ConvTranspose1d: FSDP2 splits its weight's dim 0, the input channels, which are the "
+                "columns the AP mixes; leave it out of fully_shard (ignored_params) to precondition it")
     return _weight_trainable(module) or ConvTranspose1dHelper(module, name, opts["homogeneous"])
 
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import sharding
 from .base import LayerHelper
 
 _PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
@@ -90,16 +89,12 @@ class ConvTranspose1dHelper(LayerHelper):
     with the kernel flipped and its in/out channels swapped, of the input with s - 1 zeros inserted
     between samples and padded by dl*(k-1) - p on the left (plus output_padding on the right). Its
     patches are the z of the AP; dim = C_in * k.
+
+    Whole weights only: FSDP2 shards the weight's dim 0, here the input channels, the columns the AP
+    mixes; the registry skips a sharded one with that reason (dopr.layers, ``_conv_transpose``).
     """
 
     mode = "convtranspose1d-full"
-
-    def __init__(self, module, name, homogeneous=True):
-        super().__init__(module, name, homogeneous)
-        if sharding.is_sharded(module.weight):
-            raise ValueError(f"{name}: a sharded ConvTranspose1d cannot be preconditioned shard by shard (FSDP2 "
-                             "shards its weight's dim 0, the input channels, which are the columns the AP mixes); "
-                             "leave it out of fully_shard (ignored_params) or train it with DDP")
 
     def input_dim(self) -> int:
         return self.module.in_channels * self.module.kernel_size[0]

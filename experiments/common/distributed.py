@@ -25,13 +25,14 @@ def is_main() -> bool:
     return world()[0] == 0
 
 
-def all_reduce_sum(x: float, device) -> float:
-    """The sum of a number over ranks (x itself in one process)."""
+def all_reduce_sum(x, device):
+    """The sum over ranks of a number (a float back) or a numpy array (a float64 array back), summed in
+    float64 on ``device``; in one process x itself (a number as a float)."""
     if world()[1] == 1:
-        return float(x)
-    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
+        return float(x) if isinstance(x, (int, float)) else x
+    t = torch.as_tensor(x, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t.item())
+    return t.cpu().numpy() if t.ndim else float(t.item())
 
 
 def shutdown(failed: bool = False) -> None:

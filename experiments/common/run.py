@@ -213,8 +213,8 @@ class Run:
             self._wandb = None
 
 
-DOPR_COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries", "unreliable_factors", "eigh_fallbacks",
-                 "nonfinite_skips")
+#: the counters of DoPr.stats() that summary.json carries: the library's list
+DOPR_COUNTERS = dopr.DoPr.COUNTERS
 
 
 def ap_record(cfg: DictConfig) -> dict:

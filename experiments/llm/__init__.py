@@ -10,4 +10,6 @@ on generated arithmetic word problems (task=pretrain_arith, then task=sft_arith)
     pretrain.py  the CPU analogue's base model
     evaluate.py  validation NLL, greedy exact match, lm-evaluation-harness
     report.py    the sweep's table and NLL-vs-accuracy figure
+    ranks.py     stable, nuclear and activation stable ranks (appendix "Stable Ranks")
+    stable_ranks.py  the stable-rank figures over finished SFT runs
 """

@@ -7,7 +7,7 @@ an `adapter/`), per LoRA factor (the matrices the GP and the AP act on):
   had no AP), against the stable rank of the batch activation covariance Σ of the factor's input;
 - the stable ranks of the weights and of Σ.
 
-The rank measures are the library's (dopr/ranks.py). Σ's stable rank is reported as printed
+The rank measures are in experiments/llm/ranks.py. Σ's stable rank is reported as printed
 (‖Σ‖_F² / ‖Σ‖_2²) and as the activation matrix's (tr Σ / ‖Σ‖_2, `activation_stable_rank`).
 
     python -m experiments.llm.stable_ranks multirun/<sft sweep>/<muon job> multirun/<...>/<dopr_muon job> \
@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dopr import split_name
-from dopr.ranks import activation_stable_rank, nuclear_rank, stable_rank
+from experiments.llm.ranks import activation_stable_rank, nuclear_rank, stable_rank
 from experiments.common.optim import optim_identity
 
 QUANTITIES = ("nuclear_rank_G", "nuclear_rank_M", "stable_rank_Sigma", "activation_stable_rank_Sigma",

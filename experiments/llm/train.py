@@ -23,6 +23,7 @@ from experiments.common import interrupt
 from experiments.common.checkpoint import TrainingState
 from experiments.common.distributed import (all_reduce_sum, gradient_sync, initialized, unwrap, world,
                                             wrap_ddp)
+from experiments.common.schedules import build_schedule
 
 from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
@@ -138,13 +139,6 @@ def total_steps(n_blocks: int, tr) -> int:
     return steps if tr.max_steps is None else min(steps, tr.max_steps)
 
 
-def build_schedule(opt, tr, steps: int):
-    """Hugging Face schedules by name: "cosine" (the 3B run, 5% warmup), "constant" (the 8B run)."""
-    from transformers import get_scheduler
-
-    return get_scheduler(tr.schedule, opt, num_warmup_steps=round(tr.warmup_frac * steps), num_training_steps=steps)
-
-
 def full_trainable_params(model) -> dict:
     """The trainable parameters as full tensors on the CPU, gathered from every rank under FSDP
     (all ranks must call it)."""
@@ -203,7 +197,7 @@ def train(model, opt, blocks: dict, tr, seed: int, run, device, sharded: bool = 
     loss of micro_batch_size x grad_accumulation blocks per rank and divides by the number of
     labelled tokens over all of them and all ranks. Returns the last logged metrics."""
     steps = total_steps(len(blocks["input_ids"]), tr)
-    sched = build_schedule(opt, tr, steps)
+    sched = build_schedule(opt, tr.schedule, steps, tr.warmup_frac)   # Hugging Face's "cosine" (the 3B run) or "constant"
     per_step = tr.micro_batch_size * tr.grad_accumulation
     per_epoch = len(blocks["input_ids"]) // per_step
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,4 +1,4 @@
-"""One training step of the robomimic flow policy at the paper's size, GP vs DoPr (``dopr.bench``'s
+"""One training step of the robomimic flow policy at the paper's size, GP vs DoPr (``benchmarks.bench``'s
 rows and columns), and the evaluation loop's throughput (rendering + policy) in the real simulator.
 
     python -m experiments.robomimic.bench step [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
@@ -21,7 +21,7 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from dopr import bench as dopr_bench
+from benchmarks import bench as step_bench
 
 from ..common.provenance import ROOT, emit_report, git_revision
 from . import rehearse
@@ -62,8 +62,8 @@ def step(argv) -> None:
                 lambda loss, _: loss)
 
     name = f"{args.task}_policy_b{args.batch}"
-    dopr_bench.register_task(name, make, {"conv2d": "sua"})
-    dopr_bench.main(["--models", name, *rest], command=f"python -m experiments.robomimic.bench step {' '.join(argv)}")
+    step_bench.register_task(name, make, {"conv2d": "sua"})
+    step_bench.main(["--models", name, *rest], command=f"python -m experiments.robomimic.bench step {' '.join(argv)}")
 
 
 def rollout_bench(argv) -> None:

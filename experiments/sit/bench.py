@@ -1,4 +1,4 @@
-"""One SiT-S/2 training step, GP vs DoPr (``dopr.bench``'s rows and cost model), and the DoPr coverage
+"""One SiT-S/2 training step, GP vs DoPr (``benchmarks.bench``'s rows and cost model), and the DoPr coverage
 report of SiT-S/2 (what is preconditioned, what is skipped and why).
 
     python -m experiments.sit.bench step [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from dopr import bench as dopr_bench
+from benchmarks import bench as step_bench
 
 from .model import SiT_models
 from .transport import Transport
@@ -56,8 +56,8 @@ def step(argv) -> None:
         return _LossModule(model, cuda), batch, None, lambda loss, _: loss
 
     name = f"{args.model.replace('/', '_')}_b{args.batch}" + ("_bf16" if cuda else "")
-    dopr_bench.register_task(name, make, {})
-    dopr_bench.main(["--models", name, *rest], command=f"python -m experiments.sit.bench step {' '.join(argv)}")
+    step_bench.register_task(name, make, {})
+    step_bench.main(["--models", name, *rest], command=f"python -m experiments.sit.bench step {' '.join(argv)}")
 
 
 def coverage(argv) -> None:

@@ -105,7 +105,7 @@ class Quality:
             s, ss, n = s + f.sum(0), ss + f.T @ f, n + len(f)
             if self.vae is None:
                 hits += int((self.net(x.cpu()).argmax(1) == chunk).sum())
-        s, ss, n, hits = (sum_over_ranks(v, self.device) for v in (s, ss, n, hits))
+        s, ss, n, hits = (all_reduce_sum(v, self.device) for v in (s, ss, n, hits))
         mu = s / n
         sigma = (ss - n * np.outer(mu, mu)) / (n - 1)
         out = {self.name: frechet_distance(mu, sigma, *self.ref), "nfe": self.sampler.nfe}
@@ -149,18 +149,6 @@ def digit_classifier(data: str = "digits", seed: int = 0):
     from .fid import train_digit_classifier
 
     return train_digit_classifier(*sit_data.PIXEL_DATA[data](), seed=seed)
-
-
-def sum_over_ranks(x, device):
-    """Sum of a number or an array over ranks (itself in one process)."""
-    import torch.distributed as dist
-
-    if world()[1] == 1:
-        return x
-    t = torch.as_tensor(np.asarray(x, dtype=np.float64), device=device)
-    dist.all_reduce(t)
-    out = t.cpu().numpy()
-    return out if out.ndim else out.item()
 
 
 def autocast(t, device):

@@ -1,6 +1,6 @@
 """Per-step cost of DoPr against its base optimizer (GP), and against the paper's cost model.
 
-    python -m dopr.bench [--models mlp,transformer,unet] [--gps adamw,muon] [--repeats 20]
+    python -m benchmarks.bench [--models mlp,transformer,unet] [--gps adamw,muon] [--repeats 20]
         [--threads 2] [--device cpu|cuda] [--precond-every 1,10] [--budget 15] [--out FILE.md]
 
 Per model and optimizer (a fresh model, seed 0, one fixed random batch):
@@ -456,7 +456,7 @@ def main(argv=None, command=None):
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
-    command = command or f"python -m dopr.bench {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    command = command or f"python -m benchmarks.bench {shlex.join(sys.argv[1:] if argv is None else argv)}"
     lines = [f"`{command}`", "",
              f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, "
              f"torch {torch.__version__}, "
