@@ -218,10 +218,11 @@ def damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
     update by (A Sigma A^T + D')^-1 versus A^-T (Sigma + D)^-1 A^-1: invariant exactly when D' = A D A^T.
     With D = lambda I that holds only for orthogonal Q, c = 0 (then both traces are unchanged), for
     "trace" and "trace_activations" alike: neither restores the full invariance, only lambda = 0 (or the
-    "span" solver, dopr/solvers.py) does. What "trace_activations" keeps and "trace" does not is the scale
+    "span" solver, dopr/solvers.py, where its cap and floor do not bind) does. What "trace_activations" keeps and "trace" does not is the scale
     part: under z -> a z (A = diag(a I, 1)) its lambda scales as a^2, like the activation block's
-    eigenvalues, so every activation direction's shrinkage e_i / (e_i + lambda) is unchanged; the only
-    difference left is on the bias coordinate, damped by a^2 lambda against its unscaled E[1] = 1. Under
+    eigenvalues: A^-1 (A Sigma A^T + a^2 lambda I) A^-T = Sigma + diag(lambda I, a^2 lambda), so the
+    scaled model's update is the unscaled one's except that the bias coordinate is damped by a^2 lambda
+    instead of lambda (against its unscaled E[1 * 1] = 1). Under
     "trace", lambda = gamma (a^2 tr(Sigma_zz) + 1): for small activations it is set by the 1 and the
     activations' shrinkage depends on their scale. (Exact invariance under scaled rotations would need a
     block damping diag(gamma tr(Sigma_zz) I, gamma Sigma_hh): D' = A D A^T; not built.)"""
