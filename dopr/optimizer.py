@@ -284,10 +284,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
         health = self._health.due(self._counts["refreshes"])
         out = []
+        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
+                 if self.options.damping_mode == "trace_activations" else None)
         for (kind, *_), items in batches.items():
             keys, stats, means = zip(*items)
+            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one stack
-                                              self._solver.finite_inputs)                   # per size
+                                              self._solver.finite_inputs, homogeneous)      # per size
             if health:                                                             # on request (syncs)
                 gm = {n: h.grad_matrix() for n, h in grads.items()}
                 for i, (key, stat, mean) in enumerate(items):

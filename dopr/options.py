@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import solvers
 
-DAMPING_MODES = ("trace", "trace_per_dim", "absolute")
+DAMPING_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
 CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 
@@ -57,7 +57,8 @@ class DoPrOptions:
         lambda v: _number(v) and 0.0 <= v < math.inf, "must be a finite number >= 0", scheduled=True)
     damping_mode: str = _option(
         "trace", "lambda = gamma * tr(Sigma) (trace, Algorithms 1-2), gamma * tr(Sigma) / d (trace_per_dim, "
-        "the appendix paragraph 'Damping') or gamma (absolute)",
+        "the appendix paragraph 'Damping'), gamma (absolute) or gamma * (tr(Sigma) - Sigma_hh) (trace_activations: "
+        "the activation block's trace, without the homogeneous 1 of a layer with a bias; issue 48)",
         lambda v: v in DAMPING_MODES, f"choose from {DAMPING_MODES}", show=repr)
     grad_ema: Union[float, Schedule] = _option(
         0.0, "EMA rate beta_g of G in [0, 1), bias-corrected; 0: the batch gradient; may be a function of the step",
@@ -67,8 +68,9 @@ class DoPrOptions:
         "default); may be a function of the step",
         lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)", scheduled=True)
     solver: str = _option(
-        "cholesky", "how (Sigma + lambda I)^-1 is applied: cholesky, eigh, rank1_diag, rankk_diag, newton_schulz "
-        "or any registered with dopr.solvers.register_solver",
+        "cholesky", "how (Sigma + lambda I)^-1 is applied: cholesky, eigh, rank1_diag, rankk_diag, newton_schulz, "
+        "span (the pseudo-inverse of the undamped Sigma on the directions the data supports, no damping; "
+        "span_rcond, span_cap) or any registered with dopr.solvers.register_solver",
         lambda v: v in solvers.SOLVERS, lambda: f"choose from {tuple(solvers.SOLVERS)}", show=repr)
     precond_every: int = _option(
         1, "refactor every k steps, gathering statistics on those steps only, and reuse the cached inverse "
@@ -86,6 +88,14 @@ class DoPrOptions:
     eigh_rcond: float = _option(
         1e-6, "relative eigenvalue cutoff of the pseudo-inverse (eigh and the Cholesky fallback)",
         lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)")
+    span_rcond: float = _option(
+        1e-6, "span solver: a direction is supported when its eigenvalue exceeds span_rcond * the largest (and "
+        "d * the dtype's eps * the largest, eigh's rounding); the rest get 0",
+        lambda v: _number(v) and 0.0 <= v < 1.0, "must be in [0, 1)")
+    span_cap: float = _option(
+        100.0, "span solver: no supported direction is amplified more than span_cap / mean eigenvalue "
+        "(1 / max(e_i, mean(e) / span_cap)); inf: the exact pseudo-inverse",
+        lambda v: _number(v) and 1.0 <= v <= math.inf, "must be a number >= 1 (inf: no cap)")
     on_nonfinite: str = _option(
         "skip", "a non-finite Sigma or G: skip (raw gradient to the GP for that layer and step, counted, "
         "warned once) or raise",
@@ -189,11 +199,43 @@ DoPrOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
     f"    - ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in dataclasses.fields(DoPrOptions))
 
 
-def damping(gamma: float, mode: str, diag: Tensor) -> Tensor:
+def damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
     """The absolute damping lambda added to Sigma's diagonal (``diag``, or a batch of diagonals on its
-    last axis): gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim") or gamma ("absolute")."""
+    last axis): gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim"), gamma ("absolute")
+    or gamma * (tr(Sigma) - Sigma_hh) ("trace_activations").
+
+    ``homogeneous`` (a bool, or a bool per member of the batch): the statistic carries the homogeneous
+    coordinate, the constant 1 a layer with a bias appends to its input, as its LAST coordinate
+    (DenseCovariance.from_activations, Moments.from_activations). Only "trace_activations" reads it: it
+    leaves that entry (E[1 * 1] = 1) out of the trace, so lambda is the activations' own scale; without the
+    coordinate it is "trace". Why (issue 48): on SiT-S/2's attn.proj inputs the constant 1 dominated
+    tr(Sigma), so "trace" set lambda by the 1, not by the activations.
+
+    What Prop. PrecondInvariance requires of the bias coordinate: the proposition is for the undamped
+    Sigma^-1. With homogeneous coordinates an affine input map z -> Q z + c is the linear map
+    A = [[Q, c], [0, 1]] of [z; 1]: A must keep the last coordinate (the constant stays 1), and the
+    proof then goes through unchanged (A Sigma A^T, G A^T), shifts included. Any damping D changes the
+    update by (A Sigma A^T + D')^-1 versus A^-T (Sigma + D)^-1 A^-1: invariant exactly when D' = A D A^T.
+    With D = lambda I that holds only for orthogonal Q, c = 0 (then both traces are unchanged), for
+    "trace" and "trace_activations" alike: neither restores the full invariance, only lambda = 0 (or the
+    "span" solver, dopr/solvers.py, where its cap and floor do not bind) does. What "trace_activations" keeps and "trace" does not is the scale
+    part: under z -> a z (A = diag(a I, 1)) its lambda scales as a^2, like the activation block's
+    eigenvalues: A^-1 (A Sigma A^T + a^2 lambda I) A^-T = Sigma + diag(lambda I, a^2 lambda), so the
+    scaled model's update is the unscaled one's except that the bias coordinate is damped by a^2 lambda
+    instead of lambda (against its unscaled E[1 * 1] = 1). Under
+    "trace", lambda = gamma (a^2 tr(Sigma_zz) + 1): for small activations it is set by the 1 and the
+    activations' shrinkage depends on their scale. (Exact invariance under scaled rotations would need a
+    block damping diag(gamma tr(Sigma_zz) I, gamma Sigma_hh): D' = A D A^T; not built.)"""
     if mode == "trace":
         return gamma * diag.sum(-1)
     if mode == "trace_per_dim":
         return gamma * diag.sum(-1) / diag.shape[-1]
+    if mode == "trace_activations":
+        trace = diag.sum(-1)
+        if homogeneous is None or homogeneous is False:
+            return gamma * trace
+        if homogeneous is True:
+            return gamma * (trace - diag[..., -1])
+        h = torch.as_tensor(homogeneous, dtype=torch.bool, device=diag.device)
+        return gamma * (trace - torch.where(h, diag[..., -1], torch.zeros_like(trace)))
     return torch.full(diag.shape[:-1], gamma, dtype=diag.dtype, device=diag.device)

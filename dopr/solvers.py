@@ -21,6 +21,21 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
   The eigenvalues of X0 A lie in (0, 2), so it converges; the error falls as (1 - 2 lam / (tr A + lam))^(2^k),
   which needs about log2(tr A / lam) + 6 steps (20 at the default damping 1e-4 tr); run in the
   statistics' dtype, it is as accurate as that dtype allows for cond(A) (float32: ~cond * 1e-7).
+* ``span``: no damping (``lam`` is ignored; issue 48, the appendix paragraph "Damping"'s future work).
+  Sigma = U diag(e) U^T, undamped; a direction is *supported* when e_i > floor, floor =
+  max(span_rcond, d * eps(dtype)) * e_max (d * eps * e_max bounds eigh's rounding error, so a direction
+  under it is indistinguishable from a zero one), and P = U diag(1 / max(e_i, mean(e) / span_cap) on the
+  supported directions, 0 elsewhere) U^T, mean(e) = tr(Sigma) / d. So Sigma is inverted exactly on the
+  span of the batch's inputs (P Sigma P = P, Sigma P the projector onto the span) where no eigenvalue is
+  under mean(e) / span_cap; a weakly excited direction is amplified at most span_cap / mean(e); a null
+  direction gets exactly 0 (a gradient, which lies in the inputs' row space, has nothing there). Where
+  neither the cap nor the floor binds, the update is Prop. PrecondInvariance's exactly: invariant under
+  any invertible (affine, in homogeneous coordinates) input map, and for a rank-deficient Sigma its
+  outputs on the training inputs still are (G A^T (A Sigma A^T)^+ A Z = G Sigma^+ Z for G = D Z^T / N,
+  Sigma = Z Z^T / N: both are D times the projector onto Z's row space). The cap and the floor are set
+  relative to the spectrum, so P is scale-equivariant (Sigma -> a^2 Sigma gives P / a^2). Not built: the
+  Marchenko-Pastur edge e_noise (1 + sqrt(d / N))^2 as a floor; N is the statistic's ``count`` (samples
+  times positions, correlated), which the solver is not given, and the noise level e_noise is unknown.
 """
 from __future__ import annotations
 
@@ -201,6 +216,23 @@ def pseudo_inverse(sigma: Tensor, lam: Tensor, rcond: float) -> Tensor:
     keep = e > rcond * e.amax(-1, keepdim=True).clamp(min=0)
     inv = torch.where(keep, 1.0 / (e.clamp(min=0) + lam[:, None]), torch.zeros_like(e))
     return (v * inv[:, None, :]) @ v.transpose(-1, -2)
+
+
+def span_inverse(sigma: Tensor, rcond: float, cap: float) -> Tensor:
+    """Batched U diag(1 / max(e, mean(e) / cap) on e > floor, else 0) U^T of the undamped Sigma: the
+    ``span`` solver's P (see the module docstring; floor = max(rcond, d * eps) * max e)."""
+    e, u = torch.linalg.eigh(sigma)
+    d = sigma.shape[-1]
+    top = e.amax(-1, keepdim=True).clamp(min=0)
+    keep = e > max(rcond, d * torch.finfo(sigma.dtype).eps) * top
+    mean = e.clamp(min=0).mean(-1, keepdim=True)
+    lowest = mean / cap if cap < float("inf") else torch.zeros_like(mean)
+    inv = torch.where(keep, 1.0 / torch.maximum(e, lowest).clamp(min=torch.finfo(e.dtype).tiny), torch.zeros_like(e))
+    return (u * inv[:, None, :]) @ u.transpose(-1, -2)
+
+
+def factor_span(sigma: Tensor, rcond: float, cap: float) -> list:
+    return [ExplicitInverse(p) for p in span_inverse(sigma, rcond, cap)]
 
 
 def unreliable(l: Tensor, lam: Tensor) -> Tensor:
@@ -388,3 +420,5 @@ register_solver("rank1_diag", "moments")
 register_solver("newton_schulz", "dense", lambda sigma, lam, counts: factor_newton_schulz(sigma, lam))
 register_solver("rankk_diag", "dense", lambda sigma, lam, counts, rank: factor_rankk(sigma, lam, rank),
                 options=("rank",))
+register_solver("span", "dense", lambda sigma, lam, counts, span_rcond, span_cap: factor_span(sigma, span_rcond, span_cap),
+                options=("span_rcond", "span_cap"))

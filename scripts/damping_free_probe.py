@@ -1,0 +1,88 @@
+"""Issue 48's first probe: the damping-free AP rules against the tuned damping on the digits SiT
+(task=sit_digits' model and data, the setting of scripts/sit_damping_probe.py, whose ``probe`` trains
+each variant: batch 64, lr 1e-3, no weight EMA), DoPr-AdamW under
+
+* damping 1e-3 tr(Sigma) (the setting that trains), 1e-4 tr(Sigma) (the one that does not:
+  results/sit_digits/damping_probe.md), 1e-4 with damping_mode="trace_activations";
+* solver="span" at its default floor and cap (no damping);
+
+and AdamW alone. Prints a Markdown table: the mean training loss of the last window (median over seeds,
+and the seeds' range) and the wall time per step.
+
+    python scripts/damping_free_probe.py [--steps 600] [--seeds 0] [--threads 1] [--out FILE]
+
+Each finished (variant, seed) is kept in <out>.json when --out is given; a rerun skips them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sit_damping_probe import probe  # noqa: E402
+from experiments.common.provenance import atomic_write, emit_report, git_revision  # noqa: E402
+
+#: name -> DoPr options (None: AdamW alone)
+VARIANTS = {
+    "adamw": None,
+    "dopr 1e-3 trace (tuned)": {"damping": 1e-3},
+    "dopr 1e-4 trace": {"damping": 1e-4},
+    "dopr 1e-4 trace_activations": {"damping": 1e-4, "damping_mode": "trace_activations"},
+    "dopr span (default floor, cap)": {"solver": "span"},
+    # not in the default list
+    "dopr 1e-3 trace_activations": {"damping": 1e-3, "damping_mode": "trace_activations"},
+    "dopr span, cap 10": {"solver": "span", "span_cap": 10.0},
+    "dopr span, cap 1000": {"solver": "span", "span_cap": 1000.0},
+}
+DEFAULT = list(VARIANTS)[:5]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--window", type=int, default=150, help="steps per loss window; the last one is reported")
+    p.add_argument("--variants", nargs="+", default=DEFAULT, choices=list(VARIANTS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cache_path = Path(args.out).with_suffix(".json") if args.out else None
+    cache = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
+    last = str(args.steps - args.steps % args.window)
+    for name in args.variants:
+        for seed in args.seeds:
+            key = f"{name} | seed {seed} | steps {args.steps}"
+            if key in cache:
+                continue
+            tic = time.perf_counter()
+            curve = probe(VARIANTS[name], None, seed, args.steps, every=args.window)
+            cache[key] = {"curve": curve, "step_s": (time.perf_counter() - tic) / args.steps}
+            print(key, {k: round(v, 3) for k, v in curve.items()}, f"{cache[key]['step_s']:.3f} s/step",
+                  file=sys.stderr, flush=True)
+            if cache_path:
+                atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
+    lines = [f"`python scripts/damping_free_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_digits' model "
+             f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
+             f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "
+             "step (data, forward, backward, AP, GP), median over seeds.", "",
+             "| rule | final train loss | seed range | step time (s) |", "|---|---|---|---|"]
+    for name in args.variants:
+        runs = [cache[f"{name} | seed {s} | steps {args.steps}"] for s in args.seeds]
+        losses = [r["curve"][last] for r in runs]
+        lines.append(f"| {name} | {statistics.median(losses):.3f} | {min(losses):.3f}-{max(losses):.3f} | "
+                     f"{statistics.median(r['step_s'] for r in runs):.3f} |")
+    emit_report(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

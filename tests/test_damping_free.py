@@ -1,0 +1,238 @@
+"""Issue 48's damping-free activation-preconditioner rules, their math in float64 on known spectra:
+the ``span`` solver (pseudo-inverse of the undamped Sigma on the supported directions, amplification
+capped) and the ``trace_activations`` damping mode (the trace without the homogeneous 1)."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dopr import DoPr, DoPrOptions, solvers
+from dopr.options import damping
+from dopr.solvers import span_inverse
+
+EPS = torch.finfo(torch.float64).eps
+
+
+def _orthogonal(d: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return q
+
+
+def _sigma(s, seed: int = 0):
+    s = torch.tensor(s, dtype=torch.float64)
+    u = _orthogonal(len(s), seed)
+    return u @ torch.diag(s) @ u.T, u, s
+
+
+# ------------------------------------------------------------------ span: the math
+def test_span_is_the_exact_inverse_on_the_span_and_zero_off_it():
+    sigma, u, s = _sigma([0.0, 0.0, 0.5, 1.0, 2.0, 4.0])       # cap not binding: mean 1.25 / 100 < 0.5
+    p = span_inverse(sigma[None], rcond=1e-6, cap=100.0)[0]
+    tol = 50 * EPS * float(s.max() / s[s > 0].min())            # eps times cond on the span
+    span = u[:, 2:] @ u[:, 2:].T
+    assert torch.allclose(p @ sigma @ p, p, atol=tol * float(p.abs().max()))
+    assert torch.allclose(sigma @ p, span, atol=tol)
+    assert torch.allclose(p, u[:, 2:] @ torch.diag(1 / s[2:]) @ u[:, 2:].T, atol=tol)
+    g = torch.randn(7, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) @ u[:, :2].T
+    assert float((g @ p).abs().max()) <= 50 * EPS * float(g.abs().max() * p.abs().max())   # null space -> ~0
+
+
+def test_span_amplifies_nothing_beyond_the_cap():
+    for cap in (1.0, 10.0, 100.0):
+        sigma, u, s = _sigma([1e-5, 1e-3, 0.1, 1.0, 10.0, 100.0], seed=2)
+        p = span_inverse(sigma[None], rcond=1e-9, cap=cap)[0]
+        mean = float(s.mean())
+        top = float(torch.linalg.eigvalsh(p).max())
+        assert top * mean <= cap * (1 + 1e-12)
+        # the directions the cap does not reach are inverted exactly, those below it at cap / mean
+        e = torch.diag(u.T @ p @ u)
+        want = torch.where(s > mean / cap, 1 / s, torch.full_like(s, cap / mean))
+        assert torch.allclose(e, want, rtol=1e-10)
+
+
+def test_span_floor_zeroes_what_is_under_rcond_and_is_scale_equivariant():
+    sigma, u, s = _sigma([1e-9, 1e-3, 1.0, 2.0, 3.0], seed=3)
+    p = span_inverse(sigma[None], rcond=1e-6, cap=math.inf)[0]
+    e = torch.diag(u.T @ p @ u)
+    assert abs(float(e[0])) < 1e-9 and torch.allclose(e[1:], 1 / s[1:], rtol=1e-9)   # 1e-9 < 1e-6 * 3: null
+    for a in (1e-3, 7.0):
+        pa = span_inverse((a * a * sigma)[None], rcond=1e-6, cap=10.0)[0]
+        assert torch.allclose(pa * a * a, span_inverse(sigma[None], rcond=1e-6, cap=10.0)[0], rtol=1e-9, atol=1e-12)
+
+
+def test_span_floor_includes_the_dtypes_rounding():
+    # float32: rcond 0 still drops directions under d * eps32 * max (eigh cannot tell them from 0)
+    sigma, u, s = _sigma([1e-9, 1.0, 2.0, 4.0], seed=4)
+    p = span_inverse(sigma.float()[None], rcond=0.0, cap=math.inf)[0].double()
+    assert float((u[:, 0] @ p @ u[:, 0]).abs()) < 1e-3
+
+
+def test_span_is_batched_and_returns_explicit_inverses():
+    a, _, _ = _sigma([0.0, 1.0, 2.0], seed=5)
+    b, _, _ = _sigma([3.0, 1.0, 2.0], seed=6)
+    ops = solvers.SOLVERS["span"].bind(DoPrOptions(solver="span"))(torch.stack([a, b]), torch.zeros(2), {})
+    assert all(isinstance(op, solvers.ExplicitInverse) for op in ops)
+    assert torch.allclose(ops[1].p, torch.linalg.inv(b), atol=1e-12)
+    assert torch.allclose(ops[0].p, span_inverse(a[None], 1e-6, 100.0)[0], atol=1e-14)
+
+
+def test_span_ignores_the_damping():
+    sigma, _, _ = _sigma([0.0, 1.0, 2.0, 5.0], seed=7)
+    f = solvers.SOLVERS["span"].bind(DoPrOptions())
+    p0 = f(sigma[None].clone(), torch.zeros(1), {})[0].p
+    p1 = f(sigma[None].clone(), torch.full((1,), 10.0, dtype=torch.float64), {})[0].p
+    assert torch.equal(p0, p1)
+
+
+# ------------------------------------------------------------------ trace_activations
+def test_trace_activations_leaves_out_the_homogeneous_entry():
+    diag = torch.tensor([[0.5, 2.0, 0.25, 1.0], [3.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    lam = damping(1e-3, "trace_activations", diag, [True, False])
+    assert torch.allclose(lam, torch.tensor([1e-3 * 2.75, 1e-3 * 6.0], dtype=torch.float64), rtol=1e-15)
+    assert torch.equal(damping(1e-3, "trace_activations", diag, None), damping(1e-3, "trace", diag))
+    assert torch.equal(damping(1e-3, "trace_activations", diag, False), damping(1e-3, "trace", diag))
+    assert torch.allclose(damping(1e-3, "trace_activations", diag, True), 1e-3 * diag[:, :3].sum(-1))
+
+
+def test_trace_activations_lambda_scales_with_the_activations():
+    # z -> a z: the activation block scales by a^2, the homogeneous 1 does not; lambda follows a^2 exactly
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(50, 4, generator=g, dtype=torch.float64)
+    for a in (1e-3, 10.0):
+        zh, zah = torch.cat([z, torch.ones(50, 1, dtype=torch.float64)], 1), torch.cat(
+            [a * z, torch.ones(50, 1, dtype=torch.float64)], 1)
+        d1, da = (zh.T @ zh / 50).diagonal(), (zah.T @ zah / 50).diagonal()
+        assert torch.allclose(damping(1e-3, "trace_activations", da, True),
+                              a * a * damping(1e-3, "trace_activations", d1, True), rtol=1e-13)
+        ratio = damping(1e-3, "trace", da) / damping(1e-3, "trace", d1)
+        assert abs(float(ratio) - a * a) > 0.01 * a * a   # "trace" does not: the 1 is in it
+
+
+class _Recording:
+    """A dense solver that records the damping each factorisation receives."""
+
+    def __init__(self):
+        self.lams, self.sigmas = [], []
+
+    def __call__(self, sigma, lam, counts):
+        self.lams.append(lam.clone())
+        self.sigmas.append(sigma.clone())
+        return solvers.factor_eigh(sigma, lam, 1e-12)
+
+
+@pytest.fixture
+def recording():
+    rec = _Recording()
+    solvers.register_solver("recording_test", "dense", rec)
+    yield rec
+    solvers.SOLVERS.pop("recording_test")
+
+
+def test_trace_activations_through_dopr_on_layers_with_and_without_a_bias(recording):
+    # both layers' Sigma are 6 x 6 (5 inputs + the 1; 6 inputs, no bias): one batch, one flag each
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3, bias=False)).double()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), solver="recording_test", damping=1e-3,
+               damping_mode="trace_activations")
+    x = torch.randn(40, 5, dtype=torch.float64)
+    model(x).square().mean().backward()
+    opt.step()
+    (lam,), (sigma,) = recording.lams, recording.sigmas
+    assert sigma.shape == (2, 6, 6)
+    d = sigma.diagonal(dim1=-2, dim2=-1)
+    last = [float(s[-1, -1]) for s in sigma]
+    first = 0 if abs(last[0] - 1.0) < 1e-12 else 1     # the Linear(5, 6)'s Sigma ends with E[1] = 1
+    assert abs(last[first] - 1.0) < 1e-12
+    assert torch.allclose(lam[first], 1e-3 * d[first, :-1].sum(), rtol=1e-14)
+    assert torch.allclose(lam[1 - first], 1e-3 * d[1 - first].sum(), rtol=1e-14)
+    opt.close()
+
+
+# ------------------------------------------------------------------ invariance
+def _one_step(w, b, x, y, **options):
+    lin = nn.Linear(w.shape[1], w.shape[0]).double()
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.5), **options)
+    ((lin(x) - y) ** 2).mean().backward()
+    opt.step()
+    opt.close()
+    return lin
+
+
+def _cond_on_span(x):
+    z = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    e = torch.linalg.eigvalsh(z.T @ z)
+    e = e[e > 1e-10 * e.max()]
+    return float(e.max() / e.min())
+
+
+@pytest.mark.parametrize("n", [64, 4])     # full rank; rank-deficient (N < d)
+def test_span_keeps_the_affine_invariance_of_prop_precondinvariance(n):
+    """z -> Q z + c with W -> W Q^-1, b -> b - W Q^-1 c gives the same function; after one DoPr-SGD step
+    with the span solver (cap off) the two functions still agree: everywhere for a full-rank Sigma, on
+    the training inputs for a rank-deficient one. The damped Cholesky rule does not."""
+    g = torch.Generator().manual_seed(0)
+    d, rows = 6, 3
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) * torch.tensor([1e-2, 0.1, 1, 1, 10, 3.0], dtype=torch.float64)
+    y = torch.randn(n, rows, generator=g, dtype=torch.float64)
+    w, b = torch.randn(rows, d, generator=g, dtype=torch.float64), torch.randn(rows, generator=g, dtype=torch.float64)
+    q = torch.randn(d, d, generator=g, dtype=torch.float64) + 3 * torch.eye(d, dtype=torch.float64)
+    c = torch.randn(d, generator=g, dtype=torch.float64)
+    qinv = torch.linalg.inv(q)
+    xbar = x @ q.T + c
+    wbar, bbar = w @ qinv, b - w @ qinv @ c
+    probe = x if n < d + 1 else torch.randn(20, d, generator=g, dtype=torch.float64)
+    span = dict(solver="span", span_cap=math.inf, span_rcond=1e-10)
+    a, abar = _one_step(w, b, x, y, **span), _one_step(wbar, bbar, xbar, y, **span)
+    with torch.no_grad():
+        out, outbar = a(probe), abar(probe @ q.T + c)
+        scale = float(out.abs().max())
+        cond = max(_cond_on_span(x), _cond_on_span(xbar))   # the rounding of Sigma's inverse, either side
+        assert float((out - outbar).abs().max()) <= 100 * EPS * cond * scale
+    damped = dict(solver="cholesky", damping=1e-3)
+    a, abar = _one_step(w, b, x, y, **damped), _one_step(wbar, bbar, xbar, y, **damped)
+    with torch.no_grad():
+        assert float((a(probe) - abar(probe @ q.T + c)).abs().max()) > 1e-6 * scale
+
+
+# ------------------------------------------------------------------ options and end to end
+@pytest.mark.parametrize("kw,msg", [({"span_cap": 0.5}, r"Invalid span_cap: 0.5 \(must be a number >= 1"),
+                                    ({"span_cap": "10"}, r"Invalid span_cap: 10"),
+                                    ({"span_rcond": 1.0}, r"Invalid span_rcond: 1.0 \(must be in \[0, 1\)\)"),
+                                    ({"damping_mode": "trace_activation"}, r"Invalid damping_mode: 'trace_activation'")])
+def test_the_new_options_are_checked(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        DoPrOptions(**kw)
+
+
+def test_the_defaults_are_unchanged():
+    o = DoPrOptions()
+    assert (o.solver, o.damping_mode, o.damping) == ("cholesky", "trace", 1e-4)
+    assert DoPrOptions(span_cap=math.inf).span_cap == math.inf
+
+
+@pytest.mark.parametrize("options", [dict(solver="span"), dict(solver="span", precond_every=2),
+                                     dict(damping_mode="trace_activations"),
+                                     dict(damping_mode="trace_activations", solver="rank1_diag"),
+                                     dict(damping_mode="trace_activations", solver="eigh")])
+def test_dopr_trains_an_mlp_with_biases(options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), **options)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=g)
+    y = torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin()], 1)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.7 * losses[0]
+    assert opt.stats()["preconditioned"] > 0
+    opt.close()
