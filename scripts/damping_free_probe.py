@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -41,6 +42,8 @@ VARIANTS = {
     "dopr 1e-3 trace_activations": {"damping": 1e-3, "damping_mode": "trace_activations"},
     "dopr span, cap 10": {"solver": "span", "span_cap": 10.0},
     "dopr span, cap 1000": {"solver": "span", "span_cap": 1000.0},
+    "dopr span, cap 3": {"solver": "span", "span_cap": 3.0},
+    "dopr span, cap 30": {"solver": "span", "span_cap": 30.0},
 }
 DEFAULT = list(VARIANTS)[:5]
 
@@ -70,7 +73,7 @@ def main(argv=None) -> None:
                   file=sys.stderr, flush=True)
             if cache_path:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
-    lines = [f"`python scripts/damping_free_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+    lines = [f"`python scripts/damping_free_probe.py {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_digits' model "
              f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
              f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "
