@@ -328,6 +328,21 @@ def test_a_missing_fixed_seed_flags_the_row_and_withholds_the_verdict():
         tuning.protocol_tables(recs, old, ["val"])
 
 
+def test_a_span_arm_is_named_by_its_solver_and_cap_not_by_a_damping_it_does_not_read():
+    """solver=span ignores the damping (issue 48): its verdict said "damping 0.0001 (trace) held fixed"."""
+    gp = [_job("adamw", 0, v, lr) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    dopr = [_job("dopr_adamw", 0, v, lr, ap={"solver": "span", "span_cap": 3.0})
+            for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    arm = tuning.select(gp + dopr, "val", fresh_seeds=[3, 4, 5])["arms"]["dopr_adamw"]
+    assert arm["dopr_knobs_fixed"]["ap.solver"] == "span" and arm["dopr_knobs_fixed"]["ap.span_cap"] == 3.0
+    assert tuning.describe_knobs(arm) == ("DoPr's solver span (no damping), span cap 3.0, statistics EMA 0.0 (none) "
+                                          "and gradient EMA 0.0 (none) held fixed, not tuned")
+    chol = [_job("dopr_adamw", 0, v, lr, ap={"solver": "eigh", "span_cap": 100.0})
+            for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    arm = tuning.select(gp + chol, "val", fresh_seeds=[3, 4, 5])["arms"]["dopr_adamw"]
+    assert tuning.describe_knobs(arm).startswith("DoPr's solver eigh, damping 0.0001 (trace), statistics EMA")
+
+
 def test_the_dopr_knobs_the_grid_held_fixed_are_recorded_and_named_in_the_verdict():
     gp = [_job("adamw", 0, v, lr) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
     dopr = [_job("dopr_adamw", 0, v, lr, ap={"damping": 1e-3}) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]

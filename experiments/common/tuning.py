@@ -95,7 +95,7 @@ def _score(value, mode: str) -> float:
 
 #: DoPr's own knobs (conf/ap/) a tune grid may sweep or hold fixed, as the verdict names them
 DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.precond_ema": "statistics EMA",
-              "ap.grad_ema": "gradient EMA"}
+              "ap.grad_ema": "gradient EMA", "ap.solver": "solver", "ap.span_cap": "span cap"}
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
 AT_GP = "_at_gp_setting"
 # resolved-config keys that differ between two arms without being part of what they trained
@@ -209,6 +209,9 @@ def dopr_knobs(arm: dict) -> tuple:
     given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
     resolved = arm.get("resolved") or {}
     fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
+    for k in ("ap.solver", "ap.span_cap"):   # absent from configs older than the span solver: not recorded
+        if fixed.get(k) is None:
+            fixed.pop(k, None)
     return fixed, [k for k in DOPR_KNOBS if k in swept]
 
 
@@ -219,6 +222,13 @@ def describe_knobs(arm: dict) -> str:
     fixed = dict(arm["dopr_knobs_fixed"])
     say = lambda k, v: "(value not recorded)" if v is None else (f"{v} (none)" if "ema" in k and v == 0 else f"{v}")
     parts = []
+    solver = fixed.pop("ap.solver", None)
+    cap = fixed.pop("ap.span_cap", None)
+    if solver == "span":   # no damping: its damping keys are not read (dopr/solvers.py)
+        fixed.pop("ap.damping", None), fixed.pop("ap.damping_mode", None)
+        parts.append(f"solver span (no damping), span cap {say('ap.span_cap', cap)}")
+    elif solver not in (None, "cholesky"):
+        parts.append(f"solver {solver}")
     if "ap.damping" in fixed:
         mode = fixed.pop("ap.damping_mode", None)
         parts.append(f"damping {say('ap.damping', fixed.pop('ap.damping'))}" + (f" ({mode})" if mode else ""))
