@@ -618,10 +618,14 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=str(ROOT / ".gpu" / "work"), help="the parts' sections, data and logs")
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--smoke", action="store_true", help="tiny shapes, seconds per part: does the check run")
+    p.add_argument("--limit-scale", type=float, default=1.0, metavar="X",
+                   help="multiply every part's time limit by X (a slower card, a cold compile cache)")
     p.add_argument("--fail", default=None, metavar="PART", help="make PART raise (a check of the failure path)")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)     # internal: run one part here
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.limit_scale > 0:
+        p.error(f"--limit-scale must be positive, got {args.limit_scale}")
     setup_paths()
     if args.part:
         return run_child(args)
@@ -640,7 +644,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for name in parts:
-        limit = PARTS[name][1 if args.smoke else 0]
+        limit = PARTS[name][1 if args.smoke else 0] * args.limit_scale
         child = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--workdir", str(workdir),
                  "--device", args.device, "--out-dir", str(out_dir)]
         child += ["--smoke"] * args.smoke + (["--fail", args.fail] if args.fail else [])

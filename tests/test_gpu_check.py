@@ -107,3 +107,17 @@ def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_st
     assert [r[:3] for r in rehearsals] == [["paper_toolhang", "robomimic_toolhang", "dopr_adamw"],
                                            ["sft_llama31_8b", "sft_llama31_8b", "dopr_adamw"]]
     assert "synthetic batches, CPU**" in text
+
+
+def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refused(tmp_path):
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke", "--parts", "env"]
+    out = tmp_path / "g.md"
+    proc = subprocess.run([*script, "--limit-scale", "0.5", "--out", str(out), "--workdir", str(tmp_path / "w")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    limit = gpu_check.PARTS["env"][1] * 0.5
+    assert [row[2] for row in _table(out.read_text(), "| part |")] == [f"{limit:g}"]
+    bad = subprocess.run([*script, "--limit-scale", "0", "--out", str(tmp_path / "x.md")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--limit-scale must be positive, got 0.0" in bad.stderr
+    assert not (tmp_path / "x.md").exists()
