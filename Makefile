@@ -51,7 +51,7 @@ demo: setup
 bench: setup
 	$(PY) -m benchmarks.bench --out results/bench/cpu.md
 
-# The GPU check (docs/gpu.md): DoPr's cost and numerics on one GPU, under 5 minutes, into
+# The GPU check (docs/gpu.md): DoPr's cost and numerics on one GPU, under 9 minutes, into
 # results/bench/gpu_<device>.md. No virtual environment: the machine's python3 with a CUDA torch, the
 # repository and the pure-Python dependencies carried in .gpu/deps (`make gpu-deps` where .venv is, then
 # carry .gpu/ with the checkout). GPU_CHECK_ARGS go to scripts/gpu_check.py (e.g. --smoke --device cpu).

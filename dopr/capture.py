@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding
+from . import statistics as _stats
 from .compiled import Probes
 from .statistics import ActivationStatistics
 
@@ -69,6 +70,19 @@ def _in_functorch_transform() -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) is running: its forwards carry batched or
     wrapped tensors whose statistics are not a plain batch's; DoPr gathers none there."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _as_multiplied(x: Tensor) -> Tensor:
+    """The input as the layer's GEMM reads it. Under autocast a float32 input to a Linear or convolution
+    is cast to the autocast dtype before it is multiplied; where the device's GEMM accumulates that dtype
+    in float32 (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA), Sigma is formed from the same cast,
+    on the tensor cores, rather than in float32 without them (the covariance of what the layer multiplies,
+    which is also what its weight gradient is formed from). Elsewhere, and outside autocast, x as it is."""
+    dev = x.device.type
+    if (x.dtype is torch.float32 and dev in _stats.LOW_PRECISION_GRAM_DEVICES and torch.is_autocast_enabled(dev)
+            and not torch.compiler.is_compiling()):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
 
 
 def _in_backward() -> bool:
@@ -228,7 +242,7 @@ class ActivationCapture:
         if _in_backward():
             # a checkpoint recomputation: its output is backpropagated (and the statistics needed)
             # only under the reentrant variant, so compute them lazily, when that happens
-            cap, saved = _Capture(None, None, next(self._cid)), x
+            cap, saved = _Capture(None, None, next(self._cid)), _as_multiplied(x)
         else:
             cap, saved = self._capture(layer.helper, x), None
         # the weight this forward used: its gradient decides what counts. Under FSDP2 the unsharded one,
@@ -248,6 +262,7 @@ class ActivationCapture:
         return cap
 
     def _statistics(self, helper, x: Tensor) -> ActivationStatistics:
+        x = _as_multiplied(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             return helper.statistics(x, self.statistic)
 

@@ -26,6 +26,16 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 _NOT_KERNELS = ("Memcpy", "Memset", "memcpy", "memset")
 
 
+def device_events(events) -> list:
+    """The device's own work among profiler events: kernels, copies and fills, not the GPU-side spans of
+    ``record_function`` ranges (``Optimizer.step#DoPr.step``), which cover other kernels' time and would
+    count it twice. A span is flagged ``is_user_annotation`` (recent torch) and has a host-side twin of
+    the same name; a kernel has neither."""
+    host = {e.key for e in events if e.device_type == DeviceType.CPU}
+    return [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+            and not getattr(e, "is_user_annotation", False) and e.key not in host]
+
+
 def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
     """Profile ``steps`` calls of ``step()`` (warm it up first: the first steps allocate and compile).
 
@@ -47,7 +57,7 @@ def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
         wall = time.perf_counter() - t0
     events = prof.key_averages()
     if cuda:
-        on_device = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        on_device = device_events(events)
         busy = sum(e.self_device_time_total for e in on_device) / 1e3
         kernels = sum(e.count for e in on_device if not any(s in e.key for s in _NOT_KERNELS))
         ranked = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)

@@ -121,3 +121,23 @@ def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refus
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--limit-scale must be positive, got 0.0" in bad.stderr
     assert not (tmp_path / "x.md").exists()
+
+
+def test_the_device_time_counts_kernels_not_the_gpu_spans_of_record_function_ranges():
+    # an H200 profile listed `Optimizer.step#DoPr.step` among the top kernels with 23% of the busy time and
+    # reported busy / wall 1.87: the GPU-side span of the optimizer's record_function range covers the
+    # kernels it launched, so adding it counted their time twice
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    from dopr.profiling import device_events
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [E(key="Optimizer.step#DoPr.step", device_type=cpu, self_device_time_total=0),
+              E(key="Optimizer.step#DoPr.step", device_type=cuda, self_device_time_total=900),
+              E(key="ProfilerStep#1", device_type=cuda, self_device_time_total=50, is_user_annotation=True),
+              E(key="aten::mm", device_type=cpu, self_device_time_total=0),
+              E(key="sm90_xmma_gemm_bf16", device_type=cuda, self_device_time_total=400),
+              E(key="Memcpy HtoD (Pageable -> Device)", device_type=cuda, self_device_time_total=5),
+              E(key="idle", device_type=cuda, self_device_time_total=0)]
+    assert [e.key for e in device_events(events)] == ["sm90_xmma_gemm_bf16", "Memcpy HtoD (Pageable -> Device)"]

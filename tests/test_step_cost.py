@@ -144,8 +144,8 @@ def test_the_cpu_covariance_gemm_gets_float32_from_half_precision_activations():
 
 
 def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
-    # the whole path under torch.autocast: the hooked layers' inputs after the first are bf16 (the
-    # previous layer's autocast output) and reach the covariance GEMM as bf16
+    # the whole path under torch.autocast: every hooked layer's input reaches the covariance GEMM as
+    # bf16, the first layer's float32 input too, cast as autocast casts it for the layer's own GEMM
     monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"})
     model = _mlp(3, width=16)
     opt = dopr.build(model, "dopr_adamw", lr=1e-3)
@@ -153,11 +153,33 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(8, 16)).float().square().mean()
     gram_calls = [c for c in mode.calls if c[3] == torch.float32]
-    assert len(gram_calls) == 2   # layers 2 and 3 read bf16; layer 1 reads the float32 input
+    assert len(gram_calls) == 3
     loss.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert collections.Counter(c[1] for c in gram_calls) == {torch.bfloat16: 2}
+    assert collections.Counter(c[1] for c in gram_calls) == {torch.bfloat16: 3}
+
+
+@pytest.mark.parametrize("low_precision_gemm", [True, False])
+def test_under_autocast_a_float32_input_reaches_sigma_as_the_layer_multiplies_it(monkeypatch, low_precision_gemm):
+    # where the GEMM accumulates bf16 in float32 (CUDA; the CPU stands in), a layer fed float32 under
+    # autocast has its Sigma formed from bf16(x), bit for bit the cast its own GEMM multiplies; elsewhere
+    # (the CPU's default) from x itself, as before
+    monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"} if low_precision_gemm else set())
+    seen = []
+    original = statistics.DenseCovariance.from_activations.__func__
+    monkeypatch.setattr(statistics.DenseCovariance, "from_activations",
+                        classmethod(lambda cls, z, homogeneous: (seen.append(z), original(cls, z, homogeneous))[1]))
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 4)
+    opt = dopr.build(layer, "dopr_sgd", lr=1e-3)
+    x = torch.randn(64, 16) * 3
+    with _GemmDtypes(), torch.autocast("cpu", dtype=torch.bfloat16):   # (runs the CPU's mm as CUDA's)
+        layer(x).float().sum().backward()
+    opt.step()
+    assert len(seen) == 1
+    want = x.bfloat16() if low_precision_gemm else x
+    assert seen[0].dtype == want.dtype and torch.equal(seen[0].reshape(want.shape), want)
 
 
 def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once(monkeypatch):
