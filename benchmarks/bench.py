@@ -277,7 +277,7 @@ def tensor_bytes(obj):
 class Row:
     """One optimizer (k = 0: the GP alone, else DoPr with precond_every=k) on its own model copy."""
 
-    def __init__(self, task, gp, k, device, compile_model=False):
+    def __init__(self, task, gp, k, device, compile_model=False, options=None):
         self.label = optimizer_name(gp, k > 0) + (f" k={k}" if k > 1 else "")
         self.k, self.cuda = max(k, 1), device == "cuda"
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
@@ -285,7 +285,7 @@ class Row:
         if compile_model:   # rows compile instances of one class, with hooks and without
             dopr.enable_compiled_capture()
         self.forward = torch.compile(self.model) if compile_model else self.model
-        kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1]} if k else {}
+        kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1], **(options or {})} if k else {}
         self.opt = dopr.build(self.model, optimizer_name(gp, k > 0), lr=1e-3, **kw)
         self.refresh, self.other, self.spent, self.transient = [], [], 0.0, 0
         for _ in range(WARMUP):
@@ -349,7 +349,7 @@ def bench_model(name, args, every, inspect=None):
     del model, x, y
     for gp in args.gps:
         print(f"[bench] {name}: {gp} and its DoPr variants ...", file=sys.stderr, flush=True)
-        rows = [Row(name, gp, k, args.device, args.compile) for k in [0] + every]
+        rows = [Row(name, gp, k, args.device, args.compile, getattr(args, "dopr_extra", None)) for k in [0] + every]
         while not all(r.done(args.repeats, args.budget) for r in rows):
             for r in rows:  # every row steps every round, so all rows sample the same time window
                 r.step()
@@ -436,6 +436,29 @@ def target_checks(results: dict) -> list:
     return out
 
 
+def dopr_options(pairs, error) -> dict:
+    """``["solver=span", "span_cap=3"]`` -> {"solver": "span", "span_cap": 3}, each checked by DoPrOptions
+    (an unknown key or a bad value is one line through ``error``)."""
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            error(f"--dopr-option takes KEY=VALUE, got {pair!r}")
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                value = text
+        out[key] = value
+    try:
+        dopr.DoPrOptions(**out)
+    except (TypeError, ValueError) as e:
+        error(f"--dopr-option: {e}")
+    return out
+
+
 def main(argv=None, command=None):
     """``command``: how the caller was invoked, for the report's first line (default: this module's)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,7 +472,11 @@ def main(argv=None, command=None):
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     p.add_argument("--compile", action="store_true", help="torch.compile every row's model (DoPr's capture in its graph)")
     p.add_argument("--smoke", action="store_true", help="the MLP, 3 steps a row, k=1,2: does it run (seconds)")
+    p.add_argument("--dopr-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a DoPr option for every DoPr row, over the model's own (repeatable): "
+                        "--dopr-option solver=span --dopr-option span_cap=3")
     args = p.parse_args(argv)
+    extra = args.dopr_extra = dopr_options(args.dopr_option, p.error)
     if args.smoke:
         args.models, args.repeats, args.budget, args.precond_every = "mlp", 3, 0.5, "1,2"
     args.gps, every = args.gps.split(","), [int(k) for k in args.precond_every.split(",")]
@@ -462,7 +489,8 @@ def main(argv=None, command=None):
              f"torch {torch.__version__}, "
              f"device {args.device} ({device_name}), {torch.get_num_threads()} threads, "
              f"repeats {args.repeats}, budget {args.budget:g} s per row"
-             + (", every model torch.compile'd (compilation in the 2 untimed warm-up steps)" if args.compile else ""), ""]
+             + (", every model torch.compile'd (compilation in the 2 untimed warm-up steps)" if args.compile else "")
+             + (", DoPr rows with " + ", ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""), ""]
     results = {}
     for name in args.models.split(","):
         header, rows = bench_model(name, args, every)

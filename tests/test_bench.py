@@ -106,3 +106,20 @@ def test_grouped_query_attention_is_counted_as_if_k_and_v_were_repeated(monkeypa
         bwd = bench.SDPA_FLOPS[getattr(torch.ops.aten, f"_scaled_dot_product_{name}_attention_backward")]
         assert fwd(q, kv, kv, 0.0, True) == 2 * (2 * 2 * 32 * 64 * 64 * 128)            # Q K^T and P V
         assert bwd(g, q, kv, kv, g) == 5 * (2 * 2 * 32 * 64 * 64 * 128)                 # five products
+
+
+def test_dopr_options_reach_the_dopr_rows_and_a_bad_one_is_one_line(tmp_path, capsys):
+    import pytest
+
+    assert bench.dopr_options(["solver=span", "span_cap=3", "span_rcond=1e-6"], None) == \
+        {"solver": "span", "span_cap": 3, "span_rcond": 1e-6}
+    out = tmp_path / "span.md"
+    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--precond-every", "1", "--out", str(out),
+                "--dopr-option", "solver=span", "--dopr-option", "span_cap=3"], command="bench")
+    assert "DoPr rows with solver=span, span_cap=3" in out.read_text()
+    assert bench.TASKS["mlp"][1] == {}    # the model's own options are left as they were
+    for bad, message in ((["solvr=span"], "unexpected keyword argument 'solvr'"),
+                         (["span_cap=0.5"], "Invalid span_cap: 0.5"), (["span"], "takes KEY=VALUE, got 'span'")):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", *sum((["--dopr-option", b] for b in bad), [])])
+        assert message in capsys.readouterr().err
