@@ -27,6 +27,7 @@ from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.profiler import record_function
 
 from . import sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
@@ -48,6 +49,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
+
+
+def _phase(what: str, layers: int, shape) -> str:
+    """The name of a step phase's profiler span: ``dopr.factor 3 x (385, 385)`` (``dopr.profiling`` sums
+    each span's device time, so a GPU profile says which sizes the step's time goes to)."""
+    return f"dopr.{what} {layers} x {tuple(shape)}"
 
 
 class DoPr(WrapsBase, torch.optim.Optimizer):
@@ -286,17 +293,18 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         out = []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
                  if self.options.damping_mode == "trace_activations" else None)
-        for (kind, *_), items in batches.items():
+        for (kind, shape, _), items in batches.items():
             keys, stats, means = zip(*items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
-            batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one stack
-                                              self._solver.finite_inputs, homogeneous)      # per size
-            if health:                                                             # on request (syncs)
-                gm = {n: h.grad_matrix() for n, h in grads.items()}
-                for i, (key, stat, mean) in enumerate(items):
-                    if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
-                        self._warn_once("health", warning)
-            out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
+            with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
+                batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one
+                                                  self._solver.finite_inputs, homogeneous)      # stack per size
+                if health:                                                             # on request (syncs)
+                    gm = {n: h.grad_matrix() for n, h in grads.items()}
+                    for i, (key, stat, mean) in enumerate(items):
+                        if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
+                            self._warn_once("health", warning)
+                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
         self._counts["refreshes"] += 1
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out
@@ -336,13 +344,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             buckets[(type(op), h.grad_shape(), h.grad_dtype(), h.module.weight.device)].append(name)
         solved, flags = [], []
         for (_, shape, dtype, device), names in buckets.items():
-            g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
-            for i, n in enumerate(names):
-                grads[n].read_grad(g[i])
-            flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
-            if self._grad_ema.on:
-                g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
-            solved.append((names, solvers.apply_stack([members[n] for n in names], g)))
+            with record_function(_phase("apply", len(names), shape)):
+                g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
+                for i, n in enumerate(names):
+                    grads[n].read_grad(g[i])
+                flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
+                if self._grad_ema.on:
+                    g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
+                solved.append((names, solvers.apply_stack([members[n] for n in names], g)))
         return solved, flags
 
     def _any(self, flags: list) -> bool:

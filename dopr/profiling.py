@@ -22,6 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 #: synchronous; a .item() shows as cudaMemcpyAsync followed by cudaStreamSynchronize)
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpy")
+#: DoPr's step names its phases per size (``dopr.factor 3 x (385, 385)``, ``dopr.apply ...``: record_function
+#: spans); ``phases`` reports the time of each, on the device where there is one
+PHASE_PREFIX = "dopr."
 #: device-side events that are copies or fills, not kernels
 _NOT_KERNELS = ("Memcpy", "Memset", "memcpy", "memset")
 
@@ -43,7 +46,8 @@ def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
     device's kernel, copy and fill times; None on CPU), ``kernels`` (kernels the device ran, by its own
     events, so those of CUDA graphs and library calls count too; None on CPU), ``syncs`` ({runtime call:
     count}, the one synchronize that closes the measurement left out) and ``top``: [(name, ms per step,
-    share of busy time)] of the kernels (CPU: the ops, by self time) that took longest."""
+    share of busy time)] of the kernels (CPU: the ops, by self time) that took longest; ``phases``: [(DoPr's
+    phase span, ms per step)], longest first (device time of the span on a GPU, CPU time on the CPU)."""
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     if cuda:
@@ -72,7 +76,11 @@ def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
                         reverse=True)
         timed = [(e.key, e.self_cpu_time_total / 1e3) for e in ranked[:top]]
     total = busy if cuda else wall * 1e3
-    return {"steps": steps, "device": "cuda" if cuda else "cpu", "wall_ms": wall * 1e3 / steps,
+    spans = [e for e in events if e.key.startswith(PHASE_PREFIX) and
+             (e.device_type == DeviceType.CUDA if cuda else e.device_type == DeviceType.CPU)]
+    phases = sorted(((e.key, (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / steps) for e in spans),
+                    key=lambda kv: kv[1], reverse=True)
+    return {"steps": steps, "device": "cuda" if cuda else "cpu", "wall_ms": wall * 1e3 / steps, "phases": phases,
             "busy_ms": None if busy is None else busy / steps,
             "kernels": None if kernels is None else kernels / steps, "syncs": syncs,
             "top": [(name, ms / steps, ms / total if total else 0.0) for name, ms in timed]}
@@ -99,3 +107,9 @@ def table(rows) -> str:
                  "; ".join(f"`{_short(n)}` {ms:.2f} ({share:.0%})" for n, ms, share in p["top"])]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def phases_line(label: str, p: dict, top: int = 6) -> str:
+    """One markdown bullet: a profiled row's DoPr phases, longest first (``-`` when it has none)."""
+    items = "; ".join(f"`{name.removeprefix(PHASE_PREFIX)}` {ms:.2f}" for name, ms in p.get("phases", [])[:top])
+    return f"- {label}: {items or '-'}"

@@ -285,7 +285,7 @@ def bench_part(ctx, task) -> str:
     import torch
 
     from benchmarks import bench as B
-    from dopr.profiling import profile_steps, table
+    from dopr.profiling import phases_line, profile_steps, table
 
     name, make, options = task(ctx)
     B.register_task(name, make, options)
@@ -312,7 +312,9 @@ def bench_part(ctx, task) -> str:
         if not rows_out:
             ctx.write(header.replace("### ", "#### "),
                       f"timing: >= {args.repeats} timed steps per row or {args.budget:g} s of them (benchmarks.bench.Row.done)")
-        ctx.write(B.table(rows, ctx.cuda), f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles))
+        ctx.write(B.table(rows, ctx.cuda), f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles),
+                  "DoPr's phases per size, ms per step (the device time of each `dopr.*` span; layers x shape):",
+                  "\n".join(phases_line(label, p) for label, p in profiles if p.get("phases")))
         for r in rows:
             rows_out[r["label"]] = {k: r.get(k) for k in ("t", "R", "R_model", "state", "transient", "peak")}
         ctx.save(rows_out)

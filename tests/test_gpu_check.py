@@ -141,3 +141,30 @@ def test_the_device_time_counts_kernels_not_the_gpu_spans_of_record_function_ran
               E(key="Memcpy HtoD (Pageable -> Device)", device_type=cuda, self_device_time_total=5),
               E(key="idle", device_type=cuda, self_device_time_total=0)]
     assert [e.key for e in device_events(events)] == ["sm90_xmma_gemm_bf16", "Memcpy HtoD (Pageable -> Device)"]
+
+
+def test_the_profile_names_dopr_s_phases_per_size():
+    # a DoPr step's factorisations and solves run batched by size, each batch in a `dopr.*` span: the
+    # profile lists them, so a GPU profile says which sizes take the step's time
+    import dopr
+    from dopr.profiling import phases_line, profile_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    opt = dopr.build(model, "dopr_adamw", lr=1e-3)
+    x = torch.randn(64, 16)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    p = profile_steps(step, 1, "cpu")
+    names = {name for name, _ in p["phases"]}
+    # Sigma of the 32-wide inputs (with the bias: 33) twice, of the 16-wide input once; G by its shape
+    assert names == {"dopr.factor 2 x (33, 33)", "dopr.factor 1 x (17, 17)", "dopr.apply 1 x (32, 17)",
+                     "dopr.apply 1 x (32, 33)", "dopr.apply 1 x (4, 33)"}
+    assert all(ms > 0 for _, ms in p["phases"])
+    assert phases_line("r", p).startswith("- r: `") and phases_line("r", {"phases": []}) == "- r: -"
