@@ -2,6 +2,8 @@
 the ``span`` solver (pseudo-inverse of the undamped Sigma on the supported directions, amplification
 capped) and the ``trace_activations`` damping mode (the trace without the homogeneous 1)."""
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +238,46 @@ def test_dopr_trains_an_mlp_with_biases(options):
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.7 * losses[0]
     assert opt.stats()["preconditioned"] > 0
     opt.close()
+
+
+def _sit_digits_runs(folder, lrs_and_quality, seeds, overrides=("ap.solver=span", "ap.span_cap=3")):
+    import json
+    for i, ((lr, q), seed) in enumerate(zip(lrs_and_quality, seeds)):
+        (folder / str(i)).mkdir(parents=True)
+        (folder / str(i) / "summary.json").write_text(json.dumps(
+            {"lr": lr, "seed": seed, "quality": q, "best_quality": q, "train_loss": 0.4, "step_time_s": 0.2,
+             "overrides": [f"seed={seed}", *overrides]}))
+
+
+def test_the_sit_digits_table_picks_the_rules_rate_on_the_tuning_seed_and_refuses_a_mismatch(tmp_path):
+    # scripts/damping_free_sit_digits.py: the rule's rate is its tune's best on the committed tuning seed;
+    # the fresh seeds must have run that rate, on other seeds, with the same DoPr overrides
+    import json
+    import runpy
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "damping_free_sit_digits.py")
+    main = runpy.run_path(script)["main"]
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    trials = [{"setting": {"optim.lr": str(lr)}, "value": v} for lr, v in ((1e-3, 4.4), (3e-3, 6.6))]
+    (committed / "selection.json").write_text(json.dumps({"metric": "quality", "mode": "min", "seeds": [0], "arms": {
+        "adamw": {"trials": trials}, "dopr_adamw": {"trials": trials}}}))
+    cols = ["arm", "setting", "seeds"] + [f"{m}_{s}" for m in ("quality", "best_quality", "train_loss")
+                                          for s in ("min", "median", "max", "mean", "se")]
+    (committed / "protocol.csv").write_text(",".join(cols) + "\n" + ",".join(["adamw", "optim.lr=0.003", "3 4 5"]
+                                                                              + ["1.0"] * 15) + "\n")
+    _sit_digits_runs(tmp_path / "tune", [(3e-4, 7.5), (1e-3, 5.2), (3e-3, 8.2)], [0, 0, 0])
+    _sit_digits_runs(tmp_path / "fresh", [(1e-3, 3.0), (1e-3, 4.0), (1e-3, 5.0)], [3, 4, 5])
+    out = tmp_path / "table.md"
+    args = ["--rule", "span cap 3", "--tune", str(tmp_path / "tune"), "--committed", str(committed), "--out", str(out)]
+    main([*args, "--fresh", str(tmp_path / "fresh")])
+    text = out.read_text()
+    assert "| dopr_adamw, span cap 3 | 0.001 | 5.200 (chosen) |" in text
+    assert "| dopr_adamw, span cap 3 | optim.lr=0.001 | 3 4 5 | 4.000 [3.000-5.000], mean 4.000 ± 0.577 |" in text
+    _sit_digits_runs(tmp_path / "wrong_rate", [(3e-3, 3.0)], [3])
+    _sit_digits_runs(tmp_path / "tuning_seed", [(1e-3, 3.0)], [0])
+    _sit_digits_runs(tmp_path / "other_rule", [(1e-3, 3.0)], [3], overrides=("ap.solver=span", "ap.span_cap=10"))
+    for folder, message in (("wrong_rate", "ran lr [0.003], the tune chose 0.001"),
+                            ("tuning_seed", "fresh seeds [0] overlap the tuning seeds [0]"),
+                            ("other_rule", "different DoPr overrides")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main([*args, "--fresh", str(tmp_path / folder)])
