@@ -205,6 +205,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "feature_learning_protocol": "feature_learning", "sit_digits_protocol": "sit_digits",
               "sit_digits_muon_protocol": "sit_digits", "sit_mnist_protocol": "sit_mnist",
               "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits", "mup_gpt": "mup_gpt_bytes",
+              "feature_learning_protocol_muon_wide": "feature_learning",
               # issue 48's damping-free protocol (results/damping_free/)
               **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)}}
 
