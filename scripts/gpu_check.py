@@ -3,7 +3,7 @@ report of what DoPr costs there and whether it computes there what it computes o
 
     make gpu-check                  # = scripts/gpu_check.sh: the machine's python3, no virtual environment
     scripts/gpu_check.sh [--device cuda] [--out results/bench/gpu_<device>.md] [--workdir .gpu/work]
-        [--parts bench_sit,agreement,...] [--smoke] [--fail PART]
+        [--parts bench_sit,agreement,...] [--smoke] [--fail PART] [--dopr-option KEY=VALUE ...]
 
 The report (`--out`, default results/bench/gpu_<device>.md) has, after a header naming the command, the
 commit, the device and the torch / CUDA versions, and a table of the parts with their status:
@@ -22,12 +22,15 @@ commit, the device and the torch / CUDA versions, and a table of the parts with 
 Each part runs in its own process under its own time limit (PARTS: seconds on one GPU; together under
 9 minutes). A part that raises or runs out of time is reported FAIL with its one-line error and what it
 wrote before, and the others still run; a part whose package is absent is SKIPPED with the reason.
-Every part's log is <workdir>/<part>.log. This file imports no torch: only the parts do, each in its own
+Every part's log is <workdir>/<part>.log. This file initialises no CUDA (it imports torch only to check ``--dopr-option``): only the parts do, each in its own
 process, so a CUDA error in one (a poisoned context) cannot take the others down.
 
 ``--smoke`` runs every part at tiny shapes (seconds each; any device, the tests use the CPU) into the
 same report: a check that the check runs, with no verdict on the targets. ``--fail PART`` makes PART
-raise before it starts (a check of the report's failure path).
+raise before it starts (a check of the report's failure path). ``--dopr-option KEY=VALUE`` (repeatable)
+sets a DoPr option on every DoPr row of the bench parts, over the task's own (e.g. ``--dopr-option
+solver=span --dopr-option span_cap=3``: what another AP rule costs on the device); the report's header
+names them and the other parts do not read them.
 """
 from __future__ import annotations
 
@@ -133,6 +136,7 @@ class Context:
         self.part, self.device, self.smoke = args.part, args.device, args.smoke
         self.cuda, self.workdir, self.out_dir = args.device == "cuda", Path(args.workdir), Path(args.out_dir)
         self.md = self.workdir / f"{self.part}.md"
+        self.dopr_options = json.loads(args.dopr_options_json or "{}")   # --dopr-option, checked by main
 
     def write(self, *blocks) -> None:
         """Append markdown blocks (a line, a table), a blank line after each."""
@@ -288,7 +292,7 @@ def bench_part(ctx, task) -> str:
     from dopr.profiling import phases_line, profile_steps, table
 
     name, make, options = task(ctx)
-    B.register_task(name, make, options)
+    B.register_task(name, make, {**options, **ctx.dopr_options})
     args = argparse.Namespace(device=ctx.device, compile=False, **(BENCH_SMOKE if ctx.smoke else BENCH))
     rows_out = {}
     for gp in ("adamw", "muon"):
@@ -604,7 +608,9 @@ def report(args, results: list, command: str, workdir: Path) -> str:
              f"commit {commit()}, {datetime.datetime.now().isoformat(timespec='seconds')}, device {args.device} "
              f"({device}), torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, cuDNN {env.get('cudnn', '?')}, "
              f"Python {env.get('python', '?')}; {sum(r['seconds'] for r in results):.0f} s in all "
-             f"(the parts' limits: {limits:g} s)", ""]
+             f"(the parts' limits: {limits:g} s)"
+             + ("; DoPr rows with " + ", ".join(f"{k}={v}" for k, v in args.dopr_options.items())
+                if getattr(args, "dopr_options", None) else ""), ""]
     if args.smoke:
         lines += ["Smoke run: every part at tiny shapes, a check that the check runs; no verdict on the targets.", ""]
     lines += ["## Parts", "", "| part | runs | limit (s) | took (s) | status |", "|---|---|---|---|---|"]
@@ -638,7 +644,10 @@ def main(argv=None) -> int:
     p.add_argument("--limit-scale", type=float, default=1.0, metavar="X",
                    help="multiply every part's time limit by X (a slower card, a cold compile cache)")
     p.add_argument("--fail", default=None, metavar="PART", help="make PART raise (a check of the failure path)")
+    p.add_argument("--dopr-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a DoPr option for every DoPr row of the bench parts (repeatable): --dopr-option solver=span")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)     # internal: run one part here
+    p.add_argument("--dopr-options-json", default=None, help=argparse.SUPPRESS)   # internal: main's checked options
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.limit_scale > 0:
@@ -646,6 +655,11 @@ def main(argv=None) -> int:
     setup_paths()
     if args.part:
         return run_child(args)
+    options = {}
+    if args.dopr_option:   # checked here by DoPrOptions (torch is imported only for that), one line on a bad one
+        from benchmarks.bench import dopr_options
+        options = dopr_options(args.dopr_option, p.error)
+    args.dopr_options = options
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -665,6 +679,7 @@ def main(argv=None) -> int:
         child = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--workdir", str(workdir),
                  "--device", args.device, "--out-dir", str(out_dir)]
         child += ["--smoke"] * args.smoke + (["--fail", args.fail] if args.fail else [])
+        child += ["--dopr-options-json", json.dumps(options)] if options else []
         print(f"[gpu_check] {name} (limit {limit} s) ...", file=sys.stderr, flush=True)
         results.append(run_part(name, child, limit, workdir))
         r = results[-1]

@@ -2,6 +2,7 @@
 in it, a part that raises or hangs is reported FAIL while the others still run, the targets give one
 verdict per DoPr row, and the real-size rehearsal overrides resolve to the tasks' real batches."""
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,28 @@ def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refus
     bad = subprocess.run([*script, "--limit-scale", "0", "--out", str(tmp_path / "x.md")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--limit-scale must be positive, got 0.0" in bad.stderr
+    assert not (tmp_path / "x.md").exists()
+
+
+def test_a_dopr_option_reaches_every_dopr_row_of_the_bench_parts_and_a_bad_one_is_refused(tmp_path):
+    # --dopr-option solver=span: the DoPr rows eigendecompose (the profiles' ops say so) and the header says
+    # which rule ran; without it the same rows factor by Cholesky and run no eigh
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke", "--parts", "bench_sit"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra, eigh in ((["--dopr-option", "solver=span", "--dopr-option", "span_cap=3"], True), ([], False)):
+        out = tmp_path / f"g{len(extra)}.md"
+        proc = subprocess.run([*script, *extra, "--out", str(out), "--workdir", str(tmp_path / f"w{len(extra)}")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        text = out.read_text()
+        assert ("DoPr rows with solver=span, span_cap=3" in text) is eigh
+        profiles = _table(text, "| row |")
+        dopr_rows = [r for r in profiles if r[0].startswith("dopr_") and "other step" not in r[0]]   # refreshing steps
+        assert dopr_rows and all(("_linalg_eigh" in r[7]) is eigh for r in dopr_rows)
+        assert not any("_linalg_eigh" in r[7] for r in profiles if not r[0].startswith("dopr_"))
+    bad = subprocess.run([*script, "--dopr-option", "solver=foo", "--out", str(tmp_path / "x.md")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--dopr-option: Invalid solver: 'foo'" in bad.stderr
     assert not (tmp_path / "x.md").exists()
 
 
