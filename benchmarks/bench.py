@@ -339,10 +339,11 @@ class Row:
         return row
 
 
-def bench_model(name, args, every, inspect=None):
+def bench_model(name, args, every, inspect=None, timed=None):
     """The GP and its DoPr variants step in turn until every row is done, so drift hits them alike.
-    ``inspect(rows)``, if given, sees each GP's timed rows before their optimizers close (e.g. to
-    profile a few more of their steps: dopr.profiling)."""
+    ``timed(header, results)``, if given, gets each GP's rows (t, R, R_model, memory) as soon as they are
+    timed; ``inspect(rows)`` then sees the timed rows before their optimizers close (e.g. to profile a few
+    more of their steps: dopr.profiling). A caller stopped during ``inspect`` has kept the timings."""
     model, x, y, loss_fn = make_task(name, args.device)
     flops, vectors = step_flops_and_vectors(model, x, y, loss_fn)
     n_params, results = sum(p.numel() for p in model.parameters()), []
@@ -353,20 +354,24 @@ def bench_model(name, args, every, inspect=None):
         while not all(r.done(args.repeats, args.budget) for r in rows):
             for r in rows:  # every row steps every round, so all rows sample the same time window
                 r.step()
-        if inspect is not None:
-            inspect(rows)
-        t_gp = rows[0].result()["t"]
+        t_gp, timed_rows = rows[0].result()["t"], []
         for r in rows:
-            results.append(r.result())
+            timed_rows.append(r.result())
             if r is not rows[0]:
-                results[-1]["R"] = results[-1]["t"] / t_gp
-                results[-1]["R_model"] = 1 + overhead_flops(r.opt, r.model, vectors, r.k) / flops
+                timed_rows[-1]["R"] = timed_rows[-1]["t"] / t_gp
+                timed_rows[-1]["R_model"] = 1 + overhead_flops(r.opt, r.model, vectors, r.k) / flops
                 cov = r.opt.coverage()
                 covered = f"{sum(e.status == 'preconditioned' for e in cov)}/{len(cov)}"
-                r.opt.close()
+        results += timed_rows
+        header = (f"### {name}: {n_params / 1e6:.2f} M params, forward+backward {flops / 1e9:.2f} GFLOP, "
+                  f"{covered} parametrised modules preconditioned")
+        if timed is not None:
+            timed(header, timed_rows)
+        if inspect is not None:
+            inspect(rows)
+        for r in rows[1:]:
+            r.opt.close()
         del rows
-    header = (f"### {name}: {n_params / 1e6:.2f} M params, forward+backward {flops / 1e9:.2f} GFLOP, "
-              f"{covered} parametrised modules preconditioned")
     return header, results
 
 

@@ -312,17 +312,19 @@ def bench_part(ctx, task) -> str:
                 profiles.extend([(f"{r.label}, refresh step", profile_steps(step, 1, ctx.device)),
                                  (f"{r.label}, other step", profile_steps(step, 1, ctx.device))])
 
-        header, rows = B.bench_model(name, args, EVERY_SMOKE if ctx.smoke else EVERY, inspect)
-        if not rows_out:
-            ctx.write(header.replace("### ", "#### "),
-                      f"timing: >= {args.repeats} timed steps per row or {args.budget:g} s of them (benchmarks.bench.Row.done)")
-        ctx.write(B.table(rows, ctx.cuda), f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles),
+        def timed(header, rows):   # written before the profiles: a part stopped while profiling keeps its times
+            if not rows_out:
+                ctx.write(header.replace("### ", "#### "), f"timing: >= {args.repeats} timed steps per row or "
+                          f"{args.budget:g} s of them (benchmarks.bench.Row.done)")
+            ctx.write(B.table(rows, ctx.cuda))
+            for r in rows:
+                rows_out[r["label"]] = {k: r.get(k) for k in ("t", "R", "R_model", "state", "transient", "peak")}
+            ctx.save(rows_out)
+
+        B.bench_model(name, args, EVERY_SMOKE if ctx.smoke else EVERY, inspect, timed)
+        ctx.write(f"Profile of each {gp} row (dopr.profiling.profile_steps):", table(profiles),
                   "DoPr's phases per size, ms per step (the device time of each `dopr.*` span; layers x shape):",
                   "\n".join(phases_line(label, p) for label, p in profiles if p.get("phases")))
-        for r in rows:
-            rows_out[r["label"]] = {k: r.get(k) for k in ("t", "R", "R_model", "state", "transient", "peak")}
-        ctx.save(rows_out)
-        del rows
         if ctx.cuda:
             torch.cuda.empty_cache()
     return f"{len(rows_out)} rows"

@@ -123,3 +123,23 @@ def test_dopr_options_reach_the_dopr_rows_and_a_bad_one_is_one_line(tmp_path, ca
         with pytest.raises(SystemExit):
             bench.main(["--smoke", *sum((["--dopr-option", b] for b in bad), [])])
         assert message in capsys.readouterr().err
+
+
+def test_a_caller_stopped_while_inspecting_has_kept_the_timed_rows():
+    # the GPU check profiles each GP's rows after timing them; on an H200 the span rule's Llama part ran out
+    # of time while profiling and its report had no row at all: the times must reach the caller first
+    import argparse
+
+    import pytest
+
+    args = argparse.Namespace(device="cpu", compile=False, repeats=2, budget=0.2, gps=["adamw"])
+    got = []
+
+    def stop(rows):
+        raise TimeoutError("the part's limit")
+
+    with pytest.raises(TimeoutError):
+        bench.bench_model("mlp", args, [1], inspect=stop, timed=lambda header, rows: got.append((header, rows)))
+    (header, rows), = got
+    assert header.startswith("### mlp:") and [r["label"] for r in rows] == ["adamw", "dopr_adamw"]
+    assert rows[1]["t"] > 0 and rows[1]["R"] == rows[1]["t"] / rows[0]["t"] and rows[1]["R_model"] > 1
