@@ -13,6 +13,10 @@ report says where the update goes, not that training will fail.
 
 Computed from Sigmabar (dense statistics only) with one eigendecomposition per group, only on the
 refresh steps that ``DoPr(health_every=k)`` asks for: the step stays as fast otherwise.
+
+``DoPr(weak_share_bound=b)`` turns the report into a damping rule (issue 48, direction 3): on those
+refreshes each dense layer's damping is raised by the smallest power of 2 (:func:`damping_scale`) that
+keeps at most the share b of ||M||^2 in the weak directions, and the scale holds until the next report.
 """
 from __future__ import annotations
 
@@ -59,6 +63,36 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None) -> dict:
         weak = p < WEAK_VARIANCE
         out["weak_share"] = round(float(energy[weak].sum() / energy.sum().clamp_min(1e-300)), 4)
     return out
+
+
+#: how far damping_scale may raise lambda: 2^20 ~ 1e6 (from gamma = 1e-6 * tr(Sigma) up to tr(Sigma))
+MAX_DOUBLINGS = 20
+
+
+def direction_energy(sigma: Tensor, grad: Tensor) -> tuple:
+    """(e, p, g2): Sigma's eigenvalues (clamped at 0, float64), their shares of tr(Sigma), and the energy of
+    G along each eigen-direction, ||G v_i||^2 (a sum over G's rows: under row sharding the ranks' g2 add)."""
+    e, v = torch.linalg.eigh(sigma.detach().double())
+    e = e.clamp_min(0.0)
+    total = float(e.sum())
+    p = e / total if total > 0 else torch.full_like(e, 1.0 / e.numel())
+    return e, p, (grad.detach().double() @ v).square().sum(0)
+
+
+def damping_scale(e: Tensor, p: Tensor, g2: Tensor, lam, bound: float, max_doublings: int = MAX_DOUBLINGS) -> float:
+    """The smallest f = 2^j, j = 0..max_doublings, for which M = G (Sigma + f lam I)^-1 keeps at most the share
+    ``bound`` of ||M||_F^2 in directions carrying under WEAK_VARIANCE of the variance (e, p, g2: see
+    :func:`direction_energy`). The share falls as f grows, towards G's own share in those directions; where
+    even 2^max_doublings does not bring it under the bound, that largest f. 1.0 when nothing is weak or G is 0."""
+    weak = p < WEAK_VARIANCE
+    lam = float(lam)
+    if not bool(weak.any()) or float(g2.sum()) <= 0.0 or lam <= 0.0:
+        return 1.0
+    f = 2.0 ** torch.arange(max_doublings + 1, dtype=e.dtype, device=e.device)
+    energy = g2 / (e + lam * f[:, None]).square()                       # (doublings, d)
+    share = energy[:, weak].sum(1) / energy.sum(1).clamp_min(1e-300)
+    ok = (share <= bound).nonzero()
+    return float(f[ok[0, 0]]) if ok.numel() else float(f[-1])
 
 
 def in_danger(report: dict) -> bool:

@@ -36,7 +36,7 @@ from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
-from .health import HealthReports
+from .health import HealthReports, damping_scale, direction_energy
 from .layers import find_layers
 from .options import DoPrOptions
 from .statistics import STATISTICS, statistics_dtype
@@ -115,6 +115,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._cache: dict = {}
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
+        self._damping_scale: dict = {}   # weak_share_bound: {group key: the factor on its lambda} (dopr/health.py)
         self._no_forward: list = []
         self._empty: set = set()
         self._warned: set = set()
@@ -301,13 +302,34 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                                   self._solver.finite_inputs, homogeneous)      # stack per size
                 if health:                                                             # on request (syncs)
                     gm = {n: h.grad_matrix() for n, h in grads.items()}
+                    if self.options.weak_share_bound is not None:
+                        self._choose_damping(items, finite, lam, gm)
+                if self._damping_scale:
+                    lam = lam * torch.tensor([self._damping_scale.get(key, 1.0) for key in keys],
+                                             dtype=lam.dtype).to(lam.device, non_blocking=True)
+                if health:
                     for i, (key, stat, mean) in enumerate(items):
                         if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
                             self._warn_once("health", warning)
+                        if key in self._damping_scale and "|".join(key) in self._health.reports:
+                            self._health.reports["|".join(key)]["damping_scale"] = self._damping_scale[key]
                 out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
         self._counts["refreshes"] += 1
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out
+
+    def _choose_damping(self, items: list, finite: Tensor, lam: Tensor, gm: dict) -> None:
+        """weak_share_bound: each finite dense group's factor on its lambda (dopr.health.damping_scale), from
+        Sigmabar's eigen-directions and the members' raw gradients (under row sharding the ranks' energies
+        per direction are summed: every rank chooses the same factor)."""
+        for i, (key, stat, mean) in enumerate(items):
+            gs = [gm[n] for n in key if gm.get(n) is not None]
+            if stat.kind != "dense" or not bool(finite[i]) or not gs:
+                continue
+            e, p, g2 = direction_energy(mean[0], torch.cat(gs))
+            if self._sharded and is_distributed():
+                torch.distributed.all_reduce(g2)
+            self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
@@ -464,6 +486,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             "precond_ema": self._precond_ema.state_dict(),
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
             "counts": dict(self._counts),
+            "damping_scale": {"|".join(k): f for k, f in self._damping_scale.items()},
             "options": self.options.describe(),
         }
 
@@ -484,6 +507,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
         # checkpoints written before the step counter was kept once also hold it as counts["steps"]
         self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
+        self._damping_scale = {tuple(k.split("|")): f for k, f in ours.get("damping_scale", {}).items()}
         self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:
@@ -507,6 +531,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.update(state)
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
+        self.__dict__.setdefault("_damping_scale", {})
         self.__dict__.setdefault("_empty", set())
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)

@@ -111,6 +111,12 @@ class DoPrOptions:
     health_every: int = _option(
         0, "every k-th refresh, a health report per dense layer in stats()['health'] (dopr/health.py); 0: never",
         lambda v: _integer(v) and v >= 0, "must be an integer >= 0")
+    weak_share_bound: Optional[float] = _option(
+        None, "damping set by the health report (issue 48): on each health refresh (health_every), each dense "
+        "layer's lambda is raised by the smallest power of 2 (up to 2^20) that keeps at most this share of ||M||^2 "
+        "in directions carrying under 1e-4 of its input variance (dopr.health.damping_scale), held until the "
+        "next; damping then sets the floor; None: off",
+        lambda v: v is None or (_number(v) and 0.0 < v < 1.0), "must be in (0, 1) or None")
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
@@ -126,6 +132,10 @@ class DoPrOptions:
             value = getattr(self, f.name)
             if not (f.metadata["scheduled"] and callable(value)):
                 check(f, value)
+        if self.weak_share_bound is not None and self.health_every == 0:
+            raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
+                             "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
+                             "refreshes)")
 
     # ------------------------------------------------------------------ construction
     @classmethod

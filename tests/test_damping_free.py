@@ -281,3 +281,97 @@ def test_the_sit_digits_table_picks_the_rules_rate_on_the_tuning_seed_and_refuse
                             ("other_rule", "different DoPr overrides")):
         with pytest.raises(SystemExit, match=re.escape(message)):
             main([*args, "--fresh", str(tmp_path / folder)])
+
+
+# ------------------------------------------------------------------ damping set by the health report
+def _share(e, g2, lam, weak):
+    """The weak directions' share of ||M||^2, written out: sum_i g2_i / (e_i + lam)^2."""
+    energy = [g / (v + lam) ** 2 for v, g in zip(e, g2)]
+    return sum(x for x, w in zip(energy, weak) if w) / sum(energy)
+
+
+def test_damping_scale_is_the_smallest_doubling_that_brings_the_weak_share_under_the_bound():
+    from dopr.health import WEAK_VARIANCE, damping_scale
+    e = torch.tensor([1e-7, 1e-5, 0.5, 1.0, 2.0], dtype=torch.float64)   # two weak directions (share < 1e-4)
+    p = e / e.sum()
+    weak = [bool(v < WEAK_VARIANCE) for v in p]
+    assert weak == [True, True, False, False, False]
+    g2 = torch.tensor([1e-6, 1e-4, 1.0, 1.0, 1.0], dtype=torch.float64)   # G's own weak share: 1e-4 / 3
+    lam = 1e-6 * float(e.sum())
+    for bound in (0.9, 0.5, 0.1, 0.01):
+        f = damping_scale(e, p, g2, lam, bound)
+        j = round(math.log2(f))
+        assert f == 2.0 ** j and 0 <= j <= 20
+        assert _share(e.tolist(), g2.tolist(), f * lam, weak) <= bound
+        if j > 0:                                    # the smallest: one doubling less is over the bound
+            assert _share(e.tolist(), g2.tolist(), f / 2 * lam, weak) > bound
+    assert damping_scale(e, p, g2, lam, 0.9) < damping_scale(e, p, g2, lam, 0.01)
+    # nothing weak, or no gradient along the weak directions' amplification: lambda as it was
+    assert damping_scale(e[2:], e[2:] / e[2:].sum(), g2[2:], lam, 0.1) == 1.0
+    assert damping_scale(e, p, torch.zeros(5, dtype=torch.float64), lam, 0.1) == 1.0
+    # a bound under G's own weak share cannot be met by any damping: the largest factor tried
+    only_weak = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert damping_scale(e, p, only_weak, lam, 0.5) == 2.0 ** 20
+
+
+def _weak_layer(seed=0):
+    """A Linear(3, 2) whose third input barely varies (std 1e-3 of the others': 1e-6 of the variance) but
+    drives the target: at damping 1e-6 tr(Sigma) the AP puts nearly all of M into that direction."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 1.0, 1e-3], dtype=torch.float64)
+    y = torch.stack([x[:, 0] + 1e3 * x[:, 2], x[:, 1]], 1)
+    lin = nn.Linear(3, 2, bias=False).double()
+    with torch.no_grad():
+        lin.weight.zero_()
+    return lin, x, y
+
+
+def test_the_bound_sets_each_layers_damping_and_m_is_the_damped_solve_at_it():
+    from dopr.health import layer_health
+    reports = {}
+    for bound in (None, 0.5):
+        lin, x, y = _weak_layer()
+        opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, health_every=1,
+                   weak_share_bound=bound)
+        ((lin(x) - y) ** 2).mean().backward()
+        g = lin.weight.grad.clone()
+        opt.step()
+        (rep,) = opt.stats()["health"].values()
+        reports[bound] = rep
+        sigma = x.T @ x / len(x)
+        f = rep.get("damping_scale", 1.0)
+        lam = f * 1e-6 * float(sigma.trace())
+        m = g @ torch.linalg.inv(sigma + lam * torch.eye(3, dtype=torch.float64))
+        # SGD without momentum: the step is -lr M; the solve's rounding is eps * cond(Sigma + lam I)
+        cond = float(torch.linalg.cond(sigma + lam * torch.eye(3, dtype=torch.float64)))
+        assert torch.allclose(lin.weight, -0.1 * m, atol=100 * EPS * cond * float(m.abs().max()))
+        assert rep["weak_share"] == layer_health(sigma, lam, g)["weak_share"]
+        opt.close()
+    assert reports[None]["weak_share"] > 0.9 and "damping_scale" not in reports[None]
+    assert reports[0.5]["weak_share"] <= 0.5 and reports[0.5]["damping_scale"] > 1
+
+
+def test_the_chosen_scale_holds_between_reports_and_survives_a_checkpoint():
+    lin, x, y = _weak_layer()
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=1e-3), damping=1e-6, health_every=3, weak_share_bound=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        ((lin(x) - y) ** 2).mean().backward()
+        opt.step()
+    scale = dict(opt._damping_scale)
+    assert len(scale) == 1 and next(iter(scale.values())) > 1        # chosen on refresh 0, held on refresh 1
+    state = opt.state_dict()
+    assert state["dopr"]["damping_scale"] == {"|".join(k): f for k, f in scale.items()}
+    lin2, _, _ = _weak_layer()
+    opt2 = DoPr(lin2, torch.optim.SGD(lin2.parameters(), lr=1e-3), damping=1e-6, health_every=3, weak_share_bound=0.5)
+    opt2.load_state_dict(state)
+    assert opt2._damping_scale == scale
+    opt.close()
+    opt2.close()
+
+
+@pytest.mark.parametrize("kw,msg", [({"weak_share_bound": 1.0}, r"Invalid weak_share_bound: 1.0 \(must be in \(0, 1\) or None\)"),
+                                    ({"weak_share_bound": 0.5}, r"weak_share_bound=0.5 .* set health_every >= 1")])
+def test_the_bound_is_checked(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        DoPrOptions(**kw)
