@@ -44,6 +44,10 @@ VARIANTS = {
     "dopr span, cap 1000": {"solver": "span", "span_cap": 1000.0},
     "dopr span, cap 3": {"solver": "span", "span_cap": 3.0},
     "dopr span, cap 30": {"solver": "span", "span_cap": 30.0},
+    # damping set by the health report (weak_share_bound, re-chosen every refresh): damping is the floor
+    "dopr weak share 0.5, floor 1e-6": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.5},
+    "dopr weak share 0.25, floor 1e-6": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.25},
+    "dopr weak share 0.5, floor 1e-4": {"damping": 1e-4, "health_every": 1, "weak_share_bound": 0.5},
 }
 DEFAULT = list(VARIANTS)[:5]
 
