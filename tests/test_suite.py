@@ -207,7 +207,8 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "sft_arith_protocol": "sft_arith", "mup": "mup_mlp_digits", "mup_gpt": "mup_gpt_bytes",
               "feature_learning_protocol_muon_wide": "feature_learning",
               # issue 48's damping-free protocol (results/damping_free/)
-              **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)}}
+              **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)},
+              "feature_learning_weak50": "feature_learning"}
 
 
 def _values(spec, key: str = "") -> list:
