@@ -1,6 +1,7 @@
-"""Issue 48 on a BC cell: DoPr with the span solver at several caps (one sweep over ap.span_cap and seeds)
-beside the committed paper grid's cell at its tuned damping. The BC report groups runs by optimizer and
-trajectory count, which would pool the caps; this table keeps them apart.
+"""Issue 48 on a BC cell: DoPr under a damping-free rule at several settings (one sweep over the span
+solver's ap.span_cap, or over ap.weak_share_bound, and seeds) beside the committed paper grid's cell at
+its tuned damping. The BC report groups runs by optimizer and trajectory count, which would pool the
+settings; this table keeps them apart (:func:`rule`).
 
     python scripts/damping_free_bc.py multirun/damping_free/humanoid_span \
         --base results/humanoid/paper_humanoid/humanoid.csv [--out results/damping_free/humanoid.md]
@@ -20,6 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.common.provenance import emit_report, git_revision  # noqa: E402
 
 
+def rule(overrides) -> tuple:
+    """(sort key, label) of a run's damping-free rule, read from its overrides: "span cap 3",
+    "weak share 0.5, floor 1e-06"; a run with neither is refused (it would be mistaken for a rule)."""
+    o = dict(x.split("=", 1) for x in overrides if "=" in x)
+    if "ap.span_cap" in o:
+        return (0, float(o["ap.span_cap"]), 0.0), f"span cap {o['ap.span_cap']}"
+    if "ap.weak_share_bound" in o:
+        floor = o.get("ap.damping", "the preset's")
+        return (1, float(o["ap.weak_share_bound"]), 0.0), f"weak share {o['ap.weak_share_bound']}, floor {floor}"
+    raise SystemExit(f"a run with neither ap.span_cap nor ap.weak_share_bound among its overrides: {overrides}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("sweep")
@@ -29,13 +42,13 @@ def main(argv=None) -> None:
     cells = defaultdict(list)
     for summary in sorted(Path(args.sweep).glob("*/summary.json")):
         s = json.loads(summary.read_text())
-        cap = next((o.split("=", 1)[1] for o in s["overrides"] if o.startswith("ap.span_cap=")), None)
-        cells[(s["optim"], s["num_trajectories"], cap)].append((s["seed"], s["return_mean"], s["val_loss"]))
+        cells[(s["optim"], s["num_trajectories"], rule(s["overrides"]))].append((s["seed"], s["return_mean"], s["val_loss"]))
     base = {(r["optimizer"], int(r["num_trajectories"])): r for r in csv.DictReader(open(args.base))}
     lines = [f"`python scripts/damping_free_bc.py {args.sweep} --base {args.base}`", "",
              f"commit {git_revision()}; per-seed mean return over its evaluation episodes, median [min-max] over "
              "seeds; validation MSE, mean over seeds. The damped rows are the paper grid's cells (its table, "
-             "same seeds 0-2, the tuned damping); the span rows replace the damping by solver=span at the cap.", "",
+             "same seeds 0-2, the tuned damping); the other rows replace the damping by the rule they name "
+             "(solver=span at the cap; or the damping set by the health report, weak_share_bound, above the floor).", "",
              "| optimizer | trajectories | rule | seeds | return median [min-max] | val MSE |", "|---|---|---|---|---|---|"]
     for (optim, n) in sorted({(o, n) for o, n, _ in cells}):
         b = base.get((optim, n))
@@ -43,10 +56,10 @@ def main(argv=None) -> None:
             lines.append(f"| {optim} | {n} | damping {b['damping']} ({b['damping_mode']}) | {b['seeds']} | "
                          f"{float(b['seed_return_median']):.0f} [{float(b['seed_return_min']):.0f}-"
                          f"{float(b['seed_return_max']):.0f}] | {float(b['val_loss']):.4f} |")
-        for cap in sorted({c for o, m, c in cells if (o, m) == (optim, n)}, key=float):
-            runs = cells[(optim, n, cap)]
-            ret = [r for _, r, _ in runs]
-            lines.append(f"| {optim} | {n} | span cap {cap} | {len(runs)} | {statistics.median(ret):.0f} "
+        for r in sorted({c for o, m, c in cells if (o, m) == (optim, n)}):
+            runs = cells[(optim, n, r)]
+            ret = [v for _, v, _ in runs]
+            lines.append(f"| {optim} | {n} | {r[1]} | {len(runs)} | {statistics.median(ret):.0f} "
                          f"[{min(ret):.0f}-{max(ret):.0f}] | {statistics.mean(v for *_, v in runs):.4f} |")
     emit_report(lines, args.out)
 

@@ -375,3 +375,15 @@ def test_the_chosen_scale_holds_between_reports_and_survives_a_checkpoint():
 def test_the_bound_is_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         DoPrOptions(**kw)
+
+
+def test_the_bc_table_keeps_each_rules_settings_apart():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("damping_free_bc", Path(__file__).resolve().parents[1] / "scripts" / "damping_free_bc.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    assert bc.rule(["seed=1", "ap.solver=span", "ap.span_cap=10"])[1] == "span cap 10"
+    assert bc.rule(["ap.damping=1e-6", "ap.weak_share_bound=0.25", "seed=0"])[1] == "weak share 0.25, floor 1e-6"
+    assert bc.rule(["ap.span_cap=3"])[0] < bc.rule(["ap.span_cap=10"])[0] < bc.rule(["ap.weak_share_bound=0.25"])[0]
+    with pytest.raises(SystemExit, match="neither ap.span_cap nor ap.weak_share_bound"):
+        bc.rule(["seed=0", "ap.damping=1e-3"])
