@@ -322,12 +322,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """weak_share_bound: each finite dense group's factor on its lambda (dopr.health.damping_scale), from
         Sigmabar's eigen-directions and the members' raw gradients (under row sharding the ranks' energies
         per direction are summed: every rank chooses the same factor)."""
+        collective = self._sharded and is_distributed()
         for i, (key, stat, mean) in enumerate(items):
             gs = [gm[n] for n in key if gm.get(n) is not None]
-            if stat.kind != "dense" or not bool(finite[i]) or not gs:
+            if stat.kind != "dense" or not bool(finite[i]) or not (gs or collective):   # finite: agreed by all ranks
                 continue
-            e, p, g2 = direction_energy(mean[0], torch.cat(gs))
-            if self._sharded and is_distributed():
+            # a rank holding no rows of the group still joins the all-reduce, with zero energy
+            e, p, g2 = direction_energy(mean[0], torch.cat(gs) if gs else mean[0].new_zeros(0, mean[0].shape[-1]))
+            if collective:
                 torch.distributed.all_reduce(g2)
             self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
 

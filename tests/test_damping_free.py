@@ -309,6 +309,11 @@ def test_damping_scale_is_the_smallest_doubling_that_brings_the_weak_share_under
     # nothing weak, or no gradient along the weak directions' amplification: lambda as it was
     assert damping_scale(e[2:], e[2:] / e[2:].sum(), g2[2:], lam, 0.1) == 1.0
     assert damping_scale(e, p, torch.zeros(5, dtype=torch.float64), lam, 0.1) == 1.0
+    # a rank holding no rows of a sharded layer contributes zero energy to the all-reduce (and joins it)
+    from dopr.health import direction_energy
+    sigma = torch.diag(e)
+    e2, p2, g2_empty = direction_energy(sigma, torch.zeros(0, 5))
+    assert torch.equal(g2_empty, torch.zeros(5, dtype=torch.float64)) and torch.allclose(e2, e.sort().values)
     # a bound under G's own weak share cannot be met by any damping: the largest factor tried
     only_weak = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     assert damping_scale(e, p, only_weak, lam, 0.5) == 2.0 ** 20
