@@ -32,7 +32,17 @@ WEAK_VARIANCE = 1e-4
 WEAK_SHARE_WARNING = 0.5
 
 
-def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None) -> dict:
+def spectrum(sigma: Tensor) -> tuple:
+    """(e, v, p): Sigma's eigenvalues (clamped at 0) and eigenvectors in float64, and the eigenvalues' shares
+    of tr(Sigma) (uniform for Sigma = 0). One eigendecomposition, shared by a report and the damping rule."""
+    e, v = torch.linalg.eigh(sigma.detach().double())
+    e = e.clamp_min(0.0)
+    total = float(e.sum())
+    return e, v, (e / total if total > 0 else torch.full_like(e, 1.0 / e.numel()))
+
+
+def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None, *, spec: Optional[tuple] = None,
+                 g2: Optional[Tensor] = None) -> dict:
     """For Sigmabar (d x d) and its damping `lam`, and optionally the gradient matrix G (rows x d):
 
     - ``dim``: d; ``effective_rank``: exp of the entropy of the normalised eigenvalues (d for an
@@ -42,13 +52,11 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None) -> dict:
       the least excited direction than a typical one;
     - ``weak_share``: the share of ||M||_F^2, M = G (Sigma + lambda I)^-1, in directions carrying under
       WEAK_VARIANCE of the variance (None without G).
-    """
-    s = sigma.detach().double()
-    e, v = torch.linalg.eigh(s)
-    e = e.clamp_min(0.0)
+
+    ``spec``: :func:`spectrum` of `sigma`, when already computed; ``g2``: G's energy per eigen-direction
+    (:func:`direction_energy`), in place of G (under row sharding, the ranks' sum)."""
+    e, v, p = spectrum(sigma) if spec is None else spec
     lam = float(lam)
-    total = float(e.sum())
-    p = e / total if total > 0 else torch.full_like(e, 1.0 / e.numel())
     nz = p[p > 0]
     out = {
         "dim": int(e.numel()),
@@ -57,9 +65,10 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None) -> dict:
         "amplification": round((float(e.mean()) + lam) / (float(e.min()) + lam), 2) if lam > 0 or float(e.min()) > 0 else math.inf,
         "weak_share": None,
     }
-    if grad is not None:
-        mv = (grad.detach().double() @ v) / (e + lam)          # M in Sigma's eigenbasis
-        energy = mv.square().sum(0)
+    if g2 is None and grad is not None:
+        g2 = (grad.detach().double() @ v).square().sum(0)
+    if g2 is not None:
+        energy = g2 / (e + lam).square()                      # ||M v_i||^2 = ||G v_i||^2 / (e_i + lambda)^2
         weak = p < WEAK_VARIANCE
         out["weak_share"] = round(float(energy[weak].sum() / energy.sum().clamp_min(1e-300)), 4)
     return out
@@ -69,13 +78,11 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None) -> dict:
 MAX_DOUBLINGS = 20
 
 
-def direction_energy(sigma: Tensor, grad: Tensor) -> tuple:
+def direction_energy(sigma: Tensor, grad: Tensor, spec: Optional[tuple] = None) -> tuple:
     """(e, p, g2): Sigma's eigenvalues (clamped at 0, float64), their shares of tr(Sigma), and the energy of
-    G along each eigen-direction, ||G v_i||^2 (a sum over G's rows: under row sharding the ranks' g2 add)."""
-    e, v = torch.linalg.eigh(sigma.detach().double())
-    e = e.clamp_min(0.0)
-    total = float(e.sum())
-    p = e / total if total > 0 else torch.full_like(e, 1.0 / e.numel())
+    G along each eigen-direction, ||G v_i||^2 (a sum over G's rows: under row sharding the ranks' g2 add).
+    ``spec``: :func:`spectrum` of `sigma`, when already computed."""
+    e, v, p = spectrum(sigma) if spec is None else spec
     return e, p, (grad.detach().double() @ v).square().sum(0)
 
 
@@ -116,13 +123,15 @@ class HealthReports:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def record(self, key: tuple, stat, mean: tuple, lam, grads: dict) -> Optional[str]:
+    def record(self, key: tuple, stat, mean: tuple, lam, grads: dict, spec: Optional[tuple] = None,
+               g2: Optional[Tensor] = None) -> Optional[str]:
         """Report on group `key` (dense statistics only) from Sigmabar `mean` and the members' raw
-        gradients; returns a warning when the group is in the danger regime."""
+        gradients (or their energies per direction, `g2`, with Sigmabar's `spec`trum when the damping rule
+        already computed them); returns a warning when the group is in the danger regime."""
         if stat.kind != "dense":
             return None
         gs = [grads[n] for n in key if n in grads]
-        report = layer_health(mean[0], lam, torch.cat(gs) if gs else None)
+        report = layer_health(mean[0], lam, torch.cat(gs) if gs and g2 is None else None, spec=spec, g2=g2)
         self.reports["|".join(key)] = report
         if in_danger(report):
             return (f"{'|'.join(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "

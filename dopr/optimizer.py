@@ -36,7 +36,7 @@ from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
-from .health import HealthReports, damping_scale, direction_energy
+from .health import HealthReports, damping_scale, direction_energy, spectrum
 from .layers import find_layers
 from .options import DoPrOptions
 from .statistics import STATISTICS, statistics_dtype
@@ -302,14 +302,16 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                                   self._solver.finite_inputs, homogeneous)      # stack per size
                 if health:                                                             # on request (syncs)
                     gm = {n: h.grad_matrix() for n, h in grads.items()}
+                    spectra = {}                   # {group: (spectrum, g2)}: one eigh per group, rule and report
                     if self.options.weak_share_bound is not None:
-                        self._choose_damping(items, finite, lam, gm)
+                        spectra = self._choose_damping(items, finite, lam, gm)
                 if self._damping_scale:
                     lam = lam * torch.tensor([self._damping_scale.get(key, 1.0) for key in keys],
                                              dtype=lam.dtype).to(lam.device, non_blocking=True)
                 if health:
                     for i, (key, stat, mean) in enumerate(items):
-                        if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm)):
+                        spec, g2 = spectra.get(key, (None, None))
+                        if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm, spec, g2)):
                             self._warn_once("health", warning)
                         if key in self._damping_scale and "|".join(key) in self._health.reports:
                             self._health.reports["|".join(key)]["damping_scale"] = self._damping_scale[key]
@@ -318,20 +320,25 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out
 
-    def _choose_damping(self, items: list, finite: Tensor, lam: Tensor, gm: dict) -> None:
+    def _choose_damping(self, items: list, finite: Tensor, lam: Tensor, gm: dict) -> dict:
         """weak_share_bound: each finite dense group's factor on its lambda (dopr.health.damping_scale), from
         Sigmabar's eigen-directions and the members' raw gradients (under row sharding the ranks' energies
-        per direction are summed: every rank chooses the same factor)."""
+        per direction are summed: every rank chooses the same factor). Returns {group: (Sigmabar's spectrum,
+        the energies g2)} for the health report, which then needs no eigendecomposition of its own."""
         collective = self._sharded and is_distributed()
+        out = {}
         for i, (key, stat, mean) in enumerate(items):
             gs = [gm[n] for n in key if gm.get(n) is not None]
             if stat.kind != "dense" or not bool(finite[i]) or not (gs or collective):   # finite: agreed by all ranks
                 continue
             # a rank holding no rows of the group still joins the all-reduce, with zero energy
-            e, p, g2 = direction_energy(mean[0], torch.cat(gs) if gs else mean[0].new_zeros(0, mean[0].shape[-1]))
+            spec = spectrum(mean[0])
+            e, p, g2 = direction_energy(mean[0], torch.cat(gs) if gs else mean[0].new_zeros(0, mean[0].shape[-1]), spec)
             if collective:
                 torch.distributed.all_reduce(g2)
             self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
+            out[key] = (spec, g2)
+        return out
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded

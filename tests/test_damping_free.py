@@ -356,6 +356,26 @@ def test_the_bound_sets_each_layers_damping_and_m_is_the_damped_solve_at_it():
     assert reports[0.5]["weak_share"] <= 0.5 and reports[0.5]["damping_scale"] > 1
 
 
+def test_a_report_step_eigendecomposes_each_layer_once_for_the_rule_and_the_report(monkeypatch):
+    """The damping rule and the health report share Sigmabar's spectrum: one eigh per group on a report
+    step (two before), and the report's weak share is the one at the chosen damping."""
+    from dopr.health import layer_health
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a, *args, **kw: calls.append(tuple(a.shape)) or eigh(a, *args, **kw))
+    lin, x, y = _weak_layer()
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, health_every=1, weak_share_bound=0.5)
+    ((lin(x) - y) ** 2).mean().backward()
+    g = lin.weight.grad.clone()
+    opt.step()
+    assert calls == [(3, 3)]
+    (rep,) = opt.stats()["health"].values()
+    sigma = x.T @ x / len(x)
+    lam = rep["damping_scale"] * 1e-6 * float(sigma.trace())
+    assert rep["weak_share"] == layer_health(sigma, lam, g)["weak_share"] <= 0.5
+    opt.close()
+
+
 def test_the_chosen_scale_holds_between_reports_and_survives_a_checkpoint():
     lin, x, y = _weak_layer()
     opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=1e-3), damping=1e-6, health_every=3, weak_share_bound=0.5)
