@@ -45,6 +45,18 @@ def _train(model, opt, x, y, steps=3):
         opt.step()
 
 
+def _weak():
+    """A Linear(3, 4) whose third input carries 1e-6 of the variance but drives two targets: at damping
+    1e-6 tr(Sigma) most of M lies in that direction, so weak_share_bound raises the damping."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 3, generator=g).double() * torch.tensor([1.0, 1.0, 1e-3]).double()
+    y = torch.stack([x[:, 0] + 1e3 * x[:, 2], x[:, 1], x[:, 0] - x[:, 1], 1e3 * x[:, 2]], 1)
+    model = nn.Sequential(nn.Linear(3, 4)).double()
+    opt = lambda m: dopr.build(m, "dopr_adamw", lr=1e-2, damping=1e-6, health_every=1, weak_share_bound=0.5)
+    return model, opt, x, y
+
+
 def _worker(rank, world, init_file, out):
     from torch.distributed.fsdp import fully_shard
 
@@ -71,6 +83,12 @@ def _worker(rank, world, init_file, out):
             result[name]["grad_ema"] = {k: v["g"] for k, v in ap["grad_ema"].items()}
             result[name]["reloaded_rows_equal"] = all(
                 torch.equal(fresh._grad_ema.buffers[k]["g"], g) for k, g in mine.items())
+    model, build, xw, yw = _weak()          # weak_share_bound: the ranks add their energies per direction
+    fully_shard(model)
+    opt = build(model)
+    _train(model, opt, xw[half], yw[half])
+    result["weak"] = {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
+                      "scale": dict(opt._damping_scale), "health": opt.stats()["health"]}
     if rank == 0:
         torch.save(result, out)
     model = opt = fresh = None
@@ -105,6 +123,22 @@ def test_fsdp2_two_ranks_equal_one_process_with_the_whole_batch(sharded, name):
         for k, g in whole.items():
             torch.testing.assert_close(got["grad_ema"][k], g, rtol=1e-10, atol=1e-12)
         assert got["reloaded_rows_equal"]
+
+
+@pytest.mark.slow
+def test_fsdp2_weak_share_bound_chooses_the_damping_one_process_chooses(sharded):
+    """Each rank holds 2 of the 4 rows and half the batch; the damping factor comes from the energies of
+    the whole gradient, so the ranks choose the one process's factor and reach its parameters."""
+    model, build, x, y = _weak()
+    opt = build(model)
+    _train(model, opt, x, y)
+    got = sharded["weak"]
+    assert opt._damping_scale and all(f > 1 for f in opt._damping_scale.values())
+    assert got["scale"] == opt._damping_scale
+    ((key, rep),) = got["health"].items()
+    assert rep["weak_share"] == opt.stats()["health"][key]["weak_share"] <= 0.5
+    for p, q in zip(model.parameters(), got["params"]):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_fsdp1_and_deepspeed_zero3_are_refused_with_what_to_use():
