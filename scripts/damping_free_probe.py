@@ -48,6 +48,10 @@ VARIANTS = {
     "dopr weak share 0.5, floor 1e-6": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.5},
     "dopr weak share 0.25, floor 1e-6": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.25},
     "dopr weak share 0.5, floor 1e-4": {"damping": 1e-4, "health_every": 1, "weak_share_bound": 0.5},
+    "dopr weak share 0.35, floor 1e-6": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.35},
+    # re-chosen every 10th refresh, held between (one eigendecomposition per layer per 10 steps)
+    "dopr weak share 0.25, floor 1e-6, every 10": {"damping": 1e-6, "health_every": 10, "weak_share_bound": 0.25},
+    "dopr weak share 0.35, floor 1e-6, every 10": {"damping": 1e-6, "health_every": 10, "weak_share_bound": 0.35},
 }
 DEFAULT = list(VARIANTS)[:5]
 
