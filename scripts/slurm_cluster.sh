@@ -45,7 +45,7 @@ do_install() {
 write_conf() {
   local host cpus mem
   host=$(hostname -s)
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc honours these: a pinned shell would get a 1-CPU node
   mem=$(free -m | awk '/^Mem:/ {print $2}')
   mem=$(( mem > 2048 ? mem - 1024 : mem * 9 / 10 ))  # a bit under the total: slurmd rejects more
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"

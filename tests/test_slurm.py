@@ -43,7 +43,9 @@ SLURM_ARGS = ["launcher=slurm", "slurm.partition=debug", "slurm.cpus_per_task=1"
 def cluster(tmp_path_factory):
     """A running cluster for this module; SLURM_CONF is set for every subprocess (jobs inherit it)."""
     d = tmp_path_factory.mktemp("slurm")
-    res = subprocess.run(["bash", str(SCRIPT), "start", str(d)], capture_output=True, text=True, timeout=90)
+    # started from a shell that pins threads, as the README's runs do: the node must still get every CPU
+    res = subprocess.run(["bash", str(SCRIPT), "start", str(d)], capture_output=True, text=True, timeout=90,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     if res.returncode != 0:
         subprocess.run(["bash", str(SCRIPT), "stop", str(d)], capture_output=True, timeout=60)
         if "another slurmctld" in res.stderr:
