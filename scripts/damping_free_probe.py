@@ -59,6 +59,9 @@ VARIANTS = {
                                                        "precond_ema": 0.95},
     "dopr weak share 0.5, floor 1e-6, Sigma EMA 0.99": {"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.5,
                                                        "precond_ema": 0.99},
+    # the same, re-chosen every 10th refresh: the EMA's Sigma moves slowly, so a held factor may follow it
+    "dopr weak share 0.5, floor 1e-6, Sigma EMA 0.99, every 10": {"damping": 1e-6, "health_every": 10,
+                                                                  "weak_share_bound": 0.5, "precond_ema": 0.99},
 }
 DEFAULT = list(VARIANTS)[:5]
 
