@@ -358,3 +358,36 @@ def test_the_dopr_knobs_the_grid_held_fixed_are_recorded_and_named_in_the_verdic
     line = tuning.verdicts(tuning.protocol_tables(recs, sel, ["val"])[0], sel)[0]
     assert line.endswith("DoPr's damping 0.001 (trace), statistics EMA 0.0 (none) and gradient EMA 0.0 (none) held "
                          "fixed, not tuned.")
+
+
+def test_a_later_dopr_rule_is_selected_against_the_gp_arm_of_an_earlier_selection(tmp_path):
+    # The earlier selection tuned AdamW (6 settings) beside a damped DoPr; a damping-free DoPr rule is tuned
+    # later over the GP's own axes (lr x weight decay), 6 settings on the same seed, and takes AdamW from it.
+    earlier = tuning.select(_sft_like(), "val", accept_edge="two-value axes", fresh_seeds=[3, 4, 5])
+    tuning.write_selection(earlier, tmp_path / "earlier", "stamp")
+    path = tmp_path / "earlier" / "selection.json"
+    saved = json.loads(path.read_text())
+    rule = [_job("dopr_adamw", 0, v, lr, ("optim.weight_decay", wd), ap={"damping": 1e-6, "weak_share_bound": 0.5})
+            for (lr, wd), v in {("1e-3", "0.01"): 3.0, ("3e-3", "0.01"): 0.5, ("1e-2", "0.01"): 4.0,
+                                ("1e-3", "0.1"): 2.5, ("3e-3", "0.1"): 0.7, ("1e-2", "0.1"): 5.0}.items()]
+    with pytest.raises(ValueError, match="no GP with its DoPr variant"):
+        tuning.select(rule, "val", accept_edge="two-value axes")
+    sel = tuning.select(rule, "val", accept_edge="two-value axes", fresh_seeds=[3, 4, 5], gp_from=(str(path), saved))
+    assert sel["pairs"] == [("adamw", "dopr_adamw")]
+    gp = sel["arms"]["adamw"]
+    assert gp["winner"] == {"optim.lr": "3e-3", "optim.weight_decay": "0.1"} and gp["value"] == 1.0
+    assert gp["from_selection"] == str(path) and len(gp["trials"]) == 6
+    assert sel["arms"]["dopr_adamw"]["winner"] == {"optim.lr": "3e-3", "optim.weight_decay": "0.01"}
+    tuning.write_selection(sel, tmp_path / "out", "stamp", tmp_path / "conf", "cmd")
+    assert f"adamw: its tuning trials and winner taken from {path} (not re-run here)." in (
+        tmp_path / "out" / "selection.md").read_text()
+    assert "weak_share_bound" not in (tmp_path / "conf" / "adamw.yaml").read_text()
+    # refused: the GP tuned on other seeds, by another measure, or given twice
+    other_seed = [_job("dopr_adamw", 1, 1.0, lr, ("optim.weight_decay", wd)) for lr in ("1e-3", "3e-3")
+                  for wd in ("0.01", "0.1")]
+    with pytest.raises(ValueError, match=r"adamw in .* was tuned on seeds \[0\], dopr_adamw here on \[1\]"):
+        tuning.select(other_seed, "val", accept_edge="x", gp_from=(str(path), saved))
+    with pytest.raises(ValueError, match="selected by 'val' \\(min\\), this selection by 'val' \\(max\\)"):
+        tuning.select(rule, "val", "max", accept_edge="x", gp_from=(str(path), saved))
+    with pytest.raises(ValueError, match="adamw is both in the tuning sweeps and taken from"):
+        tuning.select(_sft_like(), "val", accept_edge="x", gp_from=(str(path), saved))

@@ -142,9 +142,13 @@ def resolved_setting(cfg) -> dict:
 
 
 def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = False,
-           accept_edge: str = None, fresh_seeds: list = None) -> dict:
+           accept_edge: str = None, fresh_seeds: list = None, gp_from: tuple = None) -> dict:
     """Each arm's best setting on the tuning seeds (see the module doc). Refused when a winner sits at
-    the edge of a numeric axis unless accept_edge gives the reason, which the selection records."""
+    the edge of a numeric axis unless accept_edge gives the reason, which the selection records.
+
+    gp_from: (path, selection) of an earlier selection whose GP arms stand in for GPs the records lack
+    (a DoPr rule tuned later against a GP whose code path has not changed): same metric, mode and tuning
+    seeds, or refused; each such arm records the file it came from."""
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if accept_edge is not None and not accept_edge.strip():
@@ -176,6 +180,8 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
         arms[arm] = {"base": base, "grid": grid, "seeds": seeds, "trials": rows, "winner": winner,
                      "value": rows[0]["value"], "at_grid_edge": edges, "unordered_axes": unordered,
                      "resolved": resolved_setting(cfg)}
+    if gp_from is not None:
+        arms.update(_earlier_gps(arms, metric, mode, *gp_from))
     pairs = [(arm.removeprefix("dopr_"), arm) for arm in arms if arm.startswith("dopr_") and arm[5:] in arms]
     if not pairs:
         raise ValueError(f"no GP with its DoPr variant among the arms {sorted(arms)}: nothing to compare")
@@ -200,6 +206,25 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
                              "protocol re-runs the winners on seeds the selection never saw")
     return {"metric": metric, "mode": mode, "seeds": seeds, "fresh_seeds": fresh_seeds, "arms": arms, "pairs": pairs,
             "accept_edge": {"reason": accept_edge, "edges": edges} if edges else None}
+
+
+def _earlier_gps(arms: dict, metric: str, mode: str, path: str, earlier: dict) -> dict:
+    """The GP arms of an earlier selection (`path`) that the DoPr arms here need and the records lack."""
+    if (earlier.get("metric"), earlier.get("mode")) != (metric, mode):
+        raise ValueError(f"{path} selected by {earlier.get('metric')!r} ({earlier.get('mode')}), this selection by "
+                         f"{metric!r} ({mode}): the GP's winner must be chosen by the same measure")
+    out = {}
+    for dopr in (a for a in arms if a.startswith("dopr_")):
+        gp = dopr.removeprefix("dopr_")
+        if gp in arms:
+            raise ValueError(f"{gp} is both in the tuning sweeps and taken from {path}: pass one")
+        if gp not in earlier.get("arms", {}):
+            continue
+        if earlier["arms"][gp]["seeds"] != arms[dopr]["seeds"]:
+            raise ValueError(f"{gp} in {path} was tuned on seeds {earlier['arms'][gp]['seeds']}, {dopr} here on "
+                             f"{arms[dopr]['seeds']}: the protocol tunes both arms on the same seeds")
+        out[gp] = {**earlier["arms"][gp], "from_selection": str(path)}
+    return out
 
 
 def dopr_knobs(arm: dict) -> tuple:
@@ -334,6 +359,8 @@ def selection_notes(selection: dict) -> list:
     else:
         lines.append("No winner at the edge of a numeric axis.")
     for arm, a in selection["arms"].items():
+        if a.get("from_selection"):
+            lines.append(f"{arm}: its tuning trials and winner taken from {a['from_selection']} (not re-run here).")
         if a.get("unordered_axes"):
             lines.append(f"{arm}: {', '.join(k.lstrip('+') for k in a['unordered_axes'])} unordered (no edge to flag)")
     for gp, dopr in selection["pairs"]:
@@ -525,6 +552,9 @@ def main(argv=None) -> None:
     p.add_argument("--accept-edge", metavar="REASON",
                    help="select: write the presets although a winner sits at a grid edge; the reason is recorded")
     p.add_argument("--seeds", help="select: the fresh seeds, fixed now (default: the protocol sweep's seed), e.g. 3,4,5")
+    p.add_argument("--gp-from", metavar="SELECTION_JSON",
+                   help="select: take GP arms the sweeps lack from this earlier selection.json (a DoPr rule tuned "
+                        "later against an unchanged GP); recorded per arm")
     args = p.parse_args(argv)
     records = load_records(args.sweeps)
     if not records:
@@ -541,8 +571,13 @@ def main(argv=None) -> None:
             if seeds is None:
                 raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5) or --configs conf/tuned/<group> "
                                  "of a protocol sweep that sets seed")
+            gp_from = None
+            if args.gp_from:
+                if not Path(args.gp_from).is_file():
+                    raise ValueError(f"--gp-from {args.gp_from}: no such selection.json")
+                gp_from = (args.gp_from, json.loads(Path(args.gp_from).read_text()))
             sel = select(records, args.metric or task["metric"], args.mode or task["mode"], args.allow_unequal,
-                         args.accept_edge, seeds)
+                         args.accept_edge, seeds, gp_from)
             sel["fresh_seeds_from"] = source
             write_selection(sel, out, stamp, Path(args.configs) if args.configs else None, command)
             for arm, a in sel["arms"].items():
