@@ -382,6 +382,10 @@ def test_a_later_dopr_rule_is_selected_against_the_gp_arm_of_an_earlier_selectio
     assert f"adamw: its tuning trials and winner taken from {path} (not re-run here)." in (
         tmp_path / "out" / "selection.md").read_text()
     assert "weak_share_bound" not in (tmp_path / "conf" / "adamw.yaml").read_text()
+    assert tuning.describe_knobs(sel["arms"]["dopr_adamw"]).startswith(
+        "DoPr's damping set by the health report (weak share <= 0.5, every (value not recorded) steps, floor 1e-06 "
+        "(trace)), statistics EMA 0.0 (none) and gradient EMA 0.0 (none) held fixed")
+    assert "weak-share" not in tuning.describe_knobs(earlier["arms"]["dopr_adamw"])   # a damped arm: no such knob
     # refused: the GP tuned on other seeds, by another measure, or given twice
     other_seed = [_job("dopr_adamw", 1, 1.0, lr, ("optim.weight_decay", wd)) for lr in ("1e-3", "3e-3")
                   for wd in ("0.01", "0.1")]

@@ -95,7 +95,8 @@ def _score(value, mode: str) -> float:
 
 #: DoPr's own knobs (conf/ap/) a tune grid may sweep or hold fixed, as the verdict names them
 DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.precond_ema": "statistics EMA",
-              "ap.grad_ema": "gradient EMA", "ap.solver": "solver", "ap.span_cap": "span cap"}
+              "ap.grad_ema": "gradient EMA", "ap.solver": "solver", "ap.span_cap": "span cap",
+              "ap.weak_share_bound": "weak-share bound", "ap.health_every": "health report interval"}
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
 AT_GP = "_at_gp_setting"
 # resolved-config keys that differ between two arms without being part of what they trained
@@ -234,9 +235,11 @@ def dopr_knobs(arm: dict) -> tuple:
     given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
     resolved = arm.get("resolved") or {}
     fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
-    for k in ("ap.solver", "ap.span_cap"):   # absent from configs older than the span solver: not recorded
+    for k in ("ap.solver", "ap.span_cap", "ap.weak_share_bound"):   # absent from older configs: not recorded
         if fixed.get(k) is None:
             fixed.pop(k, None)
+    if "ap.weak_share_bound" not in fixed:   # the health report's interval is a DoPr knob only under that rule
+        fixed.pop("ap.health_every", None)
     return fixed, [k for k in DOPR_KNOBS if k in swept]
 
 
@@ -254,6 +257,11 @@ def describe_knobs(arm: dict) -> str:
         parts.append(f"solver span (no damping), span cap {say('ap.span_cap', cap)}")
     elif solver not in (None, "cholesky"):
         parts.append(f"solver {solver}")
+    bound, every = fixed.pop("ap.weak_share_bound", None), fixed.pop("ap.health_every", None)
+    if bound is not None:   # the damping is only the floor the health report raises (dopr/health.py)
+        mode = fixed.pop("ap.damping_mode", None)
+        parts.append(f"damping set by the health report (weak share <= {bound}, every {say('', every)} steps, "
+                     f"floor {say('ap.damping', fixed.pop('ap.damping', None))}" + (f" ({mode}))" if mode else ")"))
     if "ap.damping" in fixed:
         mode = fixed.pop("ap.damping_mode", None)
         parts.append(f"damping {say('ap.damping', fixed.pop('ap.damping'))}" + (f" ({mode})" if mode else ""))
