@@ -208,7 +208,8 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               "feature_learning_protocol_muon_wide": "feature_learning",
               # issue 48's damping-free protocol (results/damping_free/)
               **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)},
-              **{f"feature_learning_weak{b}": "feature_learning" for b in ("50", "25", "50_every10", "50_ema99")}}
+              **{f"feature_learning_weak{b}": "feature_learning" for b in ("50", "25", "50_every10", "50_ema99")},
+              "sft_arith_weak50": "sft_arith"}
 
 
 def _values(spec, key: str = "") -> list:
