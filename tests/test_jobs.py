@@ -122,6 +122,19 @@ def test_the_sweep_summary_counts_every_job_and_names_the_report(compose, tmp_pa
         "multirun/x/rehearsal.md"
 
 
+def test_the_sweep_summary_counts_the_jobs_of_a_glob_over_the_tuned_presets(compose):
+    """The protocol sweeps launch `+tuned/<group>: glob(*)`: counting their jobs needs the group's
+    listing (before, the summary raised "ConfigLoader is not set" and no line was printed)."""
+    from experiments.common.callbacks import sweep_jobs
+
+    sweep = compose("sweep=sit_mnist_protocol", hydra_config=True)
+    jobs = sweep_jobs(sweep)
+    presets = sorted(p.stem for p in (ROOT / "conf" / "tuned" / "sit_mnist_protocol").glob("*.yaml"))
+    assert len(jobs) == 3 * len(presets)   # seeds 3, 4, 5 x every preset the selection wrote
+    assert sorted({o for job in jobs for o in job if o.startswith("+tuned/")}) == \
+        [f"+tuned/sit_mnist_protocol={p}" for p in presets]
+
+
 def _run_py(*args, timeout=300):
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout)

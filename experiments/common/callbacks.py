@@ -24,6 +24,20 @@ class RemoveSubmititTemplateFolder(Callback):
             template.rmdir()
 
 
+def _config_loader(config: DictConfig):
+    """The running Hydra's config loader, else one over the config sources the job config records."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return GlobalHydra.instance().config_loader()
+    search_path = create_config_search_path(None)
+    for source in OmegaConf.select(config, "hydra.runtime.config_sources", default=None) or []:
+        search_path.append(source.provider, f"{source.schema}://{source.path}")
+    return ConfigLoaderImpl(config_search_path=search_path)
+
+
 def sweep_jobs(config: DictConfig) -> list:
     """The override lists of the sweep's jobs, as Hydra's basic sweeper makes them (its params first,
     then the command line's)."""
@@ -32,7 +46,8 @@ def sweep_jobs(config: DictConfig) -> list:
 
     params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
     overrides = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    # a glob(*) over a config group (the protocol sweeps' tuned presets) lists the group: needs a loader
+    parsed = OverridesParser.create(config_loader=_config_loader(config)).parse_overrides(overrides)
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
