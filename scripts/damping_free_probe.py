@@ -9,7 +9,10 @@ each variant: batch 64, lr 1e-3, no weight EMA), DoPr-AdamW under
 and AdamW alone. Prints a Markdown table: the mean training loss of the last window (median over seeds,
 and the seeds' range) and the wall time per step.
 
-    python scripts/damping_free_probe.py [--steps 600] [--seeds 0] [--threads 1] [--out FILE]
+    python scripts/damping_free_probe.py [--steps 600] [--seeds 0] [--threads 1] [--model digits] [--out FILE]
+
+``--model mnist`` probes task=sit_mnist's model and data instead (the 5000 28x28 digits, patch 4: 49 tokens an
+image), the same batch and rate.
 
 Each finished (variant, seed) is kept in <out>.json when --out is given; a rerun skips them.
 """
@@ -66,6 +69,11 @@ VARIANTS = {
 DEFAULT = list(VARIANTS)[:5]
 
 
+def run_key(name: str, seed: int, args) -> str:
+    """A run's key in the cache (the digits' keys carry no model, as before --model existed)."""
+    return f"{name} | seed {seed} | steps {args.steps}" + ("" if args.model == "digits" else f" | {args.model}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=600)
@@ -73,6 +81,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--window", type=int, default=150, help="steps per loss window; the last one is reported")
     p.add_argument("--variants", nargs="+", default=DEFAULT, choices=list(VARIANTS))
+    p.add_argument("--model", choices=("digits", "mnist"), default="digits", help="the task whose model and data")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -81,24 +90,24 @@ def main(argv=None) -> None:
     last = str(args.steps - args.steps % args.window)
     for name in args.variants:
         for seed in args.seeds:
-            key = f"{name} | seed {seed} | steps {args.steps}"
+            key = run_key(name, seed, args)
             if key in cache:
                 continue
             tic = time.perf_counter()
-            curve = probe(VARIANTS[name], None, seed, args.steps, every=args.window)
+            curve = probe(VARIANTS[name], None, seed, args.steps, model_name=args.model, every=args.window)
             cache[key] = {"curve": curve, "step_s": (time.perf_counter() - tic) / args.steps}
             print(key, {k: round(v, 3) for k, v in curve.items()}, f"{cache[key]['step_s']:.3f} s/step",
                   file=sys.stderr, flush=True)
             if cache_path:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
     lines = [f"`python scripts/damping_free_probe.py {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_digits' model "
+             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_{args.model}' model "
              f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
              f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "
              "step (data, forward, backward, AP, GP), median over seeds.", "",
              "| rule | final train loss | seed range | step time (s) |", "|---|---|---|---|"]
     for name in args.variants:
-        runs = [cache[f"{name} | seed {s} | steps {args.steps}"] for s in args.seeds]
+        runs = [cache[run_key(name, s, args)] for s in args.seeds]
         losses = [r["curve"][last] for r in runs]
         lines.append(f"| {name} | {statistics.median(losses):.3f} | {min(losses):.3f}-{max(losses):.3f} | "
                      f"{statistics.median(r['step_s'] for r in runs):.3f} |")

