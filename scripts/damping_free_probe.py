@@ -71,7 +71,8 @@ DEFAULT = list(VARIANTS)[:5]
 
 def run_key(name: str, seed: int, args) -> str:
     """A run's key in the cache (the digits' keys carry no model, as before --model existed)."""
-    return f"{name} | seed {seed} | steps {args.steps}" + ("" if args.model == "digits" else f" | {args.model}")
+    return (f"{name} | seed {seed} | steps {args.steps}" + ("" if args.model == "digits" else f" | {args.model}")
+            + ("" if args.device == "cpu" else f" | {args.device}"))
 
 
 def main(argv=None) -> None:
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=150, help="steps per loss window; the last one is reported")
     p.add_argument("--variants", nargs="+", default=DEFAULT, choices=list(VARIANTS))
     p.add_argument("--model", choices=("digits", "mnist"), default="digits", help="the task whose model and data")
+    p.add_argument("--device", default="cpu", help="where to train (the cache keys name a device other than cpu)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -94,14 +96,15 @@ def main(argv=None) -> None:
             if key in cache:
                 continue
             tic = time.perf_counter()
-            curve = probe(VARIANTS[name], None, seed, args.steps, model_name=args.model, every=args.window)
+            curve = probe(VARIANTS[name], None, seed, args.steps, model_name=args.model, every=args.window,
+                          device=args.device)
             cache[key] = {"curve": curve, "step_s": (time.perf_counter() - tic) / args.steps}
             print(key, {k: round(v, 3) for k, v in curve.items()}, f"{cache[key]['step_s']:.3f} s/step",
                   file=sys.stderr, flush=True)
             if cache_path:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
     lines = [f"`python scripts/damping_free_probe.py {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); task=sit_{args.model}' model "
+             f"commit {git_revision()}, torch {torch.__version__}, device {args.device}, {args.threads} thread(s); task=sit_{args.model}' model "
              f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
              f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "
              "step (data, forward, backward, AP, GP), median over seeds.", "",

@@ -68,15 +68,19 @@ def data_and_model(model: str):
 
 
 def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3, model_name: str = "digits", batch: int = 64,
-          every: int = 150) -> dict:
+          every: int = 150, device: str = "cpu") -> dict:
+    """The mean training loss per `every`-step window. On the CPU one generator draws the batches and the
+    noise; on another device the noise comes from that device's generator (same seed)."""
     torch.manual_seed(seed)
     x, y, model = data_and_model(model_name)
+    x, y, model = x.to(device), y.to(device), model.to(device)
     opt = dopr.build(model, "adamw" if options is None else "dopr_adamw", lr=lr, weight_decay=0.0, **(options or {}))
     transport, gen = Transport("linear"), torch.Generator().manual_seed(seed)
+    noise = gen if device == "cpu" else torch.Generator(device=device).manual_seed(seed)
     window, curve = [], {}
     for step in range(1, steps + 1):
-        idx = torch.randint(len(y), (batch,), generator=gen)
-        loss = transport.loss(model, x[idx], y[idx], gen)
+        idx = torch.randint(len(y), (batch,), generator=gen).to(device)
+        loss = transport.loss(model, x[idx], y[idx], noise)
         loss.backward()
         if clip_g:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_g)
