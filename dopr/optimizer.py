@@ -77,7 +77,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     #: the counters of :meth:`stats` (ints, 0 until counted); a job's summary.json sums them over its
     #: DoPr optimizers (experiments/common/run.py). "steps" is the AP step counter itself.
     COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries",
-                "unreliable_factors", "eigh_fallbacks", "nonfinite_skips")
+                "unreliable_factors", "eigh_fallbacks", "nonfinite_skips", "damping_choices", "damping_raises")
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
                  options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
@@ -337,6 +337,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             if collective:
                 torch.distributed.all_reduce(g2)
             self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
+            self._counts["damping_choices"] += 1                        # did the bound ever bind: raises / choices
+            self._counts["damping_raises"] += int(self._damping_scale[key] > 1.0)
             out[key] = (spec, g2)
         return out
 

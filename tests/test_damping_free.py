@@ -415,3 +415,37 @@ def test_the_bc_table_keeps_each_rules_settings_apart():
     assert bc.rule(["ap.weak_share_bound=0.5"])[0] < bc.rule(["ap.weak_share_bound=0.5", "ap.precond_ema=0.99"])[0]
     with pytest.raises(SystemExit, match="none of ap.span_cap, ap.weak_share_bound, ap.precond_ema"):
         bc.rule(["seed=0", "ap.damping=1e-3"])
+
+
+def test_the_counters_say_whether_the_bound_raised_lambda_and_the_summary_keeps_the_reports():
+    """damping_choices counts the rule's choices (one per group per report), damping_raises those with a
+    factor over 1; a suite run's summary.json (experiments.common.run.optimizer_record) keeps the last
+    reports in a few numbers. The weak layer needs a raise at every report; without the bound nothing is
+    chosen."""
+    pytest.importorskip("omegaconf")
+    from omegaconf import OmegaConf
+
+    from experiments.common.run import optimizer_record
+    cfg = OmegaConf.create({"optim": {"name": "dopr_sgd"}, "ap": {"damping_mode": "trace"}})
+    records = {}
+    for bound in (None, 0.5):
+        lin, x, y = _weak_layer()
+        opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=1e-3), damping=1e-6, health_every=1,
+                   weak_share_bound=bound)
+        for _ in range(3):
+            opt.zero_grad()
+            ((lin(x) - y) ** 2).mean().backward()
+            opt.step()
+        stats = opt.stats()
+        (rep,) = stats["health"].values()
+        records[bound] = (stats["damping_choices"], stats["damping_raises"], optimizer_record(cfg, [opt]), rep)
+        opt.close()
+    assert records[None][:2] == (0, 0)
+    choices, raises, record, rep = records[0.5]
+    assert choices == raises == 3
+    assert record["dopr"]["damping_choices"] == 3 and record["dopr"]["damping_raises"] == 3
+    assert record["dopr_health"] == {"groups": 1, "weak_share_median": rep["weak_share"],
+                                     "weak_share_max": rep["weak_share"], "damping_scale_median": rep["damping_scale"],
+                                     "damping_scale_max": rep["damping_scale"], "damping_raised_groups": 1}
+    assert rep["weak_share"] <= 0.5 < records[None][3]["weak_share"]
+    assert "damping_scale_median" not in records[None][2]["dopr_health"]

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import random
+import statistics
 from pathlib import Path
 from typing import Any, Optional
 
@@ -236,6 +237,26 @@ def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:
     stats = [o.stats() for o in optimizers if isinstance(o, dopr.DoPr)]
     if stats:
         out["dopr"] = {k: sum(int(s[k]) for s in stats) for k in DOPR_COUNTERS}
+        health = health_record([r for s in stats for r in s.get("health", {}).values()])
+        if health:
+            out["dopr_health"] = health
+    return out
+
+
+def health_record(reports: list) -> dict:
+    """The last health report of every group (ap.health_every > 0), in a few numbers: how many groups, the
+    median and largest share of M in weak directions, and, under ap.weak_share_bound, the median and
+    largest factor on lambda and how many groups it raised ({} without reports)."""
+    if not reports:
+        return {}
+    out = {"groups": len(reports)}
+    shares = [r["weak_share"] for r in reports if r.get("weak_share") is not None]
+    if shares:
+        out.update(weak_share_median=statistics.median(shares), weak_share_max=max(shares))
+    scales = [r["damping_scale"] for r in reports if "damping_scale" in r]
+    if scales:
+        out.update(damping_scale_median=statistics.median(scales), damping_scale_max=max(scales),
+                   damping_raised_groups=sum(f > 1.0 for f in scales))
     return out
 
 
