@@ -8,6 +8,8 @@ by the rule, so this table reads it from there rather than re-running it.
         --tune multirun/damping_free/sit_digits_tune_span_cap3 \
         --fresh multirun/damping_free/sit_digits_protocol_span_cap3 \
         --committed results/sit_digits/protocol [--out results/damping_free/sit_digits_cap3.md]
+
+--tune and --fresh take several folders (a sweep run in lanes), pooled; a learning rate tuned twice is refused.
 """
 from __future__ import annotations
 
@@ -26,10 +28,14 @@ from experiments.common.provenance import emit_report, git_revision  # noqa: E40
 METRICS = ("quality", "best_quality", "train_loss")
 
 
-def _runs(sweep: str) -> list:
-    runs = [json.loads(p.read_text()) for p in sorted(Path(sweep).glob("*/summary.json"))]
-    if not runs:
-        raise SystemExit(f"no */summary.json under {sweep}")
+def _runs(sweeps: list) -> list:
+    """The runs of one or more sweep folders (e.g. a tune split into lanes by learning rate), pooled."""
+    runs = []
+    for sweep in sweeps:
+        found = [json.loads(p.read_text()) for p in sorted(Path(sweep).glob("*/summary.json"))]
+        if not found:
+            raise SystemExit(f"no */summary.json under {sweep}")
+        runs += found
     return runs
 
 
@@ -51,8 +57,8 @@ def _spread(values: list) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rule", required=True, help="the rule's name in the table, e.g. 'span cap 3'")
-    p.add_argument("--tune", required=True, help="the rule's tuning sweep (seed 0, the learning-rate grid)")
-    p.add_argument("--fresh", required=True, help="the rule's fresh-seed sweep at its chosen rate")
+    p.add_argument("--tune", required=True, nargs="+", help="the rule's tuning sweep(s) (seed 0, the learning-rate grid)")
+    p.add_argument("--fresh", required=True, nargs="+", help="the rule's fresh-seed sweep(s) at its chosen rate")
     p.add_argument("--committed", required=True, help="the committed protocol folder (selection.json, protocol.csv)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -62,6 +68,9 @@ def main(argv=None) -> None:
     if {s["seed"] for s in tune} != set(selection["seeds"]):
         raise SystemExit(f"the rule's tune ran seeds {sorted({s['seed'] for s in tune})}, the committed "
                          f"protocol tuned on {selection['seeds']}")
+    twice = sorted({_lr(s) for s in tune if [_lr(t) for t in tune].count(_lr(s)) > 1})
+    if twice:
+        raise SystemExit(f"the rule's tune ran lr {twice} more than once (overlapping lanes?): one run per rate")
     pick = min if mode == "min" else max
     chosen = pick(tune, key=lambda s: s[metric])
     fresh = _runs(args.fresh)
@@ -74,7 +83,8 @@ def main(argv=None) -> None:
     seeds = sorted(s["seed"] for s in fresh)
     if set(seeds) & set(selection["seeds"]):
         raise SystemExit(f"fresh seeds {seeds} overlap the tuning seeds {selection['seeds']}")
-    lines = [f"`python scripts/damping_free_sit_digits.py --rule '{args.rule}' --tune {args.tune} --fresh {args.fresh} "
+    lines = [f"`python scripts/damping_free_sit_digits.py --rule '{args.rule}' --tune {' '.join(args.tune)} "
+             f"--fresh {' '.join(args.fresh)} "
              f"--committed {args.committed}`", "",
              f"commit {git_revision()}; {metric} ({mode}) on tuning seeds {selection['seeds']}, the rule's rate chosen "
              f"by it; fresh seeds {seeds}: median [min-max], mean ± standard error. The adamw and dopr_adamw rows "

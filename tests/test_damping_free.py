@@ -276,6 +276,16 @@ def test_the_sit_digits_table_picks_the_rules_rate_on_the_tuning_seed_and_refuse
     _sit_digits_runs(tmp_path / "wrong_rate", [(3e-3, 3.0)], [3])
     _sit_digits_runs(tmp_path / "tuning_seed", [(1e-3, 3.0)], [0])
     _sit_digits_runs(tmp_path / "other_rule", [(1e-3, 3.0)], [3], overrides=("ap.solver=span", "ap.span_cap=10"))
+    # a tune run in two lanes (folders) is pooled; the same rate in both is refused
+    _sit_digits_runs(tmp_path / "lane_a", [(3e-4, 7.5), (1e-3, 5.2)], [0, 0])
+    _sit_digits_runs(tmp_path / "lane_b", [(3e-3, 8.2)], [0])
+    pooled = tmp_path / "pooled.md"
+    main(["--rule", "span cap 3", "--tune", str(tmp_path / "lane_a"), str(tmp_path / "lane_b"), "--committed",
+          str(committed), "--out", str(pooled), "--fresh", str(tmp_path / "fresh")])
+    assert pooled.read_text().split("\n", 1)[1] == text.split("\n", 1)[1]     # all but the command line
+    with pytest.raises(SystemExit, match=re.escape("ran lr [0.0003, 0.001] more than once")):
+        main(["--rule", "span cap 3", "--tune", str(tmp_path / "lane_a"), str(tmp_path / "tune"), "--committed",
+              str(committed), "--fresh", str(tmp_path / "fresh")])
     for folder, message in (("wrong_rate", "ran lr [0.003], the tune chose 0.001"),
                             ("tuning_seed", "fresh seeds [0] overlap the tuning seeds [0]"),
                             ("other_rule", "different DoPr overrides")):
