@@ -102,6 +102,47 @@ def damping_scale(e: Tensor, p: Tensor, g2: Tensor, lam, bound: float, max_doubl
     return float(f[ok[0, 0]]) if ok.numel() else float(f[-1])
 
 
+def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: float,
+                           max_doublings: int = MAX_DOUBLINGS, reduce=None) -> Tensor:
+    """``weak_share_estimate="filter"``: :func:`damping_scale` without an eigendecomposition or a host sync,
+    for a batch of B same-size covariances ``sigma`` (B, d, d), the members' gradients ``grads`` (B, r, d),
+    zero rows padding the shorter ones, and their floors ``lam`` (B,). Returns the factors (B,) on the device.
+
+    The weak share's indicator [e_i < tau], tau = WEAK_VARIANCE tr(Sigma), is replaced by the rational filter
+    (tau / (e_i + tau))^2: the soft share of f is ||tau M (Sigma + tau I)^-1||^2 / ||M||^2 with
+    M = G (Sigma + f lam I)^-1, i.e. sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2,
+    phi_i = tau^2 (e_i + tau)^-2. Raising f moves the weights w towards the larger e_i, where phi is smaller,
+    so the soft share falls monotonically in f and a bisection over j = 0..max_doublings finds the smallest
+    f = 2^j meeting the bound in ceil(log2(max_doublings + 1)) batched Cholesky factorisations (float64),
+    plus one of Sigma + tau I. On a spectrum with a gap around tau the two shares agree: a direction at
+    e <= tau/100 counts at least (100/101)^2 = 0.98 of its energy, one at e >= 100 tau at most 1/101^2.
+    Where even 2^max_doublings misses the bound, that factor; 1 where G, lam or Sigma is zero.
+    ``reduce``: sums the (B, 2) energies over ranks (row sharding), so that every rank chooses the same."""
+    s, g, lam = sigma.double(), grads.double(), lam.to(device=sigma.device, dtype=torch.float64)
+    eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
+    tau = WEAK_VARIANCE * s.diagonal(dim1=-2, dim2=-1).sum(-1)                 # (B,)
+    usable = (tau > 0) & (lam > 0)
+    tau_safe = torch.where(usable, tau, torch.ones_like(tau))
+    lb, _ = torch.linalg.cholesky_ex(s + tau_safe[:, None, None] * eye)
+    gt = g.transpose(-1, -2)                                                   # M^T = A^-1 G^T
+    lo = torch.full_like(lam, -1.0)                                            # not ok (by convention)
+    hi = torch.full_like(lam, float(max_doublings))                            # ok, or the largest tried
+    for _ in range(max(max_doublings, 1).bit_length()):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        la, info = torch.linalg.cholesky_ex(s + (lam * torch.pow(2.0, mid))[:, None, None] * eye)
+        x = torch.cholesky_solve(gt, la)
+        y = torch.cholesky_solve(x, lb) * tau_safe[:, None, None]
+        energy = torch.stack([x.square().sum((-2, -1)), y.square().sum((-2, -1))], -1)
+        if reduce is not None:
+            energy = reduce(energy)
+        share = torch.where(energy[:, 0] > 0, energy[:, 1] / energy[:, 0].clamp_min(1e-300), torch.zeros_like(lam))
+        ok = (share <= bound) & (info == 0)                                    # a failed factor: raise lambda
+        step = hi - lo > 1
+        hi = torch.where(step & ok, mid, hi)
+        lo = torch.where(step & ~ok, mid, lo)
+    return torch.where(usable, torch.pow(2.0, hi), torch.ones_like(hi))
+
+
 def in_danger(report: dict) -> bool:
     return report.get("weak_share") is not None and report["weak_share"] > WEAK_SHARE_WARNING
 

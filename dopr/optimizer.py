@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,7 @@ from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
-from .health import HealthReports, damping_scale, direction_energy, spectrum
+from .health import HealthReports, damping_scale, direction_energy, filtered_damping_scale, spectrum
 from .layers import find_layers
 from .options import DoPrOptions
 from .statistics import STATISTICS, statistics_dtype
@@ -116,6 +116,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
         self._damping_scale: dict = {}   # weak_share_bound: {group key: the factor on its lambda} (dopr/health.py)
+        self._filter_tally: Optional[Tensor] = None   # weak_share_estimate="filter": [choices, raises], on the device
         self._no_forward: list = []
         self._empty: set = set()
         self._warned: set = set()
@@ -291,6 +292,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
             batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
         health = self._health.due(self._counts["refreshes"])
+        filtering = self.options.weak_share_bound is not None and self.options.weak_share_estimate == "filter"
         out = []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
                  if self.options.damping_mode == "trace_activations" else None)
@@ -300,21 +302,27 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
                 batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one
                                                   self._solver.finite_inputs, homogeneous)      # stack per size
+                filtered = None
+                if filtering and kind.kind == "dense":          # every refresh, batched, no host sync
+                    filtered = self._filter_damping(keys, batch, lam, finite, grads)
+                    lam = lam * filtered
                 if health:                                                             # on request (syncs)
                     gm = {n: h.grad_matrix() for n, h in grads.items()}
                     spectra = {}                   # {group: (spectrum, g2)}: one eigh per group, rule and report
-                    if self.options.weak_share_bound is not None:
+                    if self.options.weak_share_bound is not None and not filtering:
                         spectra = self._choose_damping(items, finite, lam, gm)
                 if self._damping_scale:
                     lam = lam * torch.tensor([self._damping_scale.get(key, 1.0) for key in keys],
                                              dtype=lam.dtype).to(lam.device, non_blocking=True)
                 if health:
+                    scales = ({key: float(f) for key, f in zip(keys, filtered.tolist())} if filtered is not None
+                              else self._damping_scale)
                     for i, (key, stat, mean) in enumerate(items):
                         spec, g2 = spectra.get(key, (None, None))
                         if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm, spec, g2)):
                             self._warn_once("health", warning)
-                        if key in self._damping_scale and "|".join(key) in self._health.reports:
-                            self._health.reports["|".join(key)]["damping_scale"] = self._damping_scale[key]
+                        if key in scales and "|".join(key) in self._health.reports:
+                            self._health.reports["|".join(key)]["damping_scale"] = scales[key]
                 out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
         self._counts["refreshes"] += 1
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
@@ -341,6 +349,39 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._counts["damping_raises"] += int(self._damping_scale[key] > 1.0)
             out[key] = (spec, g2)
         return out
+
+    def _filter_damping(self, keys: tuple, sigma: Tensor, lam: Tensor, finite: Tensor, grads: dict) -> Tensor:
+        """weak_share_estimate="filter": the factors (B,) on a batch's lambda (dopr.health.filtered_damping_scale),
+        from the stacked Sigmabar and the members' raw gradients, zero rows padding each group to the longest;
+        1 for a non-finite member. Under row sharding the ranks' energies are summed. Tallies choices and raises
+        on the device (read back by stats() and the state dict)."""
+        collective = self._sharded and is_distributed()
+        blocks = [[g for n in key if (g := grads[n].grad_matrix() if n in grads else None) is not None] for key in keys]
+        rows = max((sum(g.shape[0] for g in gs) for gs in blocks), default=0)
+        stacked = sigma.new_zeros(len(keys), rows, sigma.shape[-1], dtype=torch.float64)
+        for i, gs in enumerate(blocks):
+            if gs:
+                g = torch.cat(gs) if len(gs) > 1 else gs[0]
+                stacked[i, :g.shape[0]] = g
+
+        def reduce(energy):
+            torch.distributed.all_reduce(energy)
+            return energy
+
+        f = filtered_damping_scale(sigma, stacked, lam, self.options.weak_share_bound,
+                                   reduce=reduce if collective else None)
+        f = torch.where(finite, f, torch.ones_like(f)).to(lam.dtype)
+        tally = torch.stack([finite.sum(), (finite & (f > 1)).sum()])
+        self._filter_tally = tally if self._filter_tally is None else self._filter_tally + tally
+        return f
+
+    def _flush_tally(self) -> None:
+        """Adds the filter rule's device tally of choices and raises to the counters (one read-back)."""
+        if self._filter_tally is not None:
+            choices, raises = self._filter_tally.tolist()
+            self._counts["damping_choices"] += int(choices)
+            self._counts["damping_raises"] += int(raises)
+            self._filter_tally = None
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
@@ -451,6 +492,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def stats(self) -> dict:
         """The :attr:`COUNTERS`, and the layers with no forward / no samples on the last step (and the
         health reports, once made)."""
+        self._flush_tally()
         out = {k: 0 for k in self.COUNTERS}
         out.update(self._counts, steps=self._step)
         out["no_forward"] = list(self._no_forward)
@@ -490,6 +532,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
         add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
         both)."""
+        self._flush_tally()
         return {
             "step": self._step,
             "warmed": self._warmed,
@@ -543,6 +586,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
         self.__dict__.setdefault("_damping_scale", {})
+        self.__dict__.setdefault("_filter_tally", None)
         self.__dict__.setdefault("_empty", set())
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)

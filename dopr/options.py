@@ -22,6 +22,8 @@ from . import solvers
 DAMPING_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
 CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
+#: how weak_share_bound measures the weak share (dopr/health.py)
+WEAK_SHARE_ESTIMATES = ("spectrum", "filter")
 
 Schedule = Callable[[int], float]
 
@@ -117,6 +119,12 @@ class DoPrOptions:
         "in directions carrying under 1e-4 of its input variance (dopr.health.damping_scale), held until the "
         "next; damping then sets the floor; None: off",
         lambda v: v is None or (_number(v) and 0.0 < v < 1.0), "must be in (0, 1) or None")
+    weak_share_estimate: str = _option(
+        "spectrum", "how weak_share_bound measures the share: spectrum (one float64 eigendecomposition per layer, on "
+        "the health report's refreshes) or filter (batched Cholesky solves with the soft indicator "
+        "(tau / (e + tau))^2, no eigendecomposition and no host sync, on every refresh; "
+        "dopr.health.filtered_damping_scale)",
+        lambda v: v in WEAK_SHARE_ESTIMATES, f"choose from {WEAK_SHARE_ESTIMATES}", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
@@ -132,10 +140,10 @@ class DoPrOptions:
             value = getattr(self, f.name)
             if not (f.metadata["scheduled"] and callable(value)):
                 check(f, value)
-        if self.weak_share_bound is not None and self.health_every == 0:
+        if self.weak_share_bound is not None and self.health_every == 0 and self.weak_share_estimate == "spectrum":
             raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
                              "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
-                             "refreshes)")
+                             "refreshes), or weak_share_estimate='filter', which chooses on every refresh")
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -55,6 +55,11 @@ VARIANTS = {
     # re-chosen every 10th refresh, held between (one eigendecomposition per layer per 10 steps)
     "dopr weak share 0.25, floor 1e-6, every 10": {"damping": 1e-6, "health_every": 10, "weak_share_bound": 0.25},
     "dopr weak share 0.35, floor 1e-6, every 10": {"damping": 1e-6, "health_every": 10, "weak_share_bound": 0.35},
+    # the same share measured by the rational filter (no eigendecomposition), chosen on every refresh
+    "dopr weak share 0.25 (filter), floor 1e-6": {"damping": 1e-6, "weak_share_bound": 0.25,
+                                                  "weak_share_estimate": "filter"},
+    "dopr weak share 0.5 (filter), floor 1e-6": {"damping": 1e-6, "weak_share_bound": 0.5,
+                                                 "weak_share_estimate": "filter"},
     # statistics over time (direction 4): a bias-corrected EMA of Sigma, alone and under the bound
     "dopr 1e-4 trace, Sigma EMA 0.95": {"damping": 1e-4, "precond_ema": 0.95},
     "dopr 1e-4 trace, Sigma EMA 0.99": {"damping": 1e-4, "precond_ema": 0.99},

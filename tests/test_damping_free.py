@@ -479,3 +479,149 @@ def test_the_probe_trains_the_tasks_own_model_on_its_data(compose, task):
     x_task, y_task = PIXEL_DATA[t.data]()
     assert torch.equal(x, x_task) and torch.equal(y, y_task)
     assert x.shape[-1] == int(t.input_size)
+
+
+# ------------------------------------------------------------------ weak share by a rational filter (no eigh)
+def _soft_shares(e, u, g, lam, max_doublings=20):
+    """The filter's soft share at each f = 2^j, j = 0..max_doublings, from the eigen-directions (float64):
+    sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2, phi_i = (tau / (e_i + tau))^2."""
+    from dopr.health import WEAK_VARIANCE
+    tau = WEAK_VARIANCE * float(e.sum())
+    g2 = (g @ u).square().sum(0)
+    phi = (tau / (e + tau)).square()
+    f = 2.0 ** torch.arange(max_doublings + 1, dtype=torch.float64)
+    w = g2 / (e + lam * f[:, None]).square()
+    return (w * phi).sum(1) / w.sum(1)
+
+
+SPREAD = [[1e-9, 3e-7, 1e-2, 0.3, 1.0, 2.0], [1e-8, 1e-6, 0.05, 0.5, 1.0, 1.5], [2e-9, 5e-8, 1e-3, 0.2, 0.7, 3.0]]
+GAPPED = [[1e-9, 3e-7, 0.05, 0.3, 1.0, 2.0], [1e-8, 1e-6, 0.05, 0.5, 1.0, 1.5], [2e-9, 5e-8, 0.1, 0.2, 0.7, 3.0]]
+
+
+def _filter_batch(seed=0, spectra=SPREAD):
+    """Three 6-d covariances spread over eight decades (two directions under 1e-4 of the variance) with
+    random eigenvectors, and gradients of 4, 2 and 3 rows (the batch pads with zero rows) with 0.03 of their
+    scale along the two weak directions."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k, (s, rows) in enumerate(zip(spectra, (4, 2, 3))):
+        sigma, u, e = _sigma(s, seed=seed + k)
+        g = torch.randn(rows, 6, generator=gen, dtype=torch.float64)
+        g = g @ u @ torch.diag(torch.tensor([0.03, 0.03, 1, 1, 1, 1], dtype=torch.float64)) @ u.T
+        out.append((sigma, u, e, g))
+    return out
+
+
+def _stack(batch):
+    rows = max(g.shape[0] for *_, g in batch)
+    grads = torch.zeros(len(batch), rows, 6, dtype=torch.float64)
+    for i, (*_, g) in enumerate(batch):
+        grads[i, :g.shape[0]] = g
+    return torch.stack([b[0] for b in batch]), grads
+
+
+def test_the_filters_soft_share_falls_with_the_damping_and_bisection_finds_its_smallest_doubling():
+    """filtered_damping_scale against the soft share evaluated on the known spectra: the share is
+    non-increasing in f (the docstring's argument), and the factor is the smallest 2^j at or under the bound.
+    The solves' relative error is about eps * cond(Sigma + lam I) <= 1e-16 * 1e7, so a bound farther than 1e-6
+    from every share is decided as in exact arithmetic (checked, not assumed)."""
+    from dopr.health import filtered_damping_scale
+    batch = _filter_batch()
+    sigma, grads = _stack(batch)
+    lam = torch.tensor([1e-6 * float(e.sum()) for _, _, e, _ in batch], dtype=torch.float64)
+    shares = [_soft_shares(e, u, g, float(l)) for (_, u, e, g), l in zip(batch, lam)]
+    for s in shares:
+        assert bool((s[1:] <= s[:-1] * (1 + 1e-12)).all())
+        assert float(s[0]) > 0.9 and float(s[-1]) < 0.1           # the bound binds, and can be met
+    for bound in (0.8, 0.5, 0.25, 0.1):
+        assert all(float((s - bound).abs().min()) > 1e-6 for s in shares)
+        f = filtered_damping_scale(sigma, grads, lam, bound)
+        want = [2.0 ** int((s <= bound).nonzero()[0, 0]) for s in shares]
+        assert f.tolist() == want
+    # the padding rows change nothing: each member alone gives the same factor
+    together = filtered_damping_scale(sigma, grads, lam, 0.25).tolist()
+    alone = [filtered_damping_scale(sg[None], g[None], lam[i:i + 1], 0.25).item() for i, (sg, _, _, g) in enumerate(batch)]
+    assert alone == together
+
+
+def test_the_filter_agrees_with_the_spectrum_rule_where_the_spectrum_has_a_gap():
+    """Weak eigenvalues at most tau/100 and the rest at least 100 tau: the filter counts a weak direction's
+    energy with weight >= (100/101)^2 and a strong one's with <= 1/101^2, so the soft share lies in
+    [0.98 h, h + 1e-4] for the hard share h, and both rules choose the same factor for a bound outside
+    those intervals."""
+    from dopr.health import WEAK_VARIANCE, damping_scale, filtered_damping_scale
+    batch = _filter_batch(seed=3, spectra=GAPPED)
+    sigma, grads = _stack(batch)
+    lam = torch.tensor([1e-6 * float(e.sum()) for _, _, e, _ in batch], dtype=torch.float64)
+    for bound in (0.5, 0.25):
+        f = filtered_damping_scale(sigma, grads, lam, bound)
+        for i, (sg, u, e, g) in enumerate(batch):
+            p = e / e.sum()
+            tau = WEAK_VARIANCE * float(e.sum())
+            assert bool(((e <= tau / 100) | (e >= 100 * tau)).all())      # the gap
+            g2 = (g @ u).square().sum(0)
+            fs = 2.0 ** torch.arange(21, dtype=torch.float64)
+            w = g2 / (e + float(lam[i]) * fs[:, None]).square()
+            hard = w[:, p < WEAK_VARIANCE].sum(1) / w.sum(1)
+            assert not bool(((hard * 0.98 <= bound) & (bound <= hard + 1e-4)).any())
+            assert float(f[i]) == damping_scale(e, p, g2, float(lam[i]), bound)
+
+
+def test_the_filter_leaves_lambda_where_nothing_is_to_choose():
+    from dopr.health import filtered_damping_scale
+    sigma, u, e = _sigma([1e-9, 1e-2, 1.0])
+    lam = torch.tensor([1e-6 * float(e.sum())], dtype=torch.float64)
+    assert filtered_damping_scale(sigma[None], torch.zeros(1, 2, 3, dtype=torch.float64), lam, 0.25).tolist() == [1.0]
+    assert filtered_damping_scale(torch.zeros(1, 3, 3), torch.ones(1, 2, 3), lam, 0.25).tolist() == [1.0]    # Sigma = 0
+    assert filtered_damping_scale(sigma[None], torch.ones(1, 2, 3), torch.zeros(1), 0.25).tolist() == [1.0]   # lam = 0
+    # G only along the weakest direction: no damping brings the share under the bound, the largest factor
+    g = u[:, 0].reshape(1, 1, 3) * 5.0
+    assert filtered_damping_scale(sigma[None], g, lam, 0.25).tolist() == [2.0 ** 20]
+
+
+def test_dopr_with_the_filter_solves_at_its_factor_every_refresh_without_an_eigendecomposition(monkeypatch):
+    """weak_share_estimate="filter" needs no health report (health_every=0), calls no eigh, and M is the
+    damped solve at the filter's factor; the counters tally its choices and raises, also in the state dict."""
+    from dopr.health import filtered_damping_scale
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: (_ for _ in ()).throw(AssertionError("eigh called")))
+    lin, x, y = _weak_layer()
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, weak_share_bound=0.5,
+               weak_share_estimate="filter")
+    ((lin(x) - y) ** 2).mean().backward()
+    g = lin.weight.grad.clone()
+    opt.step()
+    sigma = x.T @ x / len(x)
+    lam = 1e-6 * float(sigma.trace())
+    f = float(filtered_damping_scale(sigma[None], g[None], torch.tensor([lam], dtype=torch.float64), 0.5))
+    assert f > 1                                                     # the weak input needs a raise
+    a = sigma + f * lam * torch.eye(3, dtype=torch.float64)
+    m = g @ torch.linalg.inv(a)
+    cond = float(torch.linalg.cond(a))
+    assert torch.allclose(lin.weight, -0.1 * m, atol=100 * EPS * cond * float(m.abs().max()))
+    for _ in range(2):
+        opt.zero_grad()
+        ((lin(x) - y) ** 2).mean().backward()
+        opt.step()
+    stats = opt.stats()
+    assert stats["damping_choices"] == 3 and 1 <= stats["damping_raises"] <= 3 and "health" not in stats
+    assert opt.state_dict()["dopr"]["counts"]["damping_choices"] == 3
+    assert opt._damping_scale == {}                                  # nothing held between refreshes
+    opt.close()
+
+
+def test_the_filter_reports_its_factor_when_a_health_report_is_due():
+    lin, x, y = _weak_layer()
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, health_every=1, weak_share_bound=0.5,
+               weak_share_estimate="filter")
+    ((lin(x) - y) ** 2).mean().backward()
+    opt.step()
+    (rep,) = opt.stats()["health"].values()
+    assert rep["damping_scale"] > 1 and rep["weak_share"] <= 0.5     # the hard share meets the bound too here
+    opt.close()
+
+
+@pytest.mark.parametrize("kw,msg", [({"weak_share_estimate": "eig"}, r"Invalid weak_share_estimate: 'eig' \(choose from \('spectrum', 'filter'\)\)")])
+def test_the_estimate_is_checked(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        DoPrOptions(**kw)
+    assert DoPrOptions(weak_share_bound=0.25, weak_share_estimate="filter").health_every == 0

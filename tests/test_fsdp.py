@@ -45,15 +45,18 @@ def _train(model, opt, x, y, steps=3):
         opt.step()
 
 
-def _weak():
-    """A Linear(3, 4) whose third input carries 1e-6 of the variance but drives two targets: at damping
-    1e-6 tr(Sigma) most of M lies in that direction, so weak_share_bound raises the damping."""
+def _weak(estimate="spectrum"):
+    """A Linear(3, 4) whose third input carries 1e-6 of the variance but drives two targets (the rows rank 1
+    holds, so that a rank alone would choose otherwise): at damping
+    1e-6 tr(Sigma) most of M lies in that direction, so weak_share_bound raises the damping (the spectrum
+    rule or its Cholesky filter)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(40, 3, generator=g).double() * torch.tensor([1.0, 1.0, 1e-3]).double()
-    y = torch.stack([x[:, 0] + 1e3 * x[:, 2], x[:, 1], x[:, 0] - x[:, 1], 1e3 * x[:, 2]], 1)
+    y = torch.stack([x[:, 0], x[:, 1], x[:, 0] - x[:, 1] + 1e3 * x[:, 2], 1e3 * x[:, 2]], 1)   # rank 1's rows only
     model = nn.Sequential(nn.Linear(3, 4)).double()
-    opt = lambda m: dopr.build(m, "dopr_adamw", lr=1e-2, damping=1e-6, health_every=1, weak_share_bound=0.5)
+    opt = lambda m: dopr.build(m, "dopr_adamw", lr=1e-2, damping=1e-6, health_every=1, weak_share_bound=0.5,
+                               weak_share_estimate=estimate)
     return model, opt, x, y
 
 
@@ -89,6 +92,12 @@ def _worker(rank, world, init_file, out):
     _train(model, opt, xw[half], yw[half])
     result["weak"] = {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
                       "scale": dict(opt._damping_scale), "health": opt.stats()["health"]}
+    model, build, xw, yw = _weak("filter")  # the filter: the ranks add their two energies per bisection step
+    fully_shard(model)
+    opt = build(model)
+    _train(model, opt, xw[half], yw[half])
+    result["weak_filter"] = {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
+                             "stats": opt.stats()}
     if rank == 0:
         torch.save(result, out)
     model = opt = fresh = None
@@ -137,6 +146,20 @@ def test_fsdp2_weak_share_bound_chooses_the_damping_one_process_chooses(sharded)
     assert got["scale"] == opt._damping_scale
     ((key, rep),) = got["health"].items()
     assert rep["weak_share"] == opt.stats()["health"][key]["weak_share"] <= 0.5
+    for p, q in zip(model.parameters(), got["params"]):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_fsdp2_the_filter_chooses_the_damping_one_process_chooses(sharded):
+    model, build, x, y = _weak("filter")
+    opt = build(model)
+    _train(model, opt, x, y)
+    got = sharded["weak_filter"]
+    mine = opt.stats()
+    ((key, rep),) = got["stats"]["health"].items()
+    assert rep["damping_scale"] == mine["health"][key]["damping_scale"] > 1
+    assert got["stats"]["damping_raises"] == mine["damping_raises"] >= 1
     for p, q in zip(model.parameters(), got["params"]):
         torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12)
 
