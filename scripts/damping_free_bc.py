@@ -23,20 +23,21 @@ from experiments.common.provenance import emit_report, git_revision  # noqa: E40
 
 def rule(overrides) -> tuple:
     """(sort key, label) of a run's damping-free rule, read from its overrides: "span cap 3",
-    "weak share 0.5, floor 1e-06", either with ", Σ EMA 0.99" where the run set a statistics EMA, or "the
+    "weak share 0.5, floor 1e-06" ("weak share 0.25 (filter), ..." where the share is the Cholesky filter's), either with ", Σ EMA 0.99" where the run set a statistics EMA, or "the
     tuned damping, Σ EMA 0.99" (the EMA alone, the control); a run with none of them is refused (it would
     be mistaken for a rule)."""
     o = dict(x.split("=", 1) for x in overrides if "=" in x)
     ema = o.get("ap.precond_ema")
     suffix = f", Σ EMA {ema}" if ema else ""
     if "ap.span_cap" in o:
-        return (0, float(o["ap.span_cap"]), float(ema or 0)), f"span cap {o['ap.span_cap']}{suffix}"
+        return (0, float(o["ap.span_cap"]), float(ema or 0), 0), f"span cap {o['ap.span_cap']}{suffix}"
     if "ap.weak_share_bound" in o:
         floor = o.get("ap.damping", "the preset's")
-        return ((1, float(o["ap.weak_share_bound"]), float(ema or 0)),
-                f"weak share {o['ap.weak_share_bound']}, floor {floor}{suffix}")
+        filtered = o.get("ap.weak_share_estimate", "spectrum") == "filter"
+        return ((1, float(o["ap.weak_share_bound"]), float(ema or 0), int(filtered)),
+                f"weak share {o['ap.weak_share_bound']}{' (filter)' if filtered else ''}, floor {floor}{suffix}")
     if ema:
-        return (2, 0.0, float(ema)), f"the tuned damping{suffix}"
+        return (2, 0.0, float(ema), 0), f"the tuned damping{suffix}"
     raise SystemExit("a run with none of ap.span_cap, ap.weak_share_bound, ap.precond_ema among its overrides: "
                      f"{overrides}")
 

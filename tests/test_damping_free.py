@@ -423,6 +423,9 @@ def test_the_bc_table_keeps_each_rules_settings_apart():
     assert bc.rule(["ap.weak_share_bound=0.5", "ap.precond_ema=0.99"])[1] == "weak share 0.5, floor the preset's, Σ EMA 0.99"
     assert bc.rule(["ap.precond_ema=0.99", "seed=2"])[1] == "the tuned damping, Σ EMA 0.99"   # the EMA alone
     assert bc.rule(["ap.weak_share_bound=0.5"])[0] < bc.rule(["ap.weak_share_bound=0.5", "ap.precond_ema=0.99"])[0]
+    filtered = bc.rule(["ap.damping=1e-6", "ap.weak_share_bound=0.25", "ap.weak_share_estimate=filter"])
+    assert filtered[1] == "weak share 0.25 (filter), floor 1e-6"
+    assert filtered[0] != bc.rule(["ap.damping=1e-6", "ap.weak_share_bound=0.25"])[0]
     with pytest.raises(SystemExit, match="none of ap.span_cap, ap.weak_share_bound, ap.precond_ema"):
         bc.rule(["seed=0", "ap.damping=1e-3"])
 
