@@ -109,21 +109,22 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
     zero rows padding the shorter ones, and their floors ``lam`` (B,). Returns the factors (B,) on the device.
 
     The weak share's indicator [e_i < tau], tau = WEAK_VARIANCE tr(Sigma), is replaced by the rational filter
-    (tau / (e_i + tau))^2: the soft share of f is ||tau M (Sigma + tau I)^-1||^2 / ||M||^2 with
-    M = G (Sigma + f lam I)^-1, i.e. sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2,
-    phi_i = tau^2 (e_i + tau)^-2. Raising f moves the weights w towards the larger e_i, where phi is smaller,
-    so the soft share falls monotonically in f and a bisection over j = 0..max_doublings finds the smallest
-    f = 2^j meeting the bound in ceil(log2(max_doublings + 1)) batched Cholesky factorisations (float64),
-    plus one of Sigma + tau I. On a spectrum with a gap around tau the two shares agree: a direction at
-    e <= tau/100 counts at least (100/101)^2 = 0.98 of its energy, one at e >= 100 tau at most 1/101^2.
-    Where even 2^max_doublings misses the bound, that factor; 1 where G, lam or Sigma is zero.
-    ``reduce``: sums the (B, 2) energies over ranks (row sharding), so that every rank chooses the same."""
+    phi(e) = tau^2 / (e^2 + tau^2) (1/2 at tau, as the step is halfway there): the soft share of f is
+    tau^2 tr(M (Sigma^2 + tau^2 I)^-1 M^T) / ||M||^2 with M = G (Sigma + f lam I)^-1, i.e.
+    sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2. Raising f moves the weights w towards the
+    larger e_i, where phi is smaller, so the soft share falls monotonically in f and a bisection over
+    j = 0..max_doublings finds the smallest f = 2^j meeting the bound in ceil(log2(max_doublings + 1))
+    batched Cholesky factorisations (float64), plus one of Sigma^2 + tau^2 I. On a spectrum with a gap around
+    tau the two shares agree: a direction at e <= tau/100 counts at least 1/(1 + 1e-4) of its energy, one at
+    e >= 100 tau at most 1e-4. Where even 2^max_doublings misses the bound, that factor; 1 where G, lam or
+    Sigma is zero. ``reduce``: sums the (B, 2) energies over ranks (row sharding), so that every rank chooses
+    the same."""
     s, g, lam = sigma.double(), grads.double(), lam.to(device=sigma.device, dtype=torch.float64)
     eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     tau = WEAK_VARIANCE * s.diagonal(dim1=-2, dim2=-1).sum(-1)                 # (B,)
     usable = (tau > 0) & (lam > 0)
-    tau_safe = torch.where(usable, tau, torch.ones_like(tau))
-    lb, _ = torch.linalg.cholesky_ex(s + tau_safe[:, None, None] * eye)
+    tau2 = torch.where(usable, tau, torch.ones_like(tau)).square()[:, None, None]
+    lk, _ = torch.linalg.cholesky_ex(s @ s + tau2 * eye)                       # Sigma^2 + tau^2 I
     gt = g.transpose(-1, -2)                                                   # M^T = A^-1 G^T
     lo = torch.full_like(lam, -1.0)                                            # not ok (by convention)
     hi = torch.full_like(lam, float(max_doublings))                            # ok, or the largest tried
@@ -131,8 +132,8 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
         mid = torch.div(lo + hi, 2, rounding_mode="floor")
         la, info = torch.linalg.cholesky_ex(s + (lam * torch.pow(2.0, mid))[:, None, None] * eye)
         x = torch.cholesky_solve(gt, la)
-        y = torch.cholesky_solve(x, lb) * tau_safe[:, None, None]
-        energy = torch.stack([x.square().sum((-2, -1)), y.square().sum((-2, -1))], -1)
+        weak = (x * torch.cholesky_solve(x, lk)).sum((-2, -1)) * tau2[:, 0, 0]
+        energy = torch.stack([x.square().sum((-2, -1)), weak], -1)
         if reduce is not None:
             energy = reduce(energy)
         share = torch.where(energy[:, 0] > 0, energy[:, 1] / energy[:, 0].clamp_min(1e-300), torch.zeros_like(lam))

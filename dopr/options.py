@@ -122,7 +122,7 @@ class DoPrOptions:
     weak_share_estimate: str = _option(
         "spectrum", "how weak_share_bound measures the share: spectrum (one float64 eigendecomposition per layer, on "
         "the health report's refreshes) or filter (batched Cholesky solves with the soft indicator "
-        "(tau / (e + tau))^2, no eigendecomposition and no host sync, on every refresh; "
+        "tau^2 / (e^2 + tau^2), no eigendecomposition and no host sync, on every refresh; "
         "dopr.health.filtered_damping_scale)",
         lambda v: v in WEAK_SHARE_ESTIMATES, f"choose from {WEAK_SHARE_ESTIMATES}", show=repr)
     skip_layers: Tuple[str, ...] = _option(

@@ -487,11 +487,11 @@ def test_the_probe_trains_the_tasks_own_model_on_its_data(compose, task):
 # ------------------------------------------------------------------ weak share by a rational filter (no eigh)
 def _soft_shares(e, u, g, lam, max_doublings=20):
     """The filter's soft share at each f = 2^j, j = 0..max_doublings, from the eigen-directions (float64):
-    sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2, phi_i = (tau / (e_i + tau))^2."""
+    sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2, phi_i = tau^2 / (e_i^2 + tau^2)."""
     from dopr.health import WEAK_VARIANCE
     tau = WEAK_VARIANCE * float(e.sum())
     g2 = (g @ u).square().sum(0)
-    phi = (tau / (e + tau)).square()
+    phi = tau ** 2 / (e.square() + tau ** 2)
     f = 2.0 ** torch.arange(max_doublings + 1, dtype=torch.float64)
     w = g2 / (e + lam * f[:, None]).square()
     return (w * phi).sum(1) / w.sum(1)
@@ -549,8 +549,8 @@ def test_the_filters_soft_share_falls_with_the_damping_and_bisection_finds_its_s
 
 def test_the_filter_agrees_with_the_spectrum_rule_where_the_spectrum_has_a_gap():
     """Weak eigenvalues at most tau/100 and the rest at least 100 tau: the filter counts a weak direction's
-    energy with weight >= (100/101)^2 and a strong one's with <= 1/101^2, so the soft share lies in
-    [0.98 h, h + 1e-4] for the hard share h, and both rules choose the same factor for a bound outside
+    energy with weight >= 1/(1 + 1e-4) and a strong one's with <= 1e-4, so the soft share lies in
+    [h (1 - 1e-4), h + 1e-4] for the hard share h, and both rules choose the same factor for a bound outside
     those intervals."""
     from dopr.health import WEAK_VARIANCE, damping_scale, filtered_damping_scale
     batch = _filter_batch(seed=3, spectra=GAPPED)
@@ -566,7 +566,7 @@ def test_the_filter_agrees_with_the_spectrum_rule_where_the_spectrum_has_a_gap()
             fs = 2.0 ** torch.arange(21, dtype=torch.float64)
             w = g2 / (e + float(lam[i]) * fs[:, None]).square()
             hard = w[:, p < WEAK_VARIANCE].sum(1) / w.sum(1)
-            assert not bool(((hard * 0.98 <= bound) & (bound <= hard + 1e-4)).any())
+            assert not bool(((hard * (1 - 1e-4) <= bound) & (bound <= hard + 1e-4)).any())
             assert float(f[i]) == damping_scale(e, p, g2, float(lam[i]), bound)
 
 
