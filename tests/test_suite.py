@@ -209,6 +209,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               # issue 48's damping-free protocol (results/damping_free/)
               **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)},
               **{f"feature_learning_weak{b}": "feature_learning" for b in ("50", "25", "50_every10", "50_ema99")},
+              **{f"feature_learning_filter{b}": "feature_learning" for b in ("25",)},
               "sft_arith_weak50": "sft_arith", "sft_arith_weak25": "sft_arith"}
 
 
