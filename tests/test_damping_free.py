@@ -286,6 +286,18 @@ def test_the_sit_digits_table_picks_the_rules_rate_on_the_tuning_seed_and_refuse
     with pytest.raises(SystemExit, match=re.escape("ran lr [0.0003, 0.001] more than once")):
         main(["--rule", "span cap 3", "--tune", str(tmp_path / "lane_a"), str(tmp_path / "tune"), "--committed",
               str(committed), "--fresh", str(tmp_path / "fresh")])
+    # the tune's runs gone (another session's multirun/): the rate it chose, and where its table is committed
+    gone = tmp_path / "gone.md"
+    main(["--rule", "span cap 3", "--tuned-lr", "1e-3", "--tune-source", "results/x/README.md", "--committed",
+          str(committed), "--out", str(gone), "--fresh", str(tmp_path / "fresh")])
+    assert ("| dopr_adamw, span cap 3 | 0.001 | chosen; the tune's runs are not on disk, its table is in "
+            "results/x/README.md |") in gone.read_text()
+    assert "| dopr_adamw, span cap 3 | optim.lr=0.001 | 3 4 5 | 4.000 [3.000-5.000]" in gone.read_text()
+    with pytest.raises(SystemExit, match="--tuned-lr needs --tune-source"):
+        main(["--rule", "r", "--tuned-lr", "1e-3", "--committed", str(committed), "--fresh", str(tmp_path / "fresh")])
+    with pytest.raises(SystemExit, match=re.escape("ran lr [0.001], the tune chose 0.003")):
+        main(["--rule", "r", "--tuned-lr", "3e-3", "--tune-source", "x", "--committed", str(committed),
+              "--fresh", str(tmp_path / "fresh")])
     for folder, message in (("wrong_rate", "ran lr [0.003], the tune chose 0.001"),
                             ("tuning_seed", "fresh seeds [0] overlap the tuning seeds [0]"),
                             ("other_rule", "different DoPr overrides")):
