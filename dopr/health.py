@@ -118,13 +118,17 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
     tau the two shares agree: a direction at e <= tau/100 counts at least 1/(1 + 1e-4) of its energy, one at
     e >= 100 tau at most 1e-4. Where even 2^max_doublings misses the bound, that factor; 1 where G, lam or
     Sigma is zero. ``reduce``: sums the (B, 2) energies over ranks (row sharding), so that every rank chooses
-    the same."""
+    the same. With more rows than d, G is replaced by the R of its QR factorisation (every norm ||G X|| is
+    ||R X||), so each solve has d right-hand sides, not r."""
     s, g, lam = sigma.double(), grads.double(), lam.to(device=sigma.device, dtype=torch.float64)
     eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     tau = WEAK_VARIANCE * s.diagonal(dim1=-2, dim2=-1).sum(-1)                 # (B,)
     usable = (tau > 0) & (lam > 0)
     tau2 = torch.where(usable, tau, torch.ones_like(tau)).square()[:, None, None]
     lk, _ = torch.linalg.cholesky_ex(s @ s + tau2 * eye)                       # Sigma^2 + tau^2 I
+    kinv = torch.cholesky_inverse(lk)          # explicit (cond <= 1 + (e_max / tau)^2 <= 1e8): a GEMM per step
+    if g.shape[-2] > g.shape[-1]:        # ||G X|| = ||R X|| for G = QR: d right-hand sides instead of r
+        g = torch.linalg.qr(g, mode="r").R
     gt = g.transpose(-1, -2)                                                   # M^T = A^-1 G^T
     lo = torch.full_like(lam, -1.0)                                            # not ok (by convention)
     hi = torch.full_like(lam, float(max_doublings))                            # ok, or the largest tried
@@ -132,7 +136,7 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
         mid = torch.div(lo + hi, 2, rounding_mode="floor")
         la, info = torch.linalg.cholesky_ex(s + (lam * torch.pow(2.0, mid))[:, None, None] * eye)
         x = torch.cholesky_solve(gt, la)
-        weak = (x * torch.cholesky_solve(x, lk)).sum((-2, -1)) * tau2[:, 0, 0]
+        weak = (x * (kinv @ x)).sum((-2, -1)) * tau2[:, 0, 0]
         energy = torch.stack([x.square().sum((-2, -1)), weak], -1)
         if reduce is not None:
             energy = reduce(energy)
