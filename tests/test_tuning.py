@@ -386,6 +386,10 @@ def test_a_later_dopr_rule_is_selected_against_the_gp_arm_of_an_earlier_selectio
         "DoPr's damping set by the health report (weak share <= 0.5, every (value not recorded) steps, floor 1e-06 "
         "(trace)), statistics EMA 0.0 (none) and gradient EMA 0.0 (none) held fixed")
     assert "weak-share" not in tuning.describe_knobs(earlier["arms"]["dopr_adamw"])   # a damped arm: no such knob
+    filtered = {"dopr_knobs_fixed": [["ap.damping", 1e-06], ["ap.damping_mode", "trace"], ["ap.weak_share_bound", 0.25],
+                                     ["ap.health_every", 0], ["ap.weak_share_estimate", "filter"]]}
+    assert tuning.describe_knobs(filtered).startswith(
+        "DoPr's damping set by the weak share's Cholesky filter (weak share <= 0.25, every refresh, floor 1e-06 (trace))")
     # refused: the GP tuned on other seeds, by another measure, or given twice
     other_seed = [_job("dopr_adamw", 1, 1.0, lr, ("optim.weight_decay", wd)) for lr in ("1e-3", "3e-3")
                   for wd in ("0.01", "0.1")]

@@ -96,7 +96,8 @@ def _score(value, mode: str) -> float:
 #: DoPr's own knobs (conf/ap/) a tune grid may sweep or hold fixed, as the verdict names them
 DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.precond_ema": "statistics EMA",
               "ap.grad_ema": "gradient EMA", "ap.solver": "solver", "ap.span_cap": "span cap",
-              "ap.weak_share_bound": "weak-share bound", "ap.health_every": "health report interval"}
+              "ap.weak_share_bound": "weak-share bound", "ap.health_every": "health report interval",
+              "ap.weak_share_estimate": "weak-share estimate"}
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
 AT_GP = "_at_gp_setting"
 # resolved-config keys that differ between two arms without being part of what they trained
@@ -235,11 +236,12 @@ def dopr_knobs(arm: dict) -> tuple:
     given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
     resolved = arm.get("resolved") or {}
     fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
-    for k in ("ap.solver", "ap.span_cap", "ap.weak_share_bound"):   # absent from older configs: not recorded
-        if fixed.get(k) is None:
+    for k in ("ap.solver", "ap.span_cap", "ap.weak_share_bound", "ap.weak_share_estimate"):   # absent from older
+        if fixed.get(k) is None:                                                                # configs: not recorded
             fixed.pop(k, None)
-    if "ap.weak_share_bound" not in fixed:   # the health report's interval is a DoPr knob only under that rule
+    if "ap.weak_share_bound" not in fixed:   # the report's interval and the share's estimate: knobs of that rule only
         fixed.pop("ap.health_every", None)
+        fixed.pop("ap.weak_share_estimate", None)
     return fixed, [k for k in DOPR_KNOBS if k in swept]
 
 
@@ -258,7 +260,12 @@ def describe_knobs(arm: dict) -> str:
     elif solver not in (None, "cholesky"):
         parts.append(f"solver {solver}")
     bound, every = fixed.pop("ap.weak_share_bound", None), fixed.pop("ap.health_every", None)
-    if bound is not None:   # the damping is only the floor the health report raises (dopr/health.py)
+    estimate = fixed.pop("ap.weak_share_estimate", None)
+    if bound is not None and estimate == "filter":   # chosen every refresh, whatever the report's interval
+        mode = fixed.pop("ap.damping_mode", None)
+        parts.append(f"damping set by the weak share's Cholesky filter (weak share <= {bound}, every refresh, "
+                     f"floor {say('ap.damping', fixed.pop('ap.damping', None))}" + (f" ({mode}))" if mode else ")"))
+    elif bound is not None:   # the damping is only the floor the health report raises (dopr/health.py)
         mode = fixed.pop("ap.damping_mode", None)
         parts.append(f"damping set by the health report (weak share <= {bound}, every {say('', every)} steps, "
                      f"floor {say('ap.damping', fixed.pop('ap.damping', None))}" + (f" ({mode}))" if mode else ")"))
