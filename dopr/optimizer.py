@@ -32,6 +32,7 @@ from torch.autograd.profiler import record_function
 from . import sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .checkpoint import KEY
+from .buckets import GradientBucket
 from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
@@ -113,6 +114,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._grad_ema = GradientEMA(self.options.grad_ema)
         self._precond_ema = CovarianceEMA(self.options.precond_ema)
         self._cache: dict = {}
+        self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
         self._damping_scale: dict = {}   # weak_share_bound: {group key: the factor on its lambda} (dopr/health.py)
@@ -211,6 +213,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             old.close()
         self._capture.collecting = self.collecting
         self._layers_signature = self._signature()
+        self._buckets = {}
 
     # ------------------------------------------------------------------ statistics collection
     @property
@@ -272,12 +275,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         else:
             self._precond_ema.commit()
             self._grad_ema.commit()
-        for names, ms in solved:                              # written back as each layer's grad
-            for name, m in zip(names, ms.unbind(0)):
-                self._helpers_now[name].set_grad(m)
+        for names, ms, bucket, parts in solved:               # written back as each layer's grad
+            if bucket is not None:
+                bucket.write(parts, ms)                       # a few ops for the bucket (dopr/buckets.py)
+            else:
+                for name, m in zip(names, ms.unbind(0)):
+                    self._helpers_now[name].set_grad(m)
         if self.collecting and self.options.precond_every > 1:
             self._cache = solvers.cached(ops)
-        self._counts["preconditioned"] += sum(len(names) for names, _ in solved)
+        self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
         self._capture.collecting = self.collecting
         self._capture.reset()
@@ -288,7 +294,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read."""
         groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
+        lazy = not self._precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
         for key, stat in groups.items():
+            if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
+                batches[(type(stat), stat.sums[0].shape, stat.sums[0].device)].append((key, stat, None))
+                continue
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
             batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
         health = self._health.due(self._counts["refreshes"])
@@ -300,8 +310,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             keys, stats, means = zip(*items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
-                batch, lam, finite = kind.prepare(list(means), gamma, self.options.damping_mode,   # lambda, one
-                                                  self._solver.finite_inputs, homogeneous)      # stack per size
+                means = list(means)
+                if means[0] is None:                        # no statistics EMA: Sigma = sums / counts, batched
+                    means = kind.stacked_mean(list(stats))
+                    if health:                              # the report reads each member's
+                        items = [(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))]
+                batch, lam, finite = kind.prepare(means, gamma, self.options.damping_mode,   # lambda, one
+                                                  self._solver.finite_inputs, homogeneous)  # stack per size
                 filtered = None
                 if filtering and kind.kind == "dense":          # every refresh, batched, no host sync
                     filtered = self._filter_damping(keys, batch, lam, finite, grads)
@@ -409,23 +424,33 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return out
 
     def _solve(self, members: dict, grads: dict) -> tuple:
-        """([(layer names, M stacked)], [per-bucket non-finite flags of G]): the layers bucketed by
-        operator type and gradient shape, each bucket read into one stack (``read_grad``: a layer's G
-        and bias column copied once), one batched solve, no host sync."""
+        """([(layer names, M stacked, their GradientBucket or None, its gradient parts)], [per-bucket
+        non-finite flags of G]): the layers bucketed by operator type and gradient shape, each bucket read
+        into one stack (dopr/buckets.py: a few ops for the bucket; other layer types ``read_grad``, a
+        layer's G and bias column copied once), one batched solve, no host sync."""
         buckets = defaultdict(list)
         for name, op in members.items():
             h = grads[name]
             buckets[(type(op), h.grad_shape(), h.grad_dtype(), h.module.weight.device)].append(name)
-        solved, flags = [], []
-        for (_, shape, dtype, device), names in buckets.items():
+        solved, flags, kept = [], [], {}
+        for (kind, shape, dtype, device), names in buckets.items():
             with record_function(_phase("apply", len(names), shape)):
-                g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
-                for i, n in enumerate(names):
-                    grads[n].read_grad(g[i])
+                helpers = [grads[n] for n in names]
+                parts, bucket = GradientBucket.parts(helpers), None
+                if parts is not None:                       # the bucket's buffers are kept while it is the same
+                    key = (tuple(names), kind, shape, dtype, device)
+                    bucket = kept[key] = self._buckets.get(key) or GradientBucket(
+                        helpers, shape, statistics_dtype(dtype), device)
+                    g = bucket.read(parts)
+                else:
+                    g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
+                    for i, h in enumerate(helpers):
+                        h.read_grad(g[i])
                 flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
                 if self._grad_ema.on:
                     g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
-                solved.append((names, solvers.apply_stack([members[n] for n in names], g)))
+                solved.append((names, solvers.apply_stack([members[n] for n in names], g), bucket, parts))
+        self._buckets = kept
         return solved, flags
 
     def _any(self, flags: list) -> bool:
@@ -573,7 +598,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.close()
 
     # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", "_factor_with", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_buckets", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
                   "load_state_dict") for when in ("pre", "post")))
 
     def __getstate__(self) -> dict:
@@ -588,6 +613,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.setdefault("_damping_scale", {})
         self.__dict__.setdefault("_filter_tally", None)
         self.__dict__.setdefault("_empty", set())
+        self._buckets = {}
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]

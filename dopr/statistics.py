@@ -90,27 +90,24 @@ class DenseCovariance(ActivationStatistics):
 
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool) -> "DenseCovariance":
-        """Sum of [z; 1][z; 1]^T without materialising the column of ones. Half-precision z is not
-        copied to float32 where the GEMM can accumulate it in float32 (:func:`gram`): exact on the inputs.
-        The blocks are written through ``as_strided`` views (one op each: this runs per layer per forward)."""
+        """Sum of [z; 1][z; 1]^T, one GEMM of z with a column of ones appended (a cached one per row count:
+        this runs per layer per forward, and the copy of z is n * d against the GEMM's n * d^2).
+        Half-precision z is not copied to float32 where the GEMM can accumulate it in float32
+        (:func:`gram`): exact on the inputs."""
         n, d = z.shape
         dtype = statistics_dtype(z.dtype)
         if z.dtype != dtype and not _low_precision_gram(z):
             z = z.to(dtype)
         if not homogeneous:
             return cls((gram(z),), n)
-        s = torch.empty(d + 1, d + 1, dtype=dtype, device=z.device)
         if torch.compiler.is_compiling():   # a traced graph keeps to plain slices
+            s = torch.empty(d + 1, d + 1, dtype=dtype, device=z.device)
             gram(z, out=s[:d, :d])
             s[:d, d] = s[d, :d] = z.sum(0, dtype=dtype)
             s[d, d] = n
             return cls((s,), n)
-        gram(z, out=s.as_strided((d, d), (d + 1, 1)), zt=_transposed(z))
-        row = s.as_strided((d,), (1,), d * (d + 1))
-        torch.sum(z, 0, dtype=dtype, out=row)
-        s.as_strided((d,), (d + 1,), d).copy_(row)
-        s.as_strided((1,), (1,), (d + 1) * (d + 1) - 1).fill_(n)
-        return cls((s,), n)
+        za = torch.cat([z, _ones(n, z)], dim=1)   # [z, 1]: its gram is the whole matrix, ones' sums and n included
+        return cls((gram(za, zt=_transposed(za)),), n)
 
     @staticmethod
     def diagonal(mean: tuple) -> Tensor:
@@ -123,7 +120,10 @@ class DenseCovariance(ActivationStatistics):
         damping. For a solver that needs finite input (``finite_inputs``, Solver.finite_inputs: eigh raises) a
         non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
         leaves that member out after the step's read-back either way."""
-        sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
+        if isinstance(means, Tensor):    # stacked already (stacked_mean)
+            sigma = means
+        else:
+            sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
         lam = damping(gamma, damping_mode, diag, homogeneous)
@@ -133,6 +133,15 @@ class DenseCovariance(ActivationStatistics):
             diag.add_(bad[:, None].to(sigma.dtype))
             lam = torch.where(finite, lam, torch.ones_like(lam))
         return sigma, lam, finite
+
+    @staticmethod
+    def stacked_mean(stats: list) -> Tensor:
+        """The Sigma of each of `stats` (same size), stacked (B, d, d): one stack and one division by
+        their counts held as a tensor, where :meth:`mean_` per member takes two ops each (the same
+        division, bit for bit). A lone member's sums become its mean in place, as with mean_."""
+        sums = torch.stack([s.sums[0] for s in stats]) if len(stats) > 1 else stats[0].sums[0].unsqueeze(0)
+        counts = torch.tensor([s.count for s in stats], dtype=sums.dtype).to(sums.device, non_blocking=True)
+        return sums.div_(counts[:, None, None])
 
     @classmethod
     def factor(cls, sigma, lam: Tensor, factor, counts: dict):
@@ -234,6 +243,21 @@ def _low_precision_gram(z: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+#: columns of ones by (rows, dtype, device), appended to a layer's inputs for the homogeneous 1 (few
+#: distinct row counts in a run; the cache is emptied if it ever holds many)
+_ONES: dict = {}
+
+
+def _ones(n: int, like: Tensor) -> Tensor:
+    key = (n, like.dtype, like.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) >= 16:
+            _ONES.clear()
+        ones = _ONES[key] = torch.ones(n, 1, dtype=like.dtype, device=like.device)
+    return ones
+
+
 def _transposed(z: Tensor) -> Tensor:
     """z^T: one as_strided op for a row-major z (``z.T`` costs three)."""
     n, d = z.shape
@@ -255,10 +279,11 @@ def gram(z: Tensor, blocks: int = 0, out: Tensor = None, zt: Tensor = None) -> T
     if torch.compiler.is_compiling():  # out= into views breaks dynamo's graph: assemble the blocks
         full = _gram_assembled(z, b)
         return full if out is None else out.copy_(full)
+    if b == 1:
+        zt = _transposed(z) if zt is None else zt
+        return torch.mm(zt, z) if out is None else torch.mm(zt, z, out=out)
     if out is None:
         out = torch.empty(d, d, dtype=z.dtype, device=z.device)
-    if b == 1:
-        return torch.mm(z.T if zt is None else zt, z, out=out)
     h = -(-d // b)
     zt = z.T
     for i in range(0, d, h):

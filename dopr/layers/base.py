@@ -88,6 +88,22 @@ class LayerHelper:
         :meth:`grad_matrix` and a stack would make two."""
         out.copy_(self.grad_matrix())
 
+    def grad_parts(self) -> Optional[tuple]:
+        """(the weight's gradient as a (rows, d_in) matrix that writes through, the bias's gradient or
+        None), for a bucket's batched read and write (dopr/buckets.py); None: this layer type or this
+        step's gradient has no such parts (the layer is read and written on its own)."""
+        return None
+
+    def _plain_parts(self, g_weight: Optional[Tensor]) -> Optional[tuple]:
+        """:meth:`grad_parts` of a weight-plus-bias layer whose gradient matrix is `g_weight` (a view of
+        the weight's gradient), unless a gradient is sharded (FSDP2: the per-layer path)."""
+        if g_weight is None or sharding.is_sharded(self.module.weight.grad):
+            return None
+        gb = self.module.bias.grad if self.homogeneous else None
+        if gb is not None and (sharding.is_sharded(gb) or gb.dim() != 1):
+            return None
+        return g_weight, gb
+
     def local_columns(self) -> Optional[slice]:
         """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
         return None

@@ -77,6 +77,12 @@ class ConvHelper(LayerHelper):
         g = self._grad(self.module.weight)
         self._read_with_bias_column(g.reshape(g.shape[0], -1), out)
 
+    def grad_parts(self):
+        g = self.module.weight.grad
+        if g is None or not g.is_contiguous():   # the matrix must be a view that writes through
+            return None
+        return self._plain_parts(g.view(g.shape[0], -1))
+
     def set_grad(self, m: Tensor) -> None:
         g = self._grad(self.module.weight)
         g.copy_(self._split_bias_column(m).reshape(g.shape))

@@ -32,5 +32,8 @@ class HFConv1DHelper(LinearHelper):
         g = self._grad(self.module.weight)   # (in, out)
         return (g.shape[1], g.shape[0] + int(self.homogeneous))
 
+    def grad_parts(self):   # the weight's gradient is G transposed: read and written layer by layer
+        return None
+
     def read_grad(self, out: Tensor) -> None:
         out.copy_(self.grad_matrix())

@@ -33,5 +33,8 @@ class LinearHelper(LayerHelper):
         g = self._grad(self.module.weight)
         return (g.shape[0], g.shape[1] + int(self.homogeneous))
 
+    def grad_parts(self):
+        return self._plain_parts(self.module.weight.grad)
+
     def read_grad(self, out: Tensor) -> None:
         self._read_with_bias_column(self._grad(self.module.weight), out)
