@@ -4,6 +4,8 @@ activations with float32 accumulation where the device's GEMM has it, with the v
 The CPU has no half-precision GEMM with a float32 output; the tests let it stand for one (CUDA's) by adding
 it to statistics.LOW_PRECISION_GRAM_DEVICES and run that GEMM as CUDA does: float32 sums of the exact
 products of the inputs."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -18,23 +20,31 @@ peft = pytest.importorskip("peft")
 
 
 class _HalfGemmOnCpu(TorchDispatchMode):
-    """mm / bmm with ``out_dtype`` (half in, float32 out) as CUDA computes it: the exact products, summed in float32."""
+    """mm / bmm with ``out_dtype`` (half in, float32 out) as CUDA computes it: the exact products, summed in
+    float32; ``calls`` has the input and output dtypes and the width of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm) and (len(args) > 2 or "out_dtype" in kwargs):
+            self.calls.append((args[0].dtype, args[1].dtype, args[2] if len(args) > 2 else kwargs["out_dtype"],
+                               args[1].shape[-1]))
             return func.overloadpacket(args[0].float(), args[1].float())
         return func(*args, **kwargs)
 
 
 @pytest.fixture
 def grams(monkeypatch):
-    """The activations that reach the covariance GEMM (statistics.gram), with the CPU standing for CUDA."""
+    """With the CPU standing for CUDA: ``inputs``, the activations that reach the covariance GEMM
+    (statistics.gram), and ``gemm``, the half-precision GEMMs run (_HalfGemmOnCpu.calls)."""
     monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"})
     seen, real = [], statistics.gram
     monkeypatch.setattr(statistics, "gram", lambda z, *a, **k: seen.append(z) or real(z, *a, **k))
-    with _HalfGemmOnCpu():
-        yield seen
+    with _HalfGemmOnCpu() as mode:
+        yield SimpleNamespace(inputs=seen, gemm=mode.calls)
 
 
 def _llama(dropout: float, r: int = 4):
@@ -63,10 +73,13 @@ def test_peft_lora_on_a_bf16_base_feeds_the_covariance_gemm_bf16(grams, dropout)
     assert next(m for n, m in model.named_modules() if n.endswith("lora_A.default")).weight.dtype == torch.float32
     _train_step(model, opt)
     by_dim = {}
-    for z in grams:
+    for z in grams.inputs:
         by_dim.setdefault(z.shape[1], []).append(z.dtype)
     # per decoder layer: q, k, v, o, gate, up read width 64 and down 128; every lora_B reads r = 4
     assert by_dim == {64: [torch.bfloat16] * 12, 128: [torch.bfloat16] * 2, 4: [torch.float32] * 14}
+    # and the GEMM itself takes them as bf16, accumulating in float32
+    bf16 = (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert sorted(grams.gemm, key=lambda c: c[3]) == [(*bf16, 64)] * 12 + [(*bf16, 128)] * 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -76,7 +89,8 @@ def test_a_bf16_model_without_autocast_feeds_the_covariance_gemm_bf16(grams):
     opt = dopr.build(model, "dopr_adamw", lr=1e-3)
     model(torch.randn(40, 16).bfloat16()).float().square().mean().backward()
     opt.step()
-    assert [(z.dtype, z.shape[1]) for z in grams] == [(torch.bfloat16, 16), (torch.bfloat16, 32)]
+    assert [(z.dtype, z.shape[1]) for z in grams.inputs] == [(torch.bfloat16, 16), (torch.bfloat16, 32)]
+    assert grams.gemm == [(torch.bfloat16, torch.bfloat16, torch.float32, d) for d in (16, 32)]
 
 
 def test_a_lora_model_cast_to_float32_goes_back_to_float32_sigma(grams):
@@ -85,7 +99,7 @@ def test_a_lora_model_cast_to_float32_goes_back_to_float32_sigma(grams):
     opt = dopr.build(model, "dopr_adamw", lr=1e-3)
     model.float()
     _train_step(model, opt)
-    assert grams and all(z.dtype == torch.float32 for z in grams)
+    assert grams.inputs and all(z.dtype == torch.float32 for z in grams.inputs) and grams.gemm == []
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
@@ -112,7 +126,7 @@ def test_lora_sigma_is_the_float64_covariance_of_what_lora_a_multiplies(grams, m
     opt.step()
     x, z = inputs["x"], inputs["z"]
     assert x.dtype == torch.bfloat16 and z.dtype == torch.float32 and len(formed) == 1
-    b = grams[0]
+    b = grams.inputs[0]
     assert b.dtype == torch.bfloat16 and torch.equal(b, x * (z != 0))
     c = 1 / (1 - dropout)
     torch.testing.assert_close(z, b.float() * c, rtol=2**-23, atol=0)   # z holds c times the bf16 values
