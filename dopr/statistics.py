@@ -109,6 +109,24 @@ class DenseCovariance(ActivationStatistics):
         za = torch.cat([z, _ones(n, z)], dim=1)   # [z, 1]: its gram is the whole matrix, ones' sums and n included
         return cls((gram(za, zt=_transposed(za)),), n)
 
+    @classmethod
+    def from_scaled_activations(cls, z: Tensor, homogeneous: bool, source: torch.dtype,
+                                scale: float) -> "DenseCovariance":
+        """Sigma of float32 z whose entries are ``scale`` times values of the half-precision dtype ``source``:
+        a layer that casts its half-precision input up before multiplying it, through a dropout's 1 / (1 - p)
+        (peft's float32 LoRA adapters on a bf16 base, dopr/layers/lora.py). Where the device's GEMM
+        accumulates ``source`` in float32 (:func:`gram`), Sigma = scale^2 b^T b is formed from those values,
+        b = z / scale rounded to ``source``: exact, since z / scale is within a few units of float32 roundoff of
+        a ``source`` value and rounds back to it. The float32 z^T z up to float32 rounding. Elsewhere, and with
+        the homogeneous 1 (whose entries are not scaled), :meth:`from_activations` of z."""
+        if homogeneous or z.dtype is not torch.float32 or not _low_precision_gram(z, source):
+            return cls.from_activations(z, homogeneous)
+        b = torch.div(z, scale, out=torch.empty(z.shape, dtype=source, device=z.device))
+        stat = cls.from_activations(b, False)
+        if scale != 1:
+            stat.sums[0].mul_(scale * scale)
+        return stat
+
     @staticmethod
     def diagonal(mean: tuple) -> Tensor:
         return mean[0].diagonal()
@@ -238,8 +256,9 @@ GRAM_CHUNK_ROWS = 4096
 LOW_PRECISION_GRAM_DEVICES = {"cuda"}
 
 
-def _low_precision_gram(z: Tensor) -> bool:
-    return (z.dtype in (torch.bfloat16, torch.float16) and z.device.type in LOW_PRECISION_GRAM_DEVICES
+def _low_precision_gram(z: Tensor, dtype: torch.dtype = None) -> bool:
+    """Whether z's device forms Sigma from half-precision activations (z's own dtype, or ``dtype``) directly."""
+    return ((dtype or z.dtype) in (torch.bfloat16, torch.float16) and z.device.type in LOW_PRECISION_GRAM_DEVICES
             and not torch.compiler.is_compiling())
 
 

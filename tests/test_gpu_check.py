@@ -2,7 +2,9 @@
 in it, a part that raises or hangs is reported FAIL while the others still run, the targets give one
 verdict per DoPr row, and the real-size rehearsal overrides resolve to the tasks' real batches."""
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,61 @@ def test_the_targets_give_one_verdict_per_dopr_row_and_name_a_part_without_rows(
         ("abs(R / R_model - 1) <= 0.1", "llama/dopr_muon", "PASS"), ("R <= 2", "llama/dopr_muon", "FAIL"),
         ("bench_toolhang's targets", "-", "not measured")]
     assert {verdict for *_, verdict in gpu_check.target_rows(bench, smoke=True)} == {"n/a (smoke)", "not measured"}
+
+
+def test_the_paper_step_is_extrapolated_from_the_first_micro_batch_the_later_ones_and_the_optimizer_step():
+    # steps timed in parts: [micro-batch 1, ..., micro-batch a, optimizer step]; medians 3, 2 and 5 ms
+    parts = [[3.0, 2.0, 2.5, 5.0], [4.0, 1.0, 2.0, 6.0], [3.0, 2.0, 1.5, 5.0]]
+    assert gpu_check.extrapolated(parts, 4) == 3.0 + 3 * 2.0 + 5.0
+    assert gpu_check.extrapolated(parts, 32) == 3.0 + 31 * 2.0 + 5.0
+    with pytest.raises(ValueError, match="at least two micro-batches"):
+        gpu_check.extrapolated([[3.0, 5.0]], 4)
+    # its targets: the extrapolation of the measured count within 10% of the measurement (GP and DoPr), R_model
+    # on DoPr's rows, and R <= 1.25 at the paper's count
+    step = {"adamw x4": {"t": 0.100, "t_measured": 0.100, "t_parts": 0.109, "agree": True},
+            "adamw x32, from parts": {"t": 0.8, "t_measured": None, "t_parts": 0.8},
+            "dopr_adamw x4": {"t": 0.150, "t_measured": 0.150, "t_parts": 0.120, "agree": False, "R": 1.5, "R_model": 1.45},
+            "dopr_adamw x32, from parts": {"t": 1.0, "t_measured": None, "t_parts": 1.0, "R": 1.25, "R_model": 1.2}}
+    rows = gpu_check.target_rows({"bench_llama_step": step}, smoke=False)
+    assert [(t, row, verdict) for t, row, _, verdict in rows] == [
+        ("abs(from parts / measured - 1) <= 0.1", "llama_step/adamw x4", "PASS"),
+        ("abs(from parts / measured - 1) <= 0.1", "llama_step/dopr_adamw x4", "FAIL"),   # 120 / 150 - 1 = -0.2
+        ("abs(R / R_model - 1) <= 0.1", "llama_step/dopr_adamw x4", "PASS"),
+        ("abs(R / R_model - 1) <= 0.1", "llama_step/dopr_adamw x32, from parts", "PASS"),
+        ("R <= 1.25 at the paper's step", "llama_step/dopr_adamw x32, from parts", "PASS")]
+    assert rows[1][2] == "120.0 vs 150.0 ms"
+
+
+def test_the_paper_step_part_writes_measured_and_extrapolated_rows_that_add_up(tmp_path):
+    # --smoke on the CPU: the tiny Llama at the task's micro-batch (2 sequences), measured whole at 4 micro-batches
+    # and extrapolated to the task's 32 from the printed parts: first + (a - 1) later + the optimizer step
+    out, work = tmp_path / "g.md", tmp_path / "w"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+                           "--parts", "bench_llama_step", "--out", str(out), "--workdir", str(work)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "| bench_llama_step |" in text and "32 micro-batches of 2 x 32 tokens: measured whole at 4" in text
+    rows = {r[0]: r[1:] for r in _table(text, "| optimizer step |")}
+    assert list(rows) == ["adamw x4", "adamw x32, from parts", "dopr_adamw x4", "dopr_adamw x32, from parts"]
+    parts = {m[0]: [float(x) for x in m[1:]] for m in re.findall(
+        r"- (\w+): first micro-batch ([\d.]+) ms, later ones ([\d.]+) ms, optimizer step ([\d.]+) ms", text)}
+    assert set(parts) == {"adamw", "dopr_adamw"}
+    for gp in ("adamw", "dopr_adamw"):
+        first, later, opt = parts[gp]
+        measured, from_parts, rel = rows[f"{gp} x4"][:3]
+        for a, shown in ((4, float(from_parts)), (32, float(rows[f"{gp} x32, from parts"][1]))):
+            # each printed value is rounded to 0.05 ms: the sum of a + 1 of them to 0.05 (a + 2)
+            assert abs(shown - (first + (a - 1) * later + opt)) <= 0.05 * (a + 2) + 1e-9
+        assert float(measured) > 0 and abs(float(rel.rstrip("%")) / 100 - (float(from_parts) / float(measured) - 1)) < 2e-3
+        assert rows[f"{gp} x32, from parts"][0] == "-"
+    r_paper = float(rows["dopr_adamw x32, from parts"][3])
+    t_paper = {gp: float(rows[f"{gp} x32, from parts"][1]) for gp in ("adamw", "dopr_adamw")}
+    assert abs(r_paper - t_paper["dopr_adamw"] / t_paper["adamw"]) <= 0.005 + 1e-3 * r_paper
+    assert float(rows["dopr_adamw x4"][3]) > 0 and float(rows["dopr_adamw x4"][4]) > 1
+    assert float(rows["dopr_adamw x32, from parts"][4]) > 1
+    saved = json.loads((work / "bench_llama_step.json").read_text())
+    assert set(saved) == set(rows) and all(isinstance(saved[k]["agree"], bool) for k in ("adamw x4", "dopr_adamw x4"))
 
 
 def test_the_rehearsal_overrides_give_the_real_per_gpu_batch(compose):
@@ -103,7 +160,8 @@ def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_st
     assert len(profiles) == 3 * 2 * 4 and all(float(p[2]) > 0 and "`" in p[7] for p in profiles)
     assert len(_table(text, "| check |")) == 6
     targets = _table(text, "| target |")
-    assert len(targets) == 3 * 4 + 2 * 2 + 4 and {t[3] for t in targets} == {"n/a (smoke)"}
+    # the three bench parts' DoPr rows; at the paper's step 2 extrapolations, 2 R_model and the paper's R
+    assert len(targets) == 3 * 4 + 2 * 2 + 4 + 5 and {t[3] for t in targets} == {"n/a (smoke)"}
     rehearsals = _table(text, "| sweep |")
     assert [r[:3] for r in rehearsals] == [["paper_toolhang", "robomimic_toolhang", "dopr_adamw"],
                                            ["sft_llama31_8b", "sft_llama31_8b", "dopr_adamw"]]

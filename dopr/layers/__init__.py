@@ -11,6 +11,7 @@ parameters of skipped modules go to the gradient preconditioner unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Union
 
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from .conv import Conv2dSUAHelper, ConvHelper, ConvTranspose1dHelper
 from .embedding import EmbeddingHelper
 from .hf_conv1d import HFConv1DHelper
 from .linear import LinearHelper
+from .lora import LoraInputHelper, lora_inputs
 
 Factory = Callable[[nn.Module, str, dict], Union[LayerHelper, str]]
 _REGISTRY: dict = {}
@@ -56,6 +58,11 @@ def _weight_trainable(module) -> Optional[str]:
 
 def _linear(module, name, opts):
     return _weight_trainable(module) or LinearHelper(module, name, opts["homogeneous"])
+
+
+def _lora_input(module, name, opts, found):
+    """lora_A of a peft LoRA layer (its LoRA layer and adapter are ``found``): dopr/layers/lora.py."""
+    return _weight_trainable(module) or LoraInputHelper(module, name, opts["homogeneous"], *found)
 
 
 def _conv(module, name, opts):
@@ -131,6 +138,7 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
     parametrized = {name for name, m in model.named_modules()
                     if isinstance(getattr(m, "weight", None), Tensor) and not isinstance(m.weight, nn.Parameter)
                     and any(p.requires_grad for p in m.parameters())}
+    loras = lora_inputs(model)
     helpers, coverage = [], []
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
@@ -162,7 +170,8 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
             entry.reason = (f"the parametrization of {owner or '<root>'}'s weight (its original parameters): to the GP "
                             "unchanged")
             continue
-        factory = _factory_for(module)
+        found = loras.get(id(module))
+        factory = _factory_for(module) if found is None else partial(_lora_input, found=found)
         if factory is None:
             entry.reason = f"no activation preconditioner for {type(module).__name__}; its parameters go to the GP unchanged"
             continue
