@@ -20,6 +20,9 @@ commit, the device and the torch / CUDA versions, and a table of the parts with 
   rehearse_*  `python run.py -m sweep=<paper sweep> rehearse=true` at the real per-GPU batch (paper_sit,
               paper_toolhang, sft_llama31_8b: its micro-batch of 2 x 4096 tokens) and their table
   solvers     scripts/bench_solvers.py, when the checkout has it (its own report solvers_<device>.md)
+  peers_*     benchmarks.peers: AdamW, DoPr-AdamW (k=1) and the published SOAP (f=10), Shampoo and PSGD-Kron
+              (pytorch-optimizer, carried by scripts/gpu_deps.sh) round-robin on SiT-S/2 and Tool Hang at batch
+              256: R vs AdamW, and whether DoPr-AdamW costs less than SOAP
   targets     R <= 1.25 at k=1 for SiT-S/2 and Tool Hang, |R / R_model - 1| <= 0.10 on every DoPr row,
               R <= 2 for Llama, R <= 1.25 at the paper's step, the extrapolation within 10% of the measurement
 Each part runs in its own process under its own time limit (PARTS: seconds on one GPU; together under
@@ -69,7 +72,9 @@ def setup_paths() -> None:
 
 #: name: (limit in seconds on one GPU, limit in --smoke, what it runs). Set from the first run on a GPU (an
 #: H200, results/bench/gpu_nvidia_h200.md: the time each part took, with room; bench_llama_step from its sizing,
-#: LLAMA_STEP): together 540 s, so the whole check ends within 9 minutes even when every part runs to its limit.
+#: LLAMA_STEP; the peers parts of issue 61 not yet run on a GPU): together 610 s. Parts end well within their
+#: limits (the H200 run: 195 s for 345 s of limits), so the check ends within 9 minutes; a GPU run that
+#: measures the new parts sets their limits.
 PARTS = {
     "env": (15, 60, "device, torch, CUDA and the packages found"),
     "bench_sit": (65, 120, "SiT-S/2 b256 bf16 autocast: rows and profiles"),
@@ -82,6 +87,8 @@ PARTS = {
     "rehearse_sft_llama31_8b": (100, 120, "rehearse=true, sweep=sft_llama31_8b, 2 x 4096 tokens, bf16"),
     "rehearsal_table": (15, 60, "python -m experiments.common.rehearsal over the three sweeps"),
     "solvers": (40, 120, "scripts/bench_solvers.py, if present"),
+    "peers_sit": (30, 120, "SiT-S/2 b256: SOAP f=10, Shampoo, PSGD-Kron vs AdamW (benchmarks.peers)"),
+    "peers_toolhang": (40, 120, "Tool Hang policy b256: SOAP f=10, Shampoo, PSGD-Kron vs AdamW (benchmarks.peers)"),
 }
 #: benchmarks.bench's timing: at least `repeats` timed steps per row, fewer once a row has run `budget` seconds
 #: (but 3, and a k=10 row one refresh and one other step: about 10 rounds of all three rows, enough for
@@ -615,6 +622,47 @@ def part_solvers(ctx) -> str:
     return str(out)
 
 
+def peers_part(ctx, task) -> str:
+    """benchmarks.peers' rows of one task: AdamW, DoPr-AdamW at k=1 and the published peers (SOAP f=10,
+    Shampoo, PSGD-Kron), round-robin in one time window; a peer whose package is absent or fails is a row
+    that says so."""
+    from benchmarks import bench as B
+    from benchmarks import peers
+
+    name, make, options = task(ctx)
+    B.register_task(name, make, options)
+    timing = BENCH_SMOKE if ctx.smoke else BENCH
+    # the rows share 3/5 of the part's limit (benchmarks.peers.bench_peers; a Shampoo step may take seconds): a
+    # slow peer is a row saying so, and the part writes its table before its limit
+    seconds = 0.6 * PARTS[ctx.part][1 if ctx.smoke else 0]
+    rows = peers.bench_peers(name, ctx.device, timing["repeats"], timing["budget"], ctx.dopr_options, seconds=seconds)
+    ctx.save({r["label"]: r for r in rows})
+    carried = [m for m in ("pytorch_optimizer", "opt_einsum") if (spec := importlib.util.find_spec(m)) is not None
+               and ROOT / ".gpu" / "deps" in Path(spec.origin or "").resolve().parents]
+    ctx.write(f"#### {name}", f"timing: benchmarks.bench.Row's, >= {timing['repeats']} timed steps per row or "
+              f"{timing['budget']:g} s of them, round-robin, the rows sharing {seconds:g} s; SOAP amortised over its "
+              "refresh period"
+              + (f"; carried from .gpu/deps: {', '.join(carried)}" if carried else ""),
+              peers.table(rows, ctx.cuda), "What ran (each class's signature defaults, the row's arguments over them):",
+              "\n".join(f"- {r['label']}: {r['defaults']}" for r in rows if r.get("defaults")))
+    by = {r["label"]: r for r in rows}
+    dopr_r, soap_r = by["dopr_adamw"].get("R"), by.get("soap f=10", {}).get("R")
+    if dopr_r is not None and soap_r is not None:
+        verdict = "n/a (smoke)" if ctx.smoke else "PASS" if dopr_r < soap_r else "FAIL"
+        ctx.write(f"DoPr-AdamW k=1 cheaper than SOAP f=10 (issue 61): R {dopr_r:.2f} vs {soap_r:.2f}, {verdict}")
+    ok = sum(r["status"] == "ok" for r in rows)
+    return f"{ok} of {len(rows)} rows ran" + "".join(f"; {r['label']} {r['status'].split(':')[0]}"
+                                                      for r in rows if r["status"] != "ok")
+
+
+def part_peers_sit(ctx):
+    return peers_part(ctx, task_sit)
+
+
+def part_peers_toolhang(ctx):
+    return peers_part(ctx, task_toolhang)
+
+
 def run_child(args) -> int:
     """Run one part in this process; its status line goes to <workdir>/<part>.status."""
     ctx = Context(args)
@@ -715,7 +763,8 @@ SECTIONS = [("Environment", ["env"]),
             ("Agreement: device vs CPU, compiled vs eager, bf16", ["agreement"]),
             ("Rehearsals of the paper sweeps at their real batch",
              ["rehearse_paper_sit", "rehearse_paper_toolhang", "rehearse_sft_llama31_8b", "rehearsal_table"]),
-            ("Solver benchmark", ["solvers"])]
+            ("Solver benchmark", ["solvers"]),
+            ("Peers: SOAP, Shampoo, PSGD-Kron against AdamW and DoPr-AdamW", ["peers_sit", "peers_toolhang"])]
 
 
 def report(args, results: list, command: str, workdir: Path) -> str:

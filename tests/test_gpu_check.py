@@ -168,6 +168,45 @@ def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_st
     assert "synthetic batches, CPU**" in text
 
 
+@pytest.mark.slow
+def test_the_smoke_check_s_peer_rows_have_ratios_and_name_their_package_and_an_absent_one_is_a_row(tmp_path):
+    # issue 61 item 9: SOAP (f=10), Shampoo and PSGD-Kron against AdamW and DoPr-AdamW in one round-robin;
+    # the second run hides pytorch-optimizer (sitecustomize, in every part's process): rows say so, no crash
+    pytest.importorskip("pytorch_optimizer")
+    from importlib import metadata
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['pytorch_optimizer'] = None\n")
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+              "--parts", "peers_sit"]
+    texts = {}
+    for case, path in (("installed", ""), ("hidden", str(hide))):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+        out = tmp_path / f"{case}.md"
+        proc = subprocess.run([*script, "--out", str(out), "--workdir", str(tmp_path / case)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        texts[case] = out.read_text()
+    labels = ["adamw", "dopr_adamw", "soap f=10", "shampoo", "psgd_kron"]
+    rows = _table(texts["installed"], "| run |")
+    assert [r[0] for r in rows] == labels and [row[4] for row in _table(texts["installed"], "| part |")] == [
+        "ok: 5 of 5 rows ran"]
+    assert all(float(r[3]) > 0 and 0 < float(r[4]) < float("inf") for r in rows) and rows[0][4] == "1.00"
+    version = metadata.version("pytorch-optimizer")
+    assert [r[1] for r in rows[2:]] == [f"pytorch-optimizer {version}, `pytorch_optimizer.{c}`"
+                                        for c in ("SOAP(precondition_frequency=10)", "Shampoo()", "Kron()")]
+    assert "- soap f=10: lr=" in texts["installed"] and "- shampoo: lr=" in texts["installed"]
+    assert re.search(r"DoPr-AdamW k=1 cheaper than SOAP f=10 \(issue 61\): R \d+\.\d\d vs \d+\.\d\d, n/a \(smoke\)",
+                     texts["installed"])
+    rows = _table(texts["hidden"], "| run |")
+    assert [r[0] for r in rows] == labels and all(float(r[4]) > 0 for r in rows[:2])
+    assert [r[1] for r in rows[2:]] == ["pytorch-optimizer: missing: pytorch-optimizer is not installed "
+                                        "(pyproject's `peers` extra; `make gpu-deps` carries it to a GPU machine)"] * 3
+    assert [row[4] for row in _table(texts["hidden"], "| part |")] == [
+        "ok: 2 of 5 rows ran; soap f=10 missing; shampoo missing; psgd_kron missing"]
+
+
 def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refused(tmp_path):
     script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke", "--parts", "env"]
     out = tmp_path / "g.md"
