@@ -182,7 +182,8 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
             continue
         tied = [o for p in helper.parameters() for m, o in owners[id(p)].items() if m != id(module)]
         if tied:
-            entry.reason = f"weight shared with {tied[0]} (tied); the AP is defined per use"
+            entry.reason = (f"weight shared with {tied[0]} (tied): two different layers use it, with inputs of "
+                            "their own, and no one Sigma is theirs; its parameters go to the GP unchanged")
             continue
         if any(id(p) not in optimized for p in helper.parameters()):
             entry.reason = "its weight is not in the base optimizer"
