@@ -117,6 +117,7 @@ def _advice(stderr: str) -> list:
     return command[2:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("show", [["--cfg", "job", "--resolve"], ["--info"]])
 def test_run_py_prints_a_sweep_presets_configuration(show):
     r = _run("sweep=lds", *show)
@@ -124,6 +125,7 @@ def test_run_py_prints_a_sweep_presets_configuration(show):
     assert ("sweep_name: lds" if "--cfg" in show else "Config search path") in r.stdout
 
 
+@pytest.mark.slow
 def test_run_py_refuses_m_with_cfg_in_one_line_and_its_advice_runs():
     r = _run("-m", "sweep=lds", "--cfg", "job")
     assert r.returncode == 2
@@ -131,8 +133,8 @@ def test_run_py_refuses_m_with_cfg_in_one_line_and_its_advice_runs():
     assert advised.returncode == 0 and "sweep_name: lds" in advised.stdout, advised.stderr[-2000:]
 
 
-@pytest.mark.parametrize("launch", [["sweep=lds"], pytest.param(["task=lds", "launcher=local_parallel"],
-                                                                 marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [["sweep=lds"], ["task=lds", "launcher=local_parallel"]])
 def test_the_advice_of_a_refused_sweep_without_m_runs_into_the_folder_asked_for(tmp_path, launch):
     out = tmp_path / "a folder"
     r = _run(*launch, "debug=default", f"hydra.run.dir={out}")
