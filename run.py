@@ -15,8 +15,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_base_task,
-                                       refuse_empty_protocol_sweep, refuse_renamed_at_gp_preset,
-                                       refuse_sweep_without_multirun, refuse_unwritable_output, suggest_key)
+                                       refuse_empty_protocol_sweep, refuse_multirun_that_prints,
+                                       refuse_renamed_at_gp_preset, refuse_sweep_without_multirun,
+                                       refuse_unwritable_output, suggest_key)
 from experiments.common.launch import run_job
 from experiments.common.resume import with_resume
 
@@ -53,6 +54,7 @@ def main(cfg: DictConfig):
 
 if __name__ == "__main__":
     refuse(refuse_sweep_without_multirun, sys.argv[1:])
+    refuse(refuse_multirun_that_prints, sys.argv[1:])
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
     refuse(refuse_base_task, sys.argv[1:], Path(__file__).resolve().parent / "conf")

@@ -82,6 +82,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
                  options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
+        if not isinstance(model, nn.Module):   # torch.optim's order, DoPr(model.parameters(), base): the hooks need layers
+            raise TypeError(f"DoPr takes the model, not its parameters (got {type(model).__name__}): DoPr(model, base), "
+                            "e.g. DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-3))")
         if options is None:
             options = DoPrOptions()
         elif isinstance(options, Mapping):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,11 +31,22 @@ Schedule = Callable[[int], float]
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _plain(v):
+    """A numpy scalar (np.int64, np.float32: numbers.Integral / numbers.Real, accepted as torch.optim
+    accepts them; np.bool_) as the Python int, float or bool it holds, so that options, checkpoints and
+    logs hold plain values; anything else unchanged."""
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, bool) or type(v) in (int, float) or not isinstance(v, numbers.Real):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v)
 
 
 def _option(default, doc: str, valid: Callable, rule, label: Optional[str] = None, show=str,
@@ -83,7 +96,7 @@ class DoPrOptions:
         lambda v: v in CONV2D_MODES, f"choose from {CONV2D_MODES}", label="conv2d mode", show=repr)
     homogeneous: bool = _option(
         True, "layers with a bias append a constant 1 to their input (affine invariance)",
-        lambda v: isinstance(v, bool), "must be True or False", show=repr)
+        lambda v: isinstance(v, (bool, np.bool_)), "must be True or False", show=repr)
     rank: int = _option(
         8, "k, the number of eigen-directions rankk_diag keeps",
         lambda v: _integer(v) and v >= 1, "must be an integer >= 1")
@@ -140,6 +153,7 @@ class DoPrOptions:
             value = getattr(self, f.name)
             if not (f.metadata["scheduled"] and callable(value)):
                 check(f, value)
+                object.__setattr__(self, f.name, _plain(value))
         if self.weak_share_bound is not None and self.health_every == 0 and self.weak_share_estimate == "spectrum":
             raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
                              "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
@@ -173,7 +187,7 @@ class DoPrOptions:
         if callable(value):
             value = value(step)
             check(_FIELDS[name], value, f" at step {step}")
-        return value
+        return _plain(value)
 
     def __getitem__(self, name: str):
         """``options["damping"]``, as when DoPr's options were a dict."""
@@ -196,6 +210,8 @@ def check(f: dataclasses.Field, value, where: str = "") -> None:
     m = f.metadata
     if not m["valid"](value):
         rule = m["rule"]() if callable(m["rule"]) else m["rule"]
+        if type(value) not in (int, float, bool, str, tuple, list, type(None)):   # its type: np.array(2) prints 2
+            rule = f"a {type(value).__module__}.{type(value).__qualname__}: {rule}"
         raise ValueError(f"Invalid {m['label'] or f.name}: {m['show'](value)}{where} ({rule})")
 
 

@@ -24,6 +24,22 @@ def test_a_key_added_with_plus_is_refused_naming_the_likely_key(compose):
         _check(compose, "+damping=-1")
 
 
+@pytest.mark.parametrize("argv", [["task=humanoid", "+task.num_trajectorie=5"], ["task=feature_learning", "task.step=5"],
+                                  ["task=feature_learning", "optm.lr=0.1"]])
+def test_the_override_a_refusal_suggests_passes_every_check(compose, argv):
+    """The advice of an unknown key ("did you mean task.steps=5?") is a command that works."""
+    import re
+
+    def refuse(args):
+        checks.suggest_key(args, ROOT / "conf")
+        _check(compose, *args)
+
+    with pytest.raises(ConfigError) as e:
+        refuse(argv)
+    fixed = [*argv[:-1], re.search(r"did you mean (\S+)\?", str(e.value)).group(1)]
+    refuse(fixed)
+
+
 def test_config_groups_added_with_plus_and_plain_overrides_pass(compose):
     _check(compose, "task=humanoid", "optim=dopr_adamw", "+tuned/humanoid=dopr_adamw", "task.num_trajectories=30")
 

@@ -3,6 +3,7 @@ running job, which resumes bit-identically; bad sweeps are refused before any jo
 submitted; a sweep without -m and a SLURM launcher without SLURM are one line and leave nothing."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from experiments.common import interrupt
-from experiments.common.checks import ConfigError, refuse_sweep_without_multirun
+from experiments.common.checks import ConfigError, refuse_multirun_that_prints, refuse_sweep_without_multirun
 from experiments.common.loop import Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +95,55 @@ def test_a_sweep_or_a_cluster_launcher_without_m_is_refused_by_name():
             refuse_sweep_without_multirun(argv)
     refuse_sweep_without_multirun(["-m", "sweep=feature_learning"])
     refuse_sweep_without_multirun(["task=lds", "launcher=local"])
+
+
+def test_printing_a_sweep_presets_configuration_runs_nothing_and_is_not_refused():
+    for argv in (["sweep=lds", "--cfg", "job"], ["sweep=lds", "--cfg", "job", "--resolve"], ["sweep=lds", "--info"],
+                 ["sweep=lds", "--cfg=hydra"], ["launcher=slurm", "-c", "job"]):
+        refuse_sweep_without_multirun(argv)
+        with pytest.raises(ConfigError, match=r"^(--cfg|-c|--info) prints and runs nothing, and Hydra refuses it "
+                                              r"with -m \(a sweep\); without -m .*: python run\.py "):
+            refuse_multirun_that_prints(["-m", *argv])
+    with pytest.raises(ConfigError, match="run with -m"):   # --resolve alone prints nothing: the job would run
+        refuse_sweep_without_multirun(["sweep=lds", "--resolve"])
+
+
+def _advice(stderr: str) -> list:
+    """The command a one-line refusal advises (after its last ': '), to run with this interpreter."""
+    line = stderr.strip()
+    assert line.count("\n") == 0 and line.startswith("Error: "), stderr[-2000:]
+    command = shlex.split(line.rsplit(": ", 1)[1])
+    assert command[:2] == ["python", "run.py"], line
+    return command[2:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("show", [["--cfg", "job", "--resolve"], ["--info"]])
+def test_run_py_prints_a_sweep_presets_configuration(show):
+    r = _run("sweep=lds", *show)
+    assert r.returncode == 0 and "Error" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert ("sweep_name: lds" if "--cfg" in show else "Config search path") in r.stdout
+
+
+@pytest.mark.slow
+def test_run_py_refuses_m_with_cfg_in_one_line_and_its_advice_runs():
+    r = _run("-m", "sweep=lds", "--cfg", "job")
+    assert r.returncode == 2
+    advised = _run(*_advice(r.stderr))
+    assert advised.returncode == 0 and "sweep_name: lds" in advised.stdout, advised.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [["sweep=lds"], ["task=lds", "launcher=local_parallel"]])
+def test_the_advice_of_a_refused_sweep_without_m_runs_into_the_folder_asked_for(tmp_path, launch):
+    out = tmp_path / "a folder"
+    r = _run(*launch, "debug=default", f"hydra.run.dir={out}")
+    assert r.returncode == 2 and not out.exists()
+    advice = _advice(r.stderr)
+    assert advice[0] == "-m" and f"hydra.sweep.dir={out}" in advice
+    advised = _run(*advice)
+    assert advised.returncode == 0, advised.stderr[-2000:]
+    assert json.loads((out / "0" / "summary.json").read_text())["lval_closed"] > 0
 
 
 def test_run_py_refuses_a_sweep_without_m_and_runs_nothing(tmp_path):

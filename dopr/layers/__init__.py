@@ -123,10 +123,15 @@ class CoverageEntry:
 
 def find_layers(model: nn.Module, optimized: set, options: dict):
     """Walk ``model``: (helpers, coverage) for every module owning trainable parameters."""
-    owners: dict = {}
+    # a module held under several names (nn.ModuleList([blk] * 3), a siamese ``self.a = self.b = enc``) is one
+    # layer called several times: one helper, one Sigma over all its uses. Only a parameter held by two
+    # different modules (an embedding tied to the unembedding) is tied.
+    owners: dict = {}    # id(parameter) -> {id(module): its first name}
+    aliases: dict = {}   # id(module) -> every name it is held under
     for mname, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(mname)
         for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(mname)
+            owners.setdefault(id(p), {}).setdefault(id(module), mname)
     functional = {}
     for mname, module in model.named_modules():
         for cls, why in FUNCTIONAL_WEIGHTS.items():
@@ -155,8 +160,8 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
         if not any(p.requires_grad for p in own):
             entry.reason = "frozen (no parameter requires grad)"
             continue
-        skip = next((k for k in options.get("skip_layers", ()) if name == k or name.startswith(k + ".")
-                     or type(module).__name__ == k), None)
+        skip = next((k for k in options.get("skip_layers", ()) for a in aliases[id(module)]
+                     if a == k or a.startswith(k + ".") or type(module).__name__ == k), None)
         if skip is not None:
             entry.reason = f"named in skip_layers ({skip!r}); its parameters go to the GP unchanged"
             continue
@@ -170,6 +175,11 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
             entry.reason = (f"the parametrization of {owner or '<root>'}'s weight (its original parameters): to the GP "
                             "unchanged")
             continue
+        complex_ = next((p.dtype for p in own if p.is_complex()), None)
+        if complex_ is not None:
+            entry.reason = (f"complex parameters ({complex_}): the AP is for real weights (a complex input's Sigma "
+                            "is the Hermitian E[z z^H], which no solver factors); its parameters go to the GP unchanged")
+            continue
         found = loras.get(id(module))
         factory = _factory_for(module) if found is None else partial(_lora_input, found=found)
         if factory is None:
@@ -179,9 +189,10 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
         if isinstance(helper, str):
             entry.reason = helper
             continue
-        tied = [o for p in helper.parameters() for o in owners[id(p)] if o != name]
+        tied = [o for p in helper.parameters() for m, o in owners[id(p)].items() if m != id(module)]
         if tied:
-            entry.reason = f"weight shared with {tied[0]} (tied); the AP is defined per use"
+            entry.reason = (f"weight shared with {tied[0]} (tied): two different layers use it, with inputs of "
+                            "their own, and no one Sigma is theirs; its parameters go to the GP unchanged")
             continue
         if any(id(p) not in optimized for p in helper.parameters()):
             entry.reason = "its weight is not in the base optimizer"

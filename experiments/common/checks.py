@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shlex
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -209,10 +210,15 @@ def refuse_empty_protocol_sweep(argv: list, conf: Path) -> None:
     for key, spec in params.items():
         group = conf / key.lstrip("+")
         if str(spec).strip() == "glob(*)" and not any(group.glob("*.yaml")):
-            raise ConfigError(
-                f"sweep={names[-1]} runs every config in {group.relative_to(conf.parent)}/, which is empty: "
-                f"run its tuning sweeps and `python -m experiments.common.tuning select ...` first "
-                f"(the commands are at the top of {preset.relative_to(conf.parent)})")
+            where = group.relative_to(conf.parent)
+            # the tuning sweeps whose selection writes this group: their header's select command names it
+            tunes = sorted(p for p in (conf / "sweep").glob("*.yaml") if f"--configs {where}" in p.read_text())
+            how = (f"{' and '.join(shlex.join(['python', 'run.py', '-m', f'sweep={p.stem}']) for p in tunes)}, then "
+                   f"the `python -m experiments.common.tuning select` command at the top of "
+                   f"{', '.join(str(p.relative_to(conf.parent)) for p in tunes)}" if tunes else
+                   f"`python -m experiments.common.tuning select <their sweep folders> --configs {where} --out <folder>`")
+            raise ConfigError(f"sweep={names[-1]} runs every config in {where}/, which is empty: run its tuning "
+                              f"sweeps and their selection first: {how}")
 
 
 def refuse_renamed_at_gp_preset(argv: list) -> None:
@@ -232,14 +238,36 @@ def refuse_renamed_at_gp_preset(argv: list) -> None:
 SUBMITIT_LAUNCHERS = ("local_parallel", "slurm", "slurm_multigpu")
 
 
+#: Hydra's flags that print (a configuration, its info, shell completion) and run nothing; Hydra refuses them
+#: with -m ("Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified")
+PRINT_FLAGS = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
+
+
+def _prints_only(argv: list) -> bool:
+    return any(a.split("=", 1)[0] in PRINT_FLAGS for a in argv)
+
+
 def refuse_sweep_without_multirun(argv: list) -> None:
-    """`sweep=...` or a submitit launcher without -m would run one local job of the defaults."""
-    if "-m" in argv or "--multirun" in argv:
+    """`sweep=...` or a submitit launcher without -m would run one local job of the defaults; printing its
+    configuration (`--cfg job`, `--resolve`, `--info`) runs nothing and passes. The advice is the command
+    with -m, its hydra.run.dir as the sweep's folder (hydra.sweep.dir)."""
+    if "-m" in argv or "--multirun" in argv or _prints_only(argv):
         return
     for arg in argv:
         key, _, value = arg.lstrip("+~").partition("=")
         if key == "sweep" or (key == "launcher" and value in SUBMITIT_LAUNCHERS):
-            raise ConfigError(f"{arg} is for sweeps, which run with -m: python run.py -m {' '.join(argv)}")
+            swept = [f"hydra.sweep.dir={a.split('=', 1)[1]}" if a.startswith("hydra.run.dir=") else a for a in argv]
+            raise ConfigError(f"{arg} is for sweeps, which run with -m: {shlex.join(['python', 'run.py', '-m', *swept])}")
+
+
+def refuse_multirun_that_prints(argv: list) -> None:
+    """`-m ... --cfg job`: Hydra refuses printing with -m in a traceback; printing runs nothing, so the advice
+    is the command without -m (which refuse_sweep_without_multirun lets through)."""
+    if ("-m" in argv or "--multirun" in argv) and _prints_only(argv):
+        rest = [a for a in argv if a not in ("-m", "--multirun")]
+        flag = next(a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in PRINT_FLAGS)
+        raise ConfigError(f"{flag} prints and runs nothing, and Hydra refuses it with -m (a sweep); without -m it "
+                          f"prints for the sweep preset too: {shlex.join(['python', 'run.py', *rest])}")
 
 
 def discard_fresh_folder(folder: Path) -> None:
