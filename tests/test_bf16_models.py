@@ -89,8 +89,9 @@ def test_a_bf16_model_without_autocast_feeds_the_covariance_gemm_bf16(grams):
     opt = dopr.build(model, "dopr_adamw", lr=1e-3)
     model(torch.randn(40, 16).bfloat16()).float().square().mean().backward()
     opt.step()
-    assert [(z.dtype, z.shape[1]) for z in grams.inputs] == [(torch.bfloat16, 16), (torch.bfloat16, 32)]
-    assert grams.gemm == [(torch.bfloat16, torch.bfloat16, torch.float32, d) for d in (16, 32)]
+    # the gram is of [z, 1] (the homogeneous column appended in the activations' dtype: 1 is exact in bf16)
+    assert [(z.dtype, z.shape[1]) for z in grams.inputs] == [(torch.bfloat16, 17), (torch.bfloat16, 33)]
+    assert grams.gemm == [(torch.bfloat16, torch.bfloat16, torch.float32, d) for d in (17, 33)]
 
 
 def test_a_lora_model_cast_to_float32_goes_back_to_float32_sigma(grams):
