@@ -290,13 +290,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         batches = defaultdict(list)
         for key, stat in groups.items():
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
-            batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
+            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
         health = self._health.due(self._counts["refreshes"])
         filtering = self.options.weak_share_bound is not None and self.options.weak_share_estimate == "filter"
         out = []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
                  if self.options.damping_mode == "trace_activations" else None)
-        for (kind, shape, _), items in batches.items():
+        for (kind, shape, _, _), items in batches.items():
             keys, stats, means = zip(*items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
