@@ -21,6 +21,7 @@ by name; dopr/ema.py the two EMAs; dopr/distributed.py the one all-reduce of the
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import defaultdict
 from typing import Mapping, Optional, Union
@@ -167,12 +168,34 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.reset()
             self._capture.collecting = self.collecting
         else:
-            self.precondition()
+            with self._undone_on_raise():
+                self.precondition()
         if self.options.clip_precond_norm is not None:
             params = [p for g in self.base.param_groups for p in g["params"] if p.grad is not None]
             self._last_clip_norm = float(torch.nn.utils.clip_grad_norm_(params, self.options.clip_precond_norm))
         self.base.step()
         return loss
+
+    @contextlib.contextmanager
+    def _undone_on_raise(self):
+        """on_nonfinite="raise": a step that raises leaves no trace, as if its batch had not been seen
+        (counters, damping scales and their tally, health reports, EMA buffers and cached factors as
+        before it). A few dict copies per step, in that mode only; the others have nothing to undo."""
+        if self.options.on_nonfinite != "raise":
+            yield
+            return
+        emas = (self._grad_ema, self._precond_ema)
+        saved = (defaultdict(int, self._counts), dict(self._damping_scale), self._filter_tally, self._cache,
+                 {k: dict(v) for k, v in self._health.reports.items()}, [dict(e.buffers) for e in emas],
+                 self._empty, self._no_forward)
+        try:
+            yield
+        except BaseException:
+            (self._counts, self._damping_scale, self._filter_tally, self._cache, self._health.reports,
+             buffers, self._empty, self._no_forward) = saved
+            for ema, b in zip(emas, buffers):
+                ema.buffers, ema.pending = b, {}
+            raise
 
     # ------------------------------------------------------------------ which layers
     def _signature(self) -> tuple:

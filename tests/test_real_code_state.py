@@ -46,3 +46,70 @@ def test_a_float32_and_a_float64_layer_of_one_width_each_get_their_own_ap(option
                                            atol=tol * float(want.abs().max()))
         opt.zero_grad()
     assert opt.stats()["preconditioned"] == 6
+
+
+# 8. a step that raises under on_nonfinite="raise" leaves no trace
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 5), nn.Linear(6, 5), nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x[0])) + torch.tanh(self.b(x[1]))).square().mean()
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    # weak directions in the inputs, so that the weak-share rules raise lambda
+    scale = torch.tensor([1.0, 1.0, 1e-3, 1e-3, 1e-4, 1.0], dtype=torch.float64)
+    return [(torch.randn(8, 6, generator=g, dtype=torch.float64) * scale,
+             torch.randn(8, 6, generator=g, dtype=torch.float64) * scale) for _ in range(n)]
+
+
+def _assert_same(a, b, where="state_dict"):
+    """a == b bit for bit: nested dicts, lists and tuples of tensors and plain values."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _run(options, batches, bad_at=None):
+    torch.manual_seed(0)
+    model = _TwoInputs().double()
+    opt = dopr.build(model, "dopr_adamw", lr=1e-2, damping=1e-6, on_nonfinite="raise", **options)
+    for i, x in enumerate(batches):
+        if i == bad_at:   # b's input has a NaN: its Sigma and head's are non-finite, a's is fine
+            bad = (x[0], x[1].clone().index_fill_(0, torch.tensor([0]), float("nan")))
+            model(bad).backward()
+            with pytest.raises(FloatingPointError, match=r"non-finite (activation covariance|gradient) in DoPr layer\(s\)"):
+                opt.step()
+            opt.zero_grad()
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("options", [
+    dict(weak_share_bound=0.1, health_every=2), dict(weak_share_bound=0.1, weak_share_estimate="filter"),
+    dict(weak_share_bound=0.1, health_every=2, precond_ema=0.5, grad_ema=0.5, precond_every=2)],
+    ids=["spectrum", "filter", "spectrum-emas-every2"])
+def test_a_step_that_raises_leaves_no_trace(options):
+    batches = _batches(6)
+    for bad_at in (1, 2):   # before a refresh step with a health report, and before one without
+        want_model, want = _run(options, batches)
+        got_model, got = _run(options, batches, bad_at=bad_at)
+        assert want.stats()["damping_raises"] > 0          # the rule binds: the scale is exercised
+        assert got.stats() == want.stats()
+        for p, q in zip(got_model.parameters(), want_model.parameters()):
+            assert torch.equal(p, q)
+        _assert_same(got.state_dict(), want.state_dict())
