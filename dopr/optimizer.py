@@ -568,7 +568,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         }
 
     def load_ap_state_dict(self, ours: dict) -> None:
-        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs)."""
+        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs). As
+        torch.optim does with its state, the EMA buffers and cached inverses are cast to the dtype and
+        device of their layer's weight (statistics_dtype: float32 for half precision): a checkpoint
+        loaded with map_location="cpu", or saved from a float32 model, fits a CUDA or float64 one."""
         mine = self.options.describe()
         differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
                   if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
@@ -579,9 +582,17 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                           stacklevel=3)
         self._step = ours["step"]
         self._warmed = ours.get("warmed", self.options.warmup_steps)  # older checkpoints: past any warm-up
-        self._grad_ema.load_state_dict(ours["grad_ema"], self._helpers())
-        self._precond_ema.load_state_dict(ours["precond_ema"])
-        self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
+        helpers = self._helpers()
+
+        def to(names: tuple) -> dict:   # the dtype and device of the layers' statistics, as saved elsewhere
+            w = next((helpers[n].module.weight for n in names if n in helpers), None)
+            return {} if w is None else {"dtype": statistics_dtype(w.dtype), "device": w.device}
+
+        self._grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
+        self._precond_ema.load_state_dict(ours["precond_ema"], to)
+        self._cache = {key: solvers.operator_from_state({**s, "tensors": {n: t.to(**to(key)) for n, t in
+                                                                           s["tensors"].items()}})
+                       for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
         # checkpoints written before the step counter was kept once also hold it as counts["steps"]
         self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
         self._damping_scale = {tuple(k.split("|")): f for k, f in ours.get("damping_scale", {}).items()}

@@ -113,3 +113,81 @@ def test_a_step_that_raises_leaves_no_trace(options):
         for p, q in zip(got_model.parameters(), want_model.parameters()):
             assert torch.equal(p, q)
         _assert_same(got.state_dict(), want.state_dict())
+
+
+# 4. DoPr's checkpoint state cast on load to the layer's dtype and device
+def _ap_tensors(state: dict) -> list:
+    """[(where, tensor)] of DoPr's own state: EMA buffers and cached inverses."""
+    out = [(f"grad_ema {k}", v["g"]) for k, v in state["grad_ema"].items()]
+    out += [(f"precond_ema {k} {i}", s) for k, v in state["precond_ema"].items() for i, s in enumerate(v["sums"])]
+    return out + [(f"cache {k} {n}", t) for k, v in state["cache"].items() for n, t in v["tensors"].items()]
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _train(model, opt, steps, dtype, device="cpu"):
+    for _ in range(steps):
+        model(torch.randn(12, 5, dtype=dtype, device=device)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("options", [dict(grad_ema=0.9), dict(precond_ema=0.9), dict(precond_every=3)],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_a_float32_checkpoint_loads_into_a_float64_model_cast_as_torch_optim_casts(options):
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = dopr.build(model, "dopr_adamw", lr=1e-2, **options)
+    _train(model, opt, 2, torch.float32)
+    saved = opt.state_dict()
+    assert _ap_tensors(saved["dopr"]) and all(t.dtype == torch.float32 for _, t in _ap_tensors(saved["dopr"]))
+
+    model64 = _mlp().double()
+    model64.load_state_dict(model.state_dict())
+    opt64 = dopr.build(model64, "dopr_adamw", lr=1e-2, **options)
+    opt64.load_state_dict(saved)
+    loaded = dict(_ap_tensors(opt64.ap_state_dict()))
+    for where, t in _ap_tensors(saved["dopr"]):   # float32 -> float64 is exact
+        assert loaded[where].dtype == torch.float64 and torch.equal(loaded[where], t.double()), where
+    assert opt64.state_dict()["state"][0]["exp_avg"].dtype == torch.float64   # torch.optim's own cast
+
+    # the next step runs, from the cast state
+    x = torch.randn(12, 5, dtype=torch.float64)
+    model64(x).square().mean().backward()
+    g, gbias = model64[2].weight.grad.clone(), model64[2].bias.grad.clone()
+    opt64.step()
+    after = opt64.ap_state_dict()
+    assert opt64.stats()["steps"] == 3 and all(t.dtype == torch.float64 for _, t in _ap_tensors(after))
+    if "grad_ema" in options:   # Gbar's buffer: beta * the cast buffer + (1 - beta) G, in float64
+        want = 0.9 * saved["dopr"]["grad_ema"]["2"]["g"][:, :6].double() + 0.1 * g
+        torch.testing.assert_close(after["grad_ema"]["2"]["g"][:, :6], want, rtol=4 * torch.finfo(torch.float64).eps, atol=0)
+    if "precond_every" in options:   # a step between refreshes: M = [G, g_b] times the cast inverse
+        p = saved["dopr"]["cache"]["2"]["tensors"]["p"].double()
+        m = torch.cat([g, gbias[:, None]], 1) @ p       # homogeneous coordinates: the bias is column 7
+        tol = 7 * torch.finfo(torch.float64).eps * float(m.abs().max())   # a dot product of 7 terms
+        torch.testing.assert_close(model64[2].weight.grad, m[:, :6], rtol=0, atol=tol)
+        torch.testing.assert_close(model64[2].bias.grad, m[:, 6], rtol=0, atol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU checkpoint -> CUDA model)")
+@pytest.mark.parametrize("options", [dict(grad_ema=0.9), dict(precond_ema=0.9), dict(precond_every=3)],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_a_checkpoint_loaded_to_the_cpu_resumes_on_cuda(options, tmp_path):
+    """A one-GPU Hugging Face Trainer resume: the optimizer's state is loaded with map_location="cpu"."""
+    torch.manual_seed(0)
+    model = _mlp().cuda()
+    opt = dopr.build(model, "dopr_adamw", lr=1e-2, **options)
+    _train(model, opt, 2, torch.float32, "cuda")
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    saved = torch.load(tmp_path / "optimizer.pt", map_location="cpu")
+    assert all(t.device.type == "cpu" for _, t in _ap_tensors(saved["dopr"]))
+    resumed = _mlp().cuda()
+    resumed.load_state_dict(model.state_dict())
+    opt2 = dopr.build(resumed, "dopr_adamw", lr=1e-2, **options)
+    opt2.load_state_dict(saved)
+    for where, t in _ap_tensors(opt2.ap_state_dict()):
+        assert t.device.type == "cuda", where
+    _train(resumed, opt2, 2, torch.float32, "cuda")
+    assert opt2.stats()["steps"] == 4 and all(torch.isfinite(p).all() for p in resumed.parameters())
