@@ -2,6 +2,9 @@
 precond_every > 1 across refreshes, layers of the same width in two dtypes, checkpoint state cast on
 load to the layer's dtype and device, and a step that raises under on_nonfinite="raise" leaving no
 trace. Each test failed on a7af4b7."""
+import contextlib
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -191,3 +194,161 @@ def test_a_checkpoint_loaded_to_the_cpu_resumes_on_cuda(options, tmp_path):
         assert t.device.type == "cuda", where
     _train(resumed, opt2, 2, torch.float32, "cuda")
     assert opt2.stats()["steps"] == 4 and all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+# 2. precond_every > 1: each layer keeps its last good factor until it has a new one
+class _Heads(nn.Module):
+    """A trunk and two heads reading its output (one statistics group when both run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3, bias=False), nn.Linear(6, 3, bias=False)
+
+    def inputs(self, x):
+        return torch.tanh(self.trunk(x))
+
+    def forward(self, x, heads="ab"):
+        h = self.inputs(x)
+        return sum(getattr(self, n)(h).square().mean() for n in heads)
+
+
+def _heads(**options):
+    torch.manual_seed(0)
+    model = _Heads().double()
+    # lr 0: the weights stay, so each step's head inputs can be recomputed for the reference
+    return model, dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=0.1, **options)
+
+
+def _head_step(model, opt, x, heads):
+    """One step; returns {head: (its raw G, its M)} for the heads that ran."""
+    model(x, heads).backward()
+    g = {n: getattr(model, n).weight.grad.clone() for n in heads}
+    opt.step()
+    out = {n: (g[n], getattr(model, n).weight.grad.clone()) for n in heads}
+    opt.zero_grad()
+    return out
+
+
+def _assert_ap(g, m, z):
+    """m = G (Sigma + 0.1 tr(Sigma) I)^-1 with Sigma from the inputs z: condition <= 11, float64."""
+    want = ap_reference(g, z, 0.1)
+    tol = 10 * 11 * z.shape[1] * torch.finfo(torch.float64).eps
+    torch.testing.assert_close(m, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_a_head_absent_on_a_refresh_step_keeps_its_factor_and_a_changed_group_is_split():
+    model, opt = _heads(precond_every=3)
+    xs = [torch.randn(16, 5, dtype=torch.float64) for _ in range(5)]
+    runs = ["ab", "b", "a", "a", "b"]        # step 3 refreshes without b; a and b shared a group at step 0
+    got = [_head_step(model, opt, x, heads) for x, heads in zip(xs, runs)]
+    z0, z3 = model.inputs(xs[0]).detach(), model.inputs(xs[3]).detach()
+    _assert_ap(*got[1]["b"], z0)
+    _assert_ap(*got[3]["a"], z3)
+    _assert_ap(*got[4]["b"], z0)             # step 0's factor, not dropped by the refresh at step 3
+    assert opt.stats()["preconditioned"] == 11 and opt.stats()["no_forward"] == []
+
+
+def test_a_head_never_run_on_a_refresh_step_is_factored_from_the_next_collecting_step():
+    model, opt = _heads(precond_every=2)     # a on the refresh steps, b between them
+    xs = [torch.randn(16, 5, dtype=torch.float64) for _ in range(6)]
+    with pytest.warns(RuntimeWarning, match=r"layers \['b'\] have a gradient but no factor yet"):
+        got = [_head_step(model, opt, x, "ab"[i % 2]) for i, x in enumerate(xs)]
+    g, m = got[1]["b"]
+    assert torch.equal(g, m)                 # step 1: no factor yet, raw
+    _assert_ap(*got[3]["b"], model.inputs(xs[3]).detach())   # statistics gathered at step 3, b's next run
+    _assert_ap(*got[5]["b"], model.inputs(xs[3]).detach())   # and kept
+    assert opt.stats()["refreshes"] == 3      # step 3 factored b without being a refresh
+
+
+def test_a_non_finite_sigma_on_a_refresh_step_loses_the_ap_for_that_step_only():
+    model, opt = _heads(precond_every=3)
+    xs = [torch.randn(16, 5, dtype=torch.float64) for _ in range(6)]
+    big = torch.zeros(6, dtype=torch.float64)
+    big[0] = 1e200                           # b's Sigma overflows to inf, its G stays finite
+
+    def step(i, poisoned):
+        h = model.inputs(xs[i])
+        loss = model.a(h).square().mean() + model.b(h + big if poisoned else h).sum()
+        loss.backward()
+        g = model.b.weight.grad.clone()
+        opt.step()
+        m = model.b.weight.grad.clone()
+        opt.zero_grad()
+        return g, m, (h + big if poisoned else h).detach()
+
+    with pytest.warns(RuntimeWarning, match=r"non-finite activation covariance in \['b'\]"):
+        g0, m0, _ = step(0, True)            # the first refresh: no factor before it
+    assert torch.equal(g0, m0)
+    g1, m1, z1 = step(1, False)              # factored from step 1's statistics
+    _assert_ap(g1, m1, z1)
+    step(2, False)
+    g3, m3, _ = step(3, True)                # a refresh with a non-finite Sigma: raw that step ...
+    assert torch.equal(g3, m3)
+    g4, m4, _ = step(4, False)               # ... then the last good factor, step 1's
+    _assert_ap(g4, m4, z1)
+    assert opt.stats()["nonfinite_skips"] == 2
+
+
+def test_a_layer_thawed_between_refreshes_is_preconditioned_from_the_next_step():
+    model, opt = _heads(precond_every=4)
+    model.b.weight.requires_grad_(False)
+    xs = [torch.randn(16, 5, dtype=torch.float64) for _ in range(4)]
+    for i in range(2):
+        _head_step(model, opt, xs[i], "a")
+    model.b.weight.requires_grad_(True)
+    with pytest.warns(RuntimeWarning, match=r"layers \['b'\] train now: preconditioned from the next step on"):
+        g2, m2 = _head_step(model, opt, xs[2], "ab")["b"]
+    assert torch.equal(g2, m2)
+    got = _head_step(model, opt, xs[3], "ab")   # b factored from step 3's statistics, a keeps step 0's factor
+    _assert_ap(*got["b"], model.inputs(xs[3]).detach())
+    _assert_ap(*got["a"], model.inputs(xs[0]).detach())
+
+
+def test_a_bias_thawed_between_refreshes_drops_the_factor_of_the_old_dimension():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model[2].bias.requires_grad_(False)
+    opt = dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=0.1, precond_every=4)
+    for i in range(4):
+        if i == 2:
+            model[2].bias.requires_grad_(True)   # the AP's dimension 6 -> 7 (homogeneous coordinates)
+        model(torch.randn(16, 5, dtype=torch.float64)).square().mean().backward()
+        with pytest.warns(RuntimeWarning) if i == 2 else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad()
+    assert opt.stats()["preconditioned"] == 7   # all but the resized layer's step-2 gradient
+
+
+def test_a_layer_with_a_stale_gradient_and_no_forward_does_not_make_every_step_collect():
+    model, opt = _heads(precond_every=4)
+    collecting = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(8):                   # b runs once, at step 1 (no factor: raw), and keeps a zero gradient
+            collecting.append(opt.collecting)
+            model(torch.randn(16, 5, dtype=torch.float64), "ab" if i == 1 else "a").backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    # step 2 gathers statistics for b, which has no forward there: b waits for the refreshes (0, 4)
+    assert collecting == [True, False, True, False, True, False, False, False]
+    said = " ".join(str(w.message) for w in caught)
+    assert "['b'] have a gradient but no factor yet" in said and "no training forward since the last step for ['b']" in said
+
+
+def test_a_resume_between_refreshes_keeps_which_layers_await_a_factor():
+    xs = [torch.randn(16, 5, dtype=torch.float64) for _ in range(4)]
+    model, opt = _heads(precond_every=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # b's raw first step, said once
+        for i in range(2):
+            _head_step(model, opt, xs[i], "ab"[i])
+        saved = opt.state_dict()
+        want = [_head_step(model, opt, x, "ab") for x in xs[2:]]
+        resumed, opt2 = _heads(precond_every=4)
+        resumed.load_state_dict(model.state_dict())
+        opt2.load_state_dict(saved)
+        got = [_head_step(resumed, opt2, x, "ab") for x in xs[2:]]
+    for w, g in zip(want, got):
+        for n in "ab":
+            assert torch.equal(w[n][1], g[n][1])
+    _assert_ap(*got[0]["b"], model.inputs(xs[2]).detach())   # b factored at step 2, the step after its raw one
