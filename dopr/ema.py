@@ -94,9 +94,11 @@ class GradientEMA(_EMA):
 
         return {k: {**v, "g": out(k, v["g"])} for k, v in self.buffers.items()}
 
-    def load_state_dict(self, state: dict, helpers: Optional[dict] = None) -> None:
-        """Load buffers saved whole (or unsharded); with `helpers`, each keeps this rank's part."""
+    def load_state_dict(self, state: dict, helpers: Optional[dict] = None, to=None) -> None:
+        """Load buffers saved whole (or unsharded); with `helpers`, each keeps this rank's part; `to`:
+        {names tuple: the dtype and device keywords its buffer is cast to} (as torch.optim casts its state)."""
         def mine(k, g):
+            g = g.to(**to((k,))) if to else g
             return helpers[k].local_matrix(g).clone() if helpers and k in helpers else g.clone()
 
         self.buffers = {k: {**v, "g": mine(k, v["g"])} for k, v in state.items()}
@@ -169,5 +171,9 @@ class CovarianceEMA(_EMA):
     def state_dict(self) -> dict:
         return {k: {**v, "sums": [s.clone() for s in v["sums"]]} for k, v in self.buffers.items()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.buffers = {k: {**v, "sums": [s.clone() for s in v["sums"]]} for k, v in state.items()}
+    def load_state_dict(self, state: dict, to=None) -> None:
+        """`to`: as GradientEMA's, for the group's names."""
+        def mine(k, s):
+            return s.to(**to(tuple(k.split("|"))), copy=True) if to else s.clone()
+
+        self.buffers = {k: {**v, "sums": [mine(k, s) for s in v["sums"]]} for k, v in state.items()}

@@ -21,6 +21,7 @@ by name; dopr/ema.py the two EMAs; dopr/distributed.py the one all-reduce of the
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import defaultdict
 from typing import Mapping, Optional, Union
@@ -50,6 +51,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
+
+
+def _without(cache: dict, names) -> dict:
+    """The cached factors but those of `names`: a group that loses members keeps its factor for the rest."""
+    out = {}
+    for key, op in cache.items():
+        rest = tuple(n for n in key if n not in names)
+        if rest:
+            out[rest if len(rest) < len(key) else key] = op
+    return out
 
 
 def _phase(what: str, layers: int, shape) -> str:
@@ -116,7 +127,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
         self._grad_ema = GradientEMA(self.options.grad_ema)
         self._precond_ema = CovarianceEMA(self.options.precond_ema)
-        self._cache: dict = {}
+        self._cache: dict = {}     # precond_every > 1: {group key: its last good factor}, kept until a new one
+        self._unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
+        self._idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
+                                        # step since the last refresh: they wait for the next refresh
         self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
@@ -172,12 +186,34 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.reset()
             self._capture.collecting = self.collecting
         else:
-            self.precondition()
+            with self._undone_on_raise():
+                self.precondition()
         if self.options.clip_precond_norm is not None:
             params = [p for g in self.base.param_groups for p in g["params"] if p.grad is not None]
             self._last_clip_norm = float(torch.nn.utils.clip_grad_norm_(params, self.options.clip_precond_norm))
         self.base.step()
         return loss
+
+    @contextlib.contextmanager
+    def _undone_on_raise(self):
+        """on_nonfinite="raise": a step that raises leaves no trace, as if its batch had not been seen
+        (counters, damping scales and their tally, health reports, EMA buffers and cached factors as
+        before it). A few dict copies per step, in that mode only; the others have nothing to undo."""
+        if self.options.on_nonfinite != "raise":
+            yield
+            return
+        emas = (self._grad_ema, self._precond_ema)
+        saved = (defaultdict(int, self._counts), dict(self._damping_scale), self._filter_tally, self._cache,
+                 {k: dict(v) for k, v in self._health.reports.items()}, [dict(e.buffers) for e in emas],
+                 self._empty, self._no_forward)
+        try:
+            yield
+        except BaseException:
+            (self._counts, self._damping_scale, self._filter_tally, self._cache, self._health.reports,
+             buffers, self._empty, self._no_forward) = saved
+            for ema, b in zip(emas, buffers):
+                ema.buffers, ema.pending = b, {}
+            raise
 
     # ------------------------------------------------------------------ which layers
     def _signature(self) -> tuple:
@@ -206,6 +242,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                     layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
             added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
             self._attached_now = set(added) | set(changed)
+            self._cache = _without(self._cache, changed)   # a factor of the old dimension no longer fits
+            self._unfactored &= set(l.helper.name for l in self._capture.layers)
             if added:
                 self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
                                 "(this step's gradient for them is raw; see DoPr.coverage())")
@@ -226,9 +264,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @property
     def collecting(self) -> bool:
-        """Whether forwards now gather statistics: not while warming up; refresh steps only when
-        precond_every > 1."""
-        return not self.warming_up and self._step % self.options.precond_every == 0
+        """Whether forwards now gather statistics: not while warming up; when precond_every > 1, on
+        refresh steps and on the steps after a layer had a gradient but no factor (it gets one then)."""
+        return not self.warming_up and (self._step % self.options.precond_every == 0 or bool(self._unfactored))
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -247,31 +285,45 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         for ema, name in ((self._grad_ema, "grad_ema"), (self._precond_ema, "precond_ema")):
             if ema.scheduled:                                 # a rate given as a function of the step
                 ema.beta = self.options.at(name, step)
-        if self.collecting:                                   # a refresh step: new statistics, new factors
+        collected, refresh = self.collecting, self._step % self.options.precond_every == 0
+        raw = frozenset()
+        if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
+            gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
+            if not refresh:                                   # between refreshes: factors for the layers without one
+                groups = {sub: stat for key, stat in groups.items()
+                          if (sub := tuple(n for n in key if n in self._unfactored))}
             self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
             if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
                 groups = {key: stat for key, stat in groups.items() if stat.count > 0}
                 self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
                                 "or mask, an expert no token was routed to): their gradients go to the GP raw "
                                 "(see DoPr.stats()['no_samples'])")
-            batches = self._factor(groups, grads, self.options.at("damping", step))   # Sigmabar, lambda, factors:
+            batches = self._factor(groups, grads, self.options.at("damping", step), refresh)   # Sigmabar, lambda, factors:
                                                                                       # nothing read back yet
             ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
                    for k, op in zip(keys, res)}
             ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
                         for k, op in zip(keys, res.ops())})
+            if not refresh:
+                ops = {**self._cache, **ops}
         else:                                                 # in between: the cached inverses
             batches, ops, self._empty = [], self._cache, set()
-        members = self._members(ops, grads)
+            covered = {n for key in ops for n in key}
+            raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
+            if raw - self._attached_now:
+                self._warn_once("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
+                                "on a refresh step so far): raw this step, factored from the statistics of their "
+                                "next forward (see docs/library.md, precond_every)")
+        members = self._members(ops, grads, raw)
         solved, gflags = self._solve(members, grads)     # Gbar, M = Gbar A^-1 for every layer, speculatively
         flags = [f for _, finite, res in batches for f in
                  ([~finite] + ([res.trouble] if isinstance(res, solvers.Deferred) else []))] + gflags
         if flags and self._any(flags):                        # the one read-back of the step
             ops, skipped = self._repair(batches, ops, grads)
-            members = self._members(ops, grads, skipped)
+            members = self._members(ops, grads, skipped | raw)
             solved, _ = self._solve(members, grads)
             self._precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
             self._grad_ema.commit(skip=skipped)
@@ -284,32 +336,47 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             else:
                 for name, m in zip(names, ms.unbind(0)):
                     self._helpers_now[name].set_grad(m)
-        if self.collecting and self.options.precond_every > 1:
-            self._cache = solvers.cached(ops)
+        if collected and self.options.precond_every > 1:   # new factors replace their layers' old ones only
+            fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
+            self._cache = {**_without(self._cache, {n for key in fresh for n in key}), **fresh}
         self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
+        if self.options.precond_every > 1:
+            self._track_unfactored(grads, collected, refresh, gathered if collected else set())
         self._capture.collecting = self.collecting
         self._capture.reset()
 
-    def _factor(self, groups: dict, grads: dict, gamma: float) -> list:
+    def _track_unfactored(self, grads: dict, collected: bool, refresh: bool, gathered: set) -> None:
+        """precond_every > 1: the layers the next step gathers statistics for, those with a gradient and no
+        factor (not run on a refresh step yet, added or thawed, a first Sigma not finite), until they get one;
+        a layer with a gradient but no statistics on a collecting step waits for the next refresh."""
+        if refresh:
+            self._idle = set()
+        if collected:
+            self._idle |= {n for n in grads if n not in gathered and n not in self._attached_now}
+        covered = {n for key in self._cache for n in key}
+        self._unfactored = {n for n in (self._unfactored | grads.keys()) if n not in covered and n not in self._idle}
+
+    def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
         """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
         (damping_mode's scale), factored in one call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
-        solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read."""
+        solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read. Not a
+        ``refresh``: factors between refreshes for layers without one (no health report, not counted)."""
         groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
         lazy = not self._precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
         for key, stat in groups.items():
             if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
-                batches[(type(stat), stat.sums[0].shape, stat.sums[0].device)].append((key, stat, None))
+                batches[(type(stat), stat.sums[0].shape, stat.sums[0].dtype, stat.sums[0].device)].append((key, stat, None))
                 continue
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
-            batches[(type(stat), mean[0].shape, mean[0].device)].append((key, stat, mean))
-        health = self._health.due(self._counts["refreshes"])
+            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
+        health = refresh and self._health.due(self._counts["refreshes"])
         filtering = self.options.weak_share_bound is not None and self.options.weak_share_estimate == "filter"
         out = []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
                  if self.options.damping_mode == "trace_activations" else None)
-        for (kind, shape, _), items in batches.items():
+        for (kind, shape, _, _), items in batches.items():
             keys, stats, means = zip(*items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
@@ -342,7 +409,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                         if key in scales and "|".join(key) in self._health.reports:
                             self._health.reports["|".join(key)]["damping_scale"] = scales[key]
                 out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
-        self._counts["refreshes"] += 1
+        self._counts["refreshes"] += int(refresh)
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out
 
@@ -569,11 +636,16 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
             "counts": dict(self._counts),
             "damping_scale": {"|".join(k): f for k, f in self._damping_scale.items()},
+            "unfactored": sorted(self._unfactored),
+            "idle": sorted(self._idle),
             "options": self.options.describe(),
         }
 
     def load_ap_state_dict(self, ours: dict) -> None:
-        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs)."""
+        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs). As
+        torch.optim does with its state, the EMA buffers and cached inverses are cast to the dtype and
+        device of their layer's weight (statistics_dtype: float32 for half precision): a checkpoint
+        loaded with map_location="cpu", or saved from a float32 model, fits a CUDA or float64 one."""
         mine = self.options.describe()
         differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
                   if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
@@ -584,12 +656,21 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                           stacklevel=3)
         self._step = ours["step"]
         self._warmed = ours.get("warmed", self.options.warmup_steps)  # older checkpoints: past any warm-up
-        self._grad_ema.load_state_dict(ours["grad_ema"], self._helpers())
-        self._precond_ema.load_state_dict(ours["precond_ema"])
-        self._cache = {tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()}
+        helpers = self._helpers()
+
+        def to(names: tuple) -> dict:   # the dtype and device of the layers' statistics, as saved elsewhere
+            w = next((helpers[n].module.weight for n in names if n in helpers), None)
+            return {} if w is None else {"dtype": statistics_dtype(w.dtype), "device": w.device}
+
+        self._grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
+        self._precond_ema.load_state_dict(ours["precond_ema"], to)
+        self._cache = {key: solvers.operator_from_state({**s, "tensors": {n: t.to(**to(key)) for n, t in
+                                                                           s["tensors"].items()}})
+                       for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
         # checkpoints written before the step counter was kept once also hold it as counts["steps"]
         self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
         self._damping_scale = {tuple(k.split("|")): f for k, f in ours.get("damping_scale", {}).items()}
+        self._unfactored, self._idle = set(ours.get("unfactored", ())), set(ours.get("idle", ()))
         self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:
@@ -616,6 +697,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.setdefault("_damping_scale", {})
         self.__dict__.setdefault("_filter_tally", None)
         self.__dict__.setdefault("_empty", set())
+        self.__dict__.setdefault("_unfactored", set())
+        self.__dict__.setdefault("_idle", set())
         self._buckets = {}
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)

@@ -88,8 +88,8 @@ class DoPrOptions:
         "span_rcond, span_cap) or any registered with dopr.solvers.register_solver",
         lambda v: v in solvers.SOLVERS, lambda: f"choose from {tuple(solvers.SOLVERS)}", show=repr)
     precond_every: int = _option(
-        1, "refactor every k steps, gathering statistics on those steps only, and reuse the cached inverse "
-        "in between; 1 is the exact algorithm",
+        1, "refactor every k steps, gathering statistics on those steps, and reuse each layer's last good "
+        "inverse in between (a layer with none gets one from the next step it runs on); 1 is the exact algorithm",
         lambda v: _integer(v) and v >= 1, "must be an integer >= 1")
     conv2d: str = _option(
         "full", "Conv2d covariance: full (im2col patches) or sua (channels, spatially uncorrelated)",
