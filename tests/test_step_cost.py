@@ -246,3 +246,46 @@ def test_the_steps_numeric_core_compiles_whole(monkeypatch, lapack):
     m_eager, trouble_eager = core(z, g)
     assert not trouble.any() and not trouble_eager.any()
     torch.testing.assert_close(m, m_eager)
+
+
+class _Gemms(TorchDispatchMode):
+    """Counts the GEMMs (mm, addmm, bmm, baddbmm) a region runs, by op."""
+
+    OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.OPS:
+            self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_between_refreshes_adds_one_gemm_per_bucket():
+    # issue 61 item 5: with no statistics EMA, a step whose Sigma will not be used gathers no activations
+    # (no covariance GEMM in the forward) and applies the cached inverses, one batched GEMM per bucket of
+    # same-shape layers, over the GP's own step
+    def gemms(name, steps_before, **kw):
+        model = _mlp(4)
+        opt = dopr.build(model, name, lr=1e-3, **kw)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(steps_before):
+            step()
+        with _Gemms() as counter:
+            step()
+        return counter.calls
+
+    gp = gemms("adamw", 1)
+    between = gemms("dopr_adamw", 1, precond_every=10)       # step 2 of 10: the cached inverses
+    assert sum(between.values()) == sum(gp.values()) + 1     # 4 layers of one shape: one bucket, one bmm
+    assert between["bmm"] == gp["bmm"] + 1
+    refresh = gemms("dopr_adamw", 10, precond_every=10)      # step 11: a refresh, one covariance GEMM per layer
+    assert refresh["mm"] == gp["mm"] + 4 and between["mm"] == gp["mm"]
