@@ -66,6 +66,16 @@ def _grad_node(t: Tensor):
         return t.view_as(t).grad_fn.next_functions[0][0]
 
 
+def _relink_hooks(t: Tensor) -> None:
+    """Hand a leaf's gradient hooks to its tensor data again. ``torch.utils.swap_tensors`` (``Module._apply``
+    under ``torch.__future__.set_swap_module_params_on_conversion(True)``) leaves the hook dicts on the
+    Python tensor but not on its new data, so no hook of it would run again; setting a dict links it."""
+    for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t, attr)
+        if hooks is not None:
+            setattr(t, attr, hooks)
+
+
 def _in_functorch_transform() -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) is running: its forwards carry batched or
     wrapped tensors whose statistics are not a plain batch's; DoPr gathers none there."""
@@ -217,15 +227,21 @@ class ActivationCapture:
         self.in_use = list(self.weights)
         self.handles += [h.module.register_forward_pre_hook(_WeightInUse(self, i))
                          for i, h in enumerate(helpers) if self.sharded[i]]
+        self._weight_hooks: dict = {}   # {index: the handles of the hooks on that layer's weight}
         for i, h in enumerate(helpers):
-            w = self.weights[i]
-            if w.requires_grad:
-                self.handles.append(w.register_hook(_ParamHook(self, i, "weight_pre_accumulate")))
-            self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
+            self._hook_weight(i, self.weights[i])
             for p in self.probes.leaves[i]:
                 self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
         # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
-        self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
+        self._finalizer = weakref.finalize(self, _remove_handles, self.handles)
+
+    def _hook_weight(self, index: int, w: Tensor) -> None:
+        """The gradient hooks on layer `index`'s weight `w` (those on its previous weight removed)."""
+        _remove_handles(self._weight_hooks.get(index, ()))
+        hooks = [w.register_hook(_ParamHook(self, index, "weight_pre_accumulate"))] if w.requires_grad else []
+        hooks.append(w.register_post_accumulate_grad_hook(_ParamHook(self, index, "accumulated")))
+        self._weight_hooks[index] = hooks
+        self.handles += hooks
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
@@ -271,21 +287,42 @@ class ActivationCapture:
         computes the weight's gradient."""
         layer = self.layers[index]
         self.before_accumulation(index)
-        if not _receives_grad(weight, self._accumulator(index, weight)):
+        if not self._receives_grad(index, weight):
             return
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
         self.commit_stat(layer, cap.stat, cap.cid)
 
+    def _receives_grad(self, index: int, weight: Tensor) -> bool:
+        """:func:`_receives_grad` through the cached AccumulateGrad node, checked again when it says
+        no: a dtype or device change of the model (``model.double()``, ``.to(torch.bfloat16)``,
+        ``.cpu()``: ``Module._apply`` sets ``param.data`` or swaps the tensors) gives the weight a new
+        node, and the cached one is in no graph. Only a backward that skips the weight pays for the check."""
+        node = self._accumulator(index, weight)
+        if node is None:
+            return _receives_grad(weight)
+        if _receives_grad(weight, node):
+            return True
+        current = _grad_node(weight)
+        if current is node:
+            return False
+        self._nodes[index] = (weight, current)
+        _relink_hooks(weight)
+        return _receives_grad(weight, current)
+
     def _accumulator(self, index: int, weight: Tensor):
         """The weight's AccumulateGrad node, found once per layer and weight (not through a view per
         layer per backward); None for a non-leaf weight (a parametrization's output). Held beside the
-        weight, which the capture holds anyway."""
+        weight, which the capture holds anyway. A new Parameter in the module (``Module._apply`` under
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) becomes the layer's weight."""
         known = self._nodes.get(index)
         if known is None or known[0] is not weight:
             if weight.grad_fn is not None or not weight.requires_grad:
                 return None
             known = self._nodes[index] = (weight, _grad_node(weight))
+            if weight is not self.weights[index] and not self.sharded[index] and isinstance(weight, nn.Parameter):
+                self.weights[index] = weight
+                self._hook_weight(index, weight)
         return known[1]
 
     def weight_pre_accumulate(self, index: int) -> None:

@@ -1,0 +1,120 @@
+"""The capture in real training code (issue 62, items 1, 6, 7 and 9): a dtype or device change of the
+model mid-run, one forward backpropagated in several passes (retain_graph=True), CPU bf16 autocast,
+and the warning for a layer with a gradient but no statistics. Each test but the one marked as a
+guard fails on a7af4b7 (the CUDA ones run where a GPU is at hand)."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dopr import DoPr
+from reference import ap_reference, with_ones
+
+GAMMA = 1e-3
+
+
+def _dopr(model, **kw):
+    """DoPr over a base that leaves the weights alone (lr 0): after step() each layer's grad is its M."""
+    return DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=GAMMA, **kw)
+
+
+def _g(layer):
+    """[G, g_b]: the gradient matrix the AP acts on (the bias as the homogeneous column)."""
+    return torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double()
+
+
+def _assert_ap(layer, g, z, dtype):
+    """The layer's grad is the AP of g for inputs z, M = G (Sigma + lam I)^-1 in float64, within what
+    forming Sigma (n terms) and solving (d unknowns, condition number kappa) in `dtype` can lose."""
+    z = with_ones(z.double())
+    ref = ap_reference(g, z, GAMMA)
+    sigma = z.T @ z / z.shape[0]
+    a = sigma + GAMMA * torch.trace(sigma) * torch.eye(z.shape[1], dtype=torch.float64)
+    tol = torch.linalg.cond(a) * (z.shape[0] + z.shape[1]) * torch.finfo(dtype).eps * ref.abs().max()
+    err = (_g(layer) - ref).abs().max()
+    assert err <= tol, f"M is {float(err):.3g} off G (Sigma + lam I)^-1 (bound {float(tol):.3g})"
+    return ref, tol
+
+
+def _backward(model, x):
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+
+
+@pytest.fixture
+def conversion(request):
+    """How Module._apply converts the parameters: param.data = ... (torch's default), or
+    torch.utils.swap_tensors (torch.__future__'s swap flag), or new Parameter objects (its overwrite flag)."""
+    swap, overwrite = (torch.__future__.get_swap_module_params_on_conversion(),
+                       torch.__future__.get_overwrite_module_params_on_conversion())
+    torch.__future__.set_swap_module_params_on_conversion(request.param == "swap")
+    torch.__future__.set_overwrite_module_params_on_conversion(request.param == "overwrite")
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
+# 1. a dtype or device change of the model mid-run
+@pytest.mark.parametrize("conversion", ["set_data", "swap"], indirect=True)
+@pytest.mark.parametrize("change", ["double", "bfloat16_and_back"])
+def test_a_dtype_change_mid_run_keeps_preconditioning(conversion, change):
+    model = nn.Sequential(nn.Linear(5, 3))
+    opt = _dopr(model)
+    x = torch.randn(64, 5)
+    _backward(model, x)
+    opt.step()                      # the capture now knows the weight's autograd node
+    opt.zero_grad()
+    if change == "double":
+        model.double()
+        x = x.double()
+    else:
+        model.to(torch.bfloat16).float()   # the weights rounded to bf16, float32 again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")     # no "no training forward" warning
+        _backward(model, x)
+        g = _g(model[0])
+        opt.step()
+    _assert_ap(model[0], g, x, model[0].weight.dtype)
+    assert opt.stats()["no_forward"] == [] and opt.stats()["preconditioned"] == 2
+
+
+@pytest.mark.parametrize("conversion", ["set_data", "swap", "overwrite"], indirect=True)
+def test_after_a_dtype_change_a_cleared_gradient_still_takes_its_statistics_with_it(conversion):
+    """The weight's gradient hooks follow the conversion: a swap_tensors conversion leaves the old ones
+    unlinked, an overwriting one makes a new Parameter. model.zero_grad() between micro-batches then
+    still drops the first micro-batch's statistics with its gradient."""
+    model = nn.Sequential(nn.Linear(5, 3))
+    opt = _dopr(model)
+    _backward(model, torch.randn(16, 5))
+    opt.step()
+    opt.zero_grad()
+    model.double()
+    x1, x2 = torch.randn(8, 5, dtype=torch.float64), torch.randn(24, 5, dtype=torch.float64)
+    _backward(model, x1)
+    model.zero_grad()                 # not through the optimizer: the capture sees the gradient cleared
+    _backward(model, x2)
+    assert opt.pending_samples() == {"0": 24}
+    g = _g(model[0])
+    opt.precondition()
+    _assert_ap(model[0], g, x2, torch.float64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to and back")
+def test_a_device_round_trip_mid_run_keeps_preconditioning():
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    opt = _dopr(model)
+    x = torch.randn(64, 5, dtype=torch.float64)
+    _backward(model, x)
+    opt.step()
+    opt.zero_grad()
+    model.cuda()
+    _backward(model, x.cuda())
+    opt.step()
+    opt.zero_grad()
+    model.cpu()
+    _backward(model, x)
+    g = _g(model[0])
+    opt.step()
+    _assert_ap(model[0], g, x, torch.float64)
+    assert opt.stats()["no_forward"] == [] and opt.stats()["preconditioned"] == 3
