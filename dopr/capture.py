@@ -179,11 +179,13 @@ def _producer(output: Tensor):
 
 def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor):
     ref = weakref.ref(capture)
+    counted = None   # the layer's list of commits this forward was counted into (see ActivationCapture.commit)
 
     def hook(grad_outputs):
+        nonlocal counted
         c = ref()
         if c is not None:
-            c.commit(index, cap, saved, weight)
+            counted = c.commit(index, cap, saved, weight, counted)
 
     return hook
 
@@ -200,7 +202,8 @@ class LayerRecord:
     def reset(self) -> None:
         self.stat: Optional[ActivationStatistics] = None
         self.owned = False  # False while `stat` is the shared capture's object (copy on second add)
-        self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma
+        self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma (a new
+        # list whenever the statistics are dropped, so a forward knows whether it already counted in them)
         self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
         self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
         self.checked = None  # the backward pass (graph task) that last ran before_accumulation
@@ -282,16 +285,22 @@ class ActivationCapture:
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             return helper.statistics(x, self.statistic)
 
-    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor) -> None:
+    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
+               counted: Optional[list] = None) -> Optional[list]:
         """The gradient reached the layer's operation: its statistics count if this backward pass
-        computes the weight's gradient."""
+        computes the weight's gradient, once per forward. A forward backpropagated in several passes
+        (``retain_graph=True``: per-task losses, an actor and a critic on one trunk) adds to one gradient
+        in each, and its samples are still the same samples: `counted` is the layer's list of commits
+        the forward was counted into, if any (a clear of the gradient starts a new one, and the forward
+        then counts for the new gradient). Returns the list it is counted in now."""
         layer = self.layers[index]
         self.before_accumulation(index)
-        if not self._receives_grad(index, weight):
-            return
+        if layer.sig is counted or not self._receives_grad(index, weight):
+            return counted
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
         self.commit_stat(layer, cap.stat, cap.cid)
+        return layer.sig
 
     def _receives_grad(self, index: int, weight: Tensor) -> bool:
         """:func:`_receives_grad` through the cached AccumulateGrad node, checked again when it says

@@ -118,3 +118,48 @@ def test_a_device_round_trip_mid_run_keeps_preconditioning():
     opt.step()
     _assert_ap(model[0], g, x, torch.float64)
     assert opt.stats()["no_forward"] == [] and opt.stats()["preconditioned"] == 3
+
+
+# 6. one forward backpropagated in several passes
+class _ActorCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.actor, self.critic = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.actor(h), self.critic(h)
+
+
+def test_a_forward_backpropagated_in_several_passes_counts_once():
+    """Two micro-batches, the first backpropagated as two losses (retain_graph=True): every layer's
+    Sigma is the full batch's, as if each micro-batch had one loss."""
+    torch.manual_seed(0)
+    model = _ActorCritic().double()
+    opt = _dopr(model)
+    x1, x2 = torch.randn(8, 4, dtype=torch.float64), torch.randn(24, 4, dtype=torch.float64)
+    actor, critic = model(x1)
+    actor.square().sum().backward(retain_graph=True)   # reaches actor and trunk
+    critic.square().sum().backward()                   # reaches critic and trunk again
+    assert opt.pending_samples() == {"trunk": 8, "actor": 8, "critic": 8}
+    actor, critic = model(x2)
+    (actor.square().sum() + critic.square().sum()).backward()
+    assert opt.pending_samples() == {"trunk": 32, "actor": 32, "critic": 32}
+    grads = {name: _g(layer) for name, layer in model.named_children()}
+    h = torch.tanh(model.trunk(torch.cat([x1, x2]))).detach()
+    opt.step()
+    for name, z in (("trunk", torch.cat([x1, x2])), ("actor", h), ("critic", h)):
+        _assert_ap(getattr(model, name), grads[name], z, torch.float64)
+
+
+def test_a_forward_counts_again_for_a_gradient_cleared_between_its_passes():
+    """Guard (held before the fix): the statistics go with the gradient they belong to, so a pass after
+    a clear counts the forward for the new gradient."""
+    model = _ActorCritic()
+    opt = _dopr(model)
+    actor, critic = model(torch.randn(8, 4))
+    actor.sum().backward(retain_graph=True)
+    model.zero_grad()
+    critic.sum().backward()
+    pending = opt.pending_samples()
+    assert pending["trunk"] == pending["critic"] == 8
