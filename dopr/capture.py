@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding
-from . import statistics as _stats
 from .compiled import Probes
 from .statistics import ActivationStatistics
 
@@ -84,14 +83,16 @@ def _in_functorch_transform() -> bool:
 
 def _as_multiplied(x: Tensor) -> Tensor:
     """The input as the layer's GEMM reads it. Under autocast a float32 input to a Linear or convolution
-    is cast to the autocast dtype before it is multiplied; where the device's GEMM accumulates that dtype
-    in float32 (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA), Sigma is formed from the same cast,
-    on the tensor cores, rather than in float32 without them (the covariance of what the layer multiplies,
-    which is also what its weight gradient is formed from). Elsewhere, and outside autocast, x as it is."""
-    dev = x.device.type
-    if (x.dtype is torch.float32 and dev in _stats.LOW_PRECISION_GRAM_DEVICES and torch.is_autocast_enabled(dev)
-            and not torch.compiler.is_compiling()):
-        return x.to(torch.get_autocast_dtype(dev))
+    is cast to the autocast dtype before it is multiplied, on every device (CPU bf16 autocast included):
+    Sigma is the covariance of what the layer multiplies, which is also what its weight gradient is
+    formed from. Where the device's GEMM accumulates that dtype in float32
+    (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA) Sigma is formed from the cast on the tensor cores;
+    elsewhere the cast values are upcast for the gram, whose products are then exact. Outside autocast
+    (and in a compiled graph), x as it is."""
+    if x.dtype is torch.float32 and torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling():
+        dev = x.device.type
+        if torch._C._is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+            return x.to(torch.get_autocast_dtype(dev))
     return x
 
 

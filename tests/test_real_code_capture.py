@@ -163,3 +163,33 @@ def test_a_forward_counts_again_for_a_gradient_cleared_between_its_passes():
     critic.sum().backward()
     pending = opt.pending_samples()
     assert pending["trunk"] == pending["critic"] == 8
+
+
+# 7. bf16 autocast on the CPU
+def _autocast_check(device: str):
+    """Under bf16 autocast a Linear reading a float32 input multiplies x rounded to bf16: its Sigma is the
+    covariance of those values, to float32 summation of their exact products (n terms), not x's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4)).to(device)
+    opt = _dopr(model)
+    x = torch.randn(256, 6, device=device) * torch.logspace(0, 1, 6, device=device)
+    with torch.autocast(device, torch.bfloat16):
+        out = model(x)
+    assert out.dtype is torch.bfloat16
+    out.float().square().sum().backward()
+    (stat,) = opt._capture.groups(["0"]).values()
+    sigma = stat.mean()[0].double().cpu()
+    z = with_ones(x.to(torch.bfloat16).double().cpu())
+    tol = torch.finfo(torch.float32).eps * (z.abs().T @ z.abs())   # a float32 sum of n terms, then / n
+    assert ((sigma - z.T @ z / len(z)).abs() <= tol).all()
+    z32 = with_ones(x.double().cpu())
+    assert ((sigma - z32.T @ z32 / len(z32)).abs() > 10 * tol).any()
+
+
+def test_cpu_bf16_autocast_sigma_is_the_covariance_of_the_bf16_input_the_layer_multiplies():
+    _autocast_check("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for CUDA autocast")
+def test_cuda_bf16_autocast_sigma_is_the_covariance_of_the_bf16_input_the_layer_multiplies():
+    _autocast_check("cuda")
