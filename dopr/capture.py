@@ -194,7 +194,7 @@ def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved:
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
-    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled", "checked")
+    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled", "checked", "missed")
 
     def __init__(self, helper) -> None:
         self.helper = helper
@@ -208,6 +208,7 @@ class LayerRecord:
         self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
         self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
         self.checked = None  # the backward pass (graph task) that last ran before_accumulation
+        self.missed = None   # a forward that gathered nothing ran: "eval" (module.training False) or "no_grad"
 
 
 class ActivationCapture:
@@ -249,6 +250,8 @@ class ActivationCapture:
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
+            if self.collecting:   # said if the layer then has a gradient but no statistics (no_forward_cause)
+                self.layers[index].missed = "no_grad" if module.training else "eval"
             return
         compiling = torch.compiler.is_compiling()   # (tracing runs under functorch's functionalization)
         if not compiling and _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors
@@ -394,6 +397,37 @@ class ActivationCapture:
             if layer.helper.name in names and layer.stat is not None:
                 by_sig.setdefault(tuple(layer.sig), []).append(layer)
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
+
+    def no_forward_cause(self, names) -> str:
+        """Why the layers `names`, which have a gradient, gathered no statistics since the last step, from
+        what is true of them: in eval() mode, forwards under no_grad only, or no forward at all (then their
+        gradient is left from an earlier step: all zero after ``zero_grad(set_to_none=False)``)."""
+        names = set(names)
+        layers = [l for l in self.layers if l.helper.name in names]
+        in_eval = [l.helper.name for l in layers if l.missed == "eval" or not l.helper.module.training]
+        no_grad = [l.helper.name for l in layers if l.missed == "no_grad" and l.helper.name not in in_eval]
+        idle = [l for l in layers if l.missed is None and l.helper.module.training]
+        causes = []
+        if in_eval:
+            causes.append(f"a model left in eval() mode: {in_eval} are in eval() mode or ran their forwards in it, "
+                          "which gather no statistics: call model.train()")
+        if no_grad:
+            causes.append(f"{no_grad} ran forwards only under torch.no_grad() or inference_mode, which gather no "
+                          "statistics; their gradient came from elsewhere")
+        if idle:
+            grads = [l.helper.module.weight.grad for l in idle]
+            zero = [l.helper.name for l, g in zip(idle, grads)
+                    if g is not None and not sharding.is_sharded(g) and not bool(g.any())]
+            rest = [l.helper.name for l in idle if l.helper.name not in zero]
+            if zero:
+                causes.append(f"{zero} in train() mode had no forward backpropagated to them since the last "
+                              "step and hold an all-zero gradient left by zero_grad(set_to_none=False) (a head or "
+                              "expert not used this step); with set_to_none=True, the default, they would have no "
+                              "gradient and the GP would leave them alone")
+            if rest:
+                causes.append(f"{rest} in train() mode had no forward backpropagated to them since the last "
+                              "step: their gradient is left from an earlier step (not cleared since) or set by hand")
+        return "; ".join(causes)
 
     def pending_samples(self) -> dict:
         Probes.merge_equal(self.layers)

@@ -193,3 +193,54 @@ def test_cpu_bf16_autocast_sigma_is_the_covariance_of_the_bf16_input_the_layer_m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for CUDA autocast")
 def test_cuda_bf16_autocast_sigma_is_the_covariance_of_the_bf16_input_the_layer_multiplies():
     _autocast_check("cuda")
+
+
+# 9. the warning names the real cause of a layer with a gradient but no statistics
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, head):
+        return getattr(self, head)(torch.tanh(self.body(x)))
+
+
+def _no_forward_warning(run) -> str:
+    pytest.importorskip("torch._dynamo")
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):   # no stale compiled graph to blame
+        with pytest.warns(RuntimeWarning, match="no training forward since the last step") as record:
+            run()
+    return " ".join(str(w.message) for w in record if "no training forward" in str(w.message))
+
+
+def test_the_warning_for_a_head_not_run_under_zero_grad_set_to_none_false_names_that_not_eval():
+    model = _TwoHeads()
+    opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(8, 4)
+
+    def steps():
+        for head in ("a", "b"):        # head a ran on the first step only, its gradient zeroed, not cleared
+            opt.zero_grad(set_to_none=False)
+            model(x, head).square().mean().backward()
+            opt.step()
+
+    message = _no_forward_warning(steps)
+    assert opt.stats()["no_forward"] == ["a"]
+    assert "['a'] in train() mode had no forward backpropagated to them since the last step" in message
+    assert "all-zero gradient left by zero_grad(set_to_none=False)" in message
+    assert "eval()" not in message
+
+
+def test_the_warning_for_a_model_in_eval_mode_says_eval():
+    model = _TwoHeads()
+    opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model.eval()
+
+    def step():
+        model(torch.randn(8, 4), "a").square().mean().backward()
+        opt.step()
+
+    message = _no_forward_warning(step)
+    assert ("a model left in eval() mode: ['body', 'a'] are in eval() mode or ran their forwards in it, which "
+            "gather no statistics: call model.train()") in message
+    assert "train() mode" not in message
