@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding
-from . import statistics as _stats
 from .compiled import Probes
 from .statistics import ActivationStatistics
 
@@ -66,6 +65,16 @@ def _grad_node(t: Tensor):
         return t.view_as(t).grad_fn.next_functions[0][0]
 
 
+def _relink_hooks(t: Tensor) -> None:
+    """Hand a leaf's gradient hooks to its tensor data again. ``torch.utils.swap_tensors`` (``Module._apply``
+    under ``torch.__future__.set_swap_module_params_on_conversion(True)``) leaves the hook dicts on the
+    Python tensor but not on its new data, so no hook of it would run again; setting a dict links it."""
+    for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(t, attr)
+        if hooks is not None:
+            setattr(t, attr, hooks)
+
+
 def _in_functorch_transform() -> bool:
     """Whether a torch.func transform (vmap, grad, jacrev, ...) is running: its forwards carry batched or
     wrapped tensors whose statistics are not a plain batch's; DoPr gathers none there."""
@@ -74,14 +83,16 @@ def _in_functorch_transform() -> bool:
 
 def _as_multiplied(x: Tensor) -> Tensor:
     """The input as the layer's GEMM reads it. Under autocast a float32 input to a Linear or convolution
-    is cast to the autocast dtype before it is multiplied; where the device's GEMM accumulates that dtype
-    in float32 (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA), Sigma is formed from the same cast,
-    on the tensor cores, rather than in float32 without them (the covariance of what the layer multiplies,
-    which is also what its weight gradient is formed from). Elsewhere, and outside autocast, x as it is."""
-    dev = x.device.type
-    if (x.dtype is torch.float32 and dev in _stats.LOW_PRECISION_GRAM_DEVICES and torch.is_autocast_enabled(dev)
-            and not torch.compiler.is_compiling()):
-        return x.to(torch.get_autocast_dtype(dev))
+    is cast to the autocast dtype before it is multiplied, on every device (CPU bf16 autocast included):
+    Sigma is the covariance of what the layer multiplies, which is also what its weight gradient is
+    formed from. Where the device's GEMM accumulates that dtype in float32
+    (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA) Sigma is formed from the cast on the tensor cores;
+    elsewhere the cast values are upcast for the gram, whose products are then exact. Outside autocast
+    (and in a compiled graph), x as it is."""
+    if x.dtype is torch.float32 and torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling():
+        dev = x.device.type
+        if torch._C._is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+            return x.to(torch.get_autocast_dtype(dev))
     return x
 
 
@@ -169,11 +180,13 @@ def _producer(output: Tensor):
 
 def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor):
     ref = weakref.ref(capture)
+    counted = None   # the layer's list of commits this forward was counted into (see ActivationCapture.commit)
 
     def hook(grad_outputs):
+        nonlocal counted
         c = ref()
         if c is not None:
-            c.commit(index, cap, saved, weight)
+            counted = c.commit(index, cap, saved, weight, counted)
 
     return hook
 
@@ -181,7 +194,7 @@ def _commit_hook(capture: "ActivationCapture", index: int, cap: _Capture, saved:
 class LayerRecord:
     """What one preconditioned layer gathered since the last step."""
 
-    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled", "checked")
+    __slots__ = ("helper", "stat", "owned", "sig", "snap", "compiled", "checked", "missed")
 
     def __init__(self, helper) -> None:
         self.helper = helper
@@ -190,10 +203,12 @@ class LayerRecord:
     def reset(self) -> None:
         self.stat: Optional[ActivationStatistics] = None
         self.owned = False  # False while `stat` is the shared capture's object (copy on second add)
-        self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma
+        self.sig: list = []  # the captures committed, in order: layers with equal sig share Sigma (a new
+        # list whenever the statistics are dropped, so a forward knows whether it already counted in them)
         self.snap = None  # (data_ptr, version) of the weight's gradient after the last counted accumulation
         self.compiled = False  # `stat` came from probes: its count is a tensor until groups()
         self.checked = None  # the backward pass (graph task) that last ran before_accumulation
+        self.missed = None   # a forward that gathered nothing ran: "eval" (module.training False) or "no_grad"
 
 
 class ActivationCapture:
@@ -217,18 +232,26 @@ class ActivationCapture:
         self.in_use = list(self.weights)
         self.handles += [h.module.register_forward_pre_hook(_WeightInUse(self, i))
                          for i, h in enumerate(helpers) if self.sharded[i]]
+        self._weight_hooks: dict = {}   # {index: the handles of the hooks on that layer's weight}
         for i, h in enumerate(helpers):
-            w = self.weights[i]
-            if w.requires_grad:
-                self.handles.append(w.register_hook(_ParamHook(self, i, "weight_pre_accumulate")))
-            self.handles.append(w.register_post_accumulate_grad_hook(_ParamHook(self, i, "accumulated")))
+            self._hook_weight(i, self.weights[i])
             for p in self.probes.leaves[i]:
                 self.handles.append(p.register_post_accumulate_grad_hook(_ParamHook(self, i, "probe_accumulated")))
         # the hooks go when the capture does (its DoPr deleted or garbage-collected), not only on close()
-        self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
+        self._finalizer = weakref.finalize(self, _remove_handles, self.handles)
+
+    def _hook_weight(self, index: int, w: Tensor) -> None:
+        """The gradient hooks on layer `index`'s weight `w` (those on its previous weight removed)."""
+        _remove_handles(self._weight_hooks.get(index, ()))
+        hooks = [w.register_hook(_ParamHook(self, index, "weight_pre_accumulate"))] if w.requires_grad else []
+        hooks.append(w.register_post_accumulate_grad_hook(_ParamHook(self, index, "accumulated")))
+        self._weight_hooks[index] = hooks
+        self.handles += hooks
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
+            if self.collecting:   # said if the layer then has a gradient but no statistics (no_forward_cause)
+                self.layers[index].missed = "no_grad" if module.training else "eval"
             return
         compiling = torch.compiler.is_compiling()   # (tracing runs under functorch's functionalization)
         if not compiling and _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors
@@ -266,26 +289,53 @@ class ActivationCapture:
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             return helper.statistics(x, self.statistic)
 
-    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor) -> None:
+    def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
+               counted: Optional[list] = None) -> Optional[list]:
         """The gradient reached the layer's operation: its statistics count if this backward pass
-        computes the weight's gradient."""
+        computes the weight's gradient, once per forward. A forward backpropagated in several passes
+        (``retain_graph=True``: per-task losses, an actor and a critic on one trunk) adds to one gradient
+        in each, and its samples are still the same samples: `counted` is the layer's list of commits
+        the forward was counted into, if any (a clear of the gradient starts a new one, and the forward
+        then counts for the new gradient). Returns the list it is counted in now."""
         layer = self.layers[index]
         self.before_accumulation(index)
-        if not _receives_grad(weight, self._accumulator(index, weight)):
-            return
+        if layer.sig is counted or not self._receives_grad(index, weight):
+            return counted
         if cap.stat is None:
             cap.stat = self._statistics(layer.helper, saved)
         self.commit_stat(layer, cap.stat, cap.cid)
+        return layer.sig
+
+    def _receives_grad(self, index: int, weight: Tensor) -> bool:
+        """:func:`_receives_grad` through the cached AccumulateGrad node, checked again when it says
+        no: a dtype or device change of the model (``model.double()``, ``.to(torch.bfloat16)``,
+        ``.cpu()``: ``Module._apply`` sets ``param.data`` or swaps the tensors) gives the weight a new
+        node, and the cached one is in no graph. Only a backward that skips the weight pays for the check."""
+        node = self._accumulator(index, weight)
+        if node is None:
+            return _receives_grad(weight)
+        if _receives_grad(weight, node):
+            return True
+        current = _grad_node(weight)
+        if current is node:
+            return False
+        self._nodes[index] = (weight, current)
+        _relink_hooks(weight)
+        return _receives_grad(weight, current)
 
     def _accumulator(self, index: int, weight: Tensor):
         """The weight's AccumulateGrad node, found once per layer and weight (not through a view per
         layer per backward); None for a non-leaf weight (a parametrization's output). Held beside the
-        weight, which the capture holds anyway."""
+        weight, which the capture holds anyway. A new Parameter in the module (``Module._apply`` under
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) becomes the layer's weight."""
         known = self._nodes.get(index)
         if known is None or known[0] is not weight:
             if weight.grad_fn is not None or not weight.requires_grad:
                 return None
             known = self._nodes[index] = (weight, _grad_node(weight))
+            if weight is not self.weights[index] and not self.sharded[index] and isinstance(weight, nn.Parameter):
+                self.weights[index] = weight
+                self._hook_weight(index, weight)
         return known[1]
 
     def weight_pre_accumulate(self, index: int) -> None:
@@ -347,6 +397,37 @@ class ActivationCapture:
             if layer.helper.name in names and layer.stat is not None:
                 by_sig.setdefault(tuple(layer.sig), []).append(layer)
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
+
+    def no_forward_cause(self, names) -> str:
+        """Why the layers `names`, which have a gradient, gathered no statistics since the last step, from
+        what is true of them: in eval() mode, forwards under no_grad only, or no forward at all (then their
+        gradient is left from an earlier step: all zero after ``zero_grad(set_to_none=False)``)."""
+        names = set(names)
+        layers = [l for l in self.layers if l.helper.name in names]
+        in_eval = [l.helper.name for l in layers if l.missed == "eval" or not l.helper.module.training]
+        no_grad = [l.helper.name for l in layers if l.missed == "no_grad" and l.helper.name not in in_eval]
+        idle = [l for l in layers if l.missed is None and l.helper.module.training]
+        causes = []
+        if in_eval:
+            causes.append(f"a model left in eval() mode: {in_eval} are in eval() mode or ran their forwards in it, "
+                          "which gather no statistics: call model.train()")
+        if no_grad:
+            causes.append(f"{no_grad} ran forwards only under torch.no_grad() or inference_mode, which gather no "
+                          "statistics; their gradient came from elsewhere")
+        if idle:
+            grads = [l.helper.module.weight.grad for l in idle]
+            zero = [l.helper.name for l, g in zip(idle, grads)
+                    if g is not None and not sharding.is_sharded(g) and not bool(g.any())]
+            rest = [l.helper.name for l in idle if l.helper.name not in zero]
+            if zero:
+                causes.append(f"{zero} in train() mode had no forward backpropagated to them since the last "
+                              "step and hold an all-zero gradient left by zero_grad(set_to_none=False) (a head or "
+                              "expert not used this step); with set_to_none=True, the default, they would have no "
+                              "gradient and the GP would leave them alone")
+            if rest:
+                causes.append(f"{rest} in train() mode had no forward backpropagated to them since the last "
+                              "step: their gradient is left from an earlier step (not cleared since) or set by hand")
+        return "; ".join(causes)
 
     def pending_samples(self) -> dict:
         Probes.merge_equal(self.layers)

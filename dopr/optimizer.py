@@ -474,14 +474,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         group_of = {name: key for key in ops for name in key}
         skipped = skipped | self._empty
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
-        if set(self._no_forward) - self._attached_now:   # the attach warning already named the others
+        missing = sorted(set(self._no_forward) - self._attached_now)   # the attach warning named the others
+        if missing and "no_forward" not in self._warned:
             cause = ("forwards under a torch.func transform (vmap, grad, jacrev, functional_call inside them), "
                      "which gather no statistics: DoPr preconditions gradients of plain forward and backward "
                      "passes" if self._capture.transformed else
                      "a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
                      "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
                      "before compiling" if self.model.training and hook_guards_skipped() else
-                     "a model left in eval() mode, whose forwards gather no statistics: call model.train()")
+                     self._capture.no_forward_cause(missing))
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
                             "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
                             + cause)

@@ -164,9 +164,9 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
 
 @pytest.mark.parametrize("low_precision_gemm", [True, False])
 def test_under_autocast_a_float32_input_reaches_sigma_as_the_layer_multiplies_it(monkeypatch, low_precision_gemm):
-    # where the GEMM accumulates bf16 in float32 (CUDA; the CPU stands in), a layer fed float32 under
-    # autocast has its Sigma formed from bf16(x), bit for bit the cast its own GEMM multiplies; elsewhere
-    # (the CPU's default) from x itself, as before
+    # a layer fed float32 under autocast has its Sigma formed from bf16(x), bit for bit the cast its own
+    # GEMM multiplies, where the GEMM accumulates bf16 in float32 (CUDA; the CPU stands in) and elsewhere
+    # (the CPU's default, which upcasts it for the gram; issue 62)
     monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"} if low_precision_gemm else set())
     seen = []
     original = statistics.DenseCovariance.from_activations.__func__
@@ -180,7 +180,7 @@ def test_under_autocast_a_float32_input_reaches_sigma_as_the_layer_multiplies_it
         layer(x).float().sum().backward()
     opt.step()
     assert len(seen) == 1
-    want = x.bfloat16() if low_precision_gemm else x
+    want = x.bfloat16()
     assert seen[0].dtype == want.dtype and torch.equal(seen[0].reshape(want.shape), want)
 
 
