@@ -18,14 +18,19 @@ from experiments.common.checks import (ConfigError, check_job, discard_fresh_fol
                                        refuse_empty_protocol_sweep, refuse_multirun_that_prints,
                                        refuse_renamed_at_gp_preset, refuse_sweep_without_multirun,
                                        refuse_unwritable_output, suggest_key)
-from experiments.common.launch import run_job
+from experiments.common.launch import run_job, submitted, write_status
 from experiments.common.resume import with_resume
+
+
+#: what refuse() returns for a refused job that submitit launched
+REFUSED = object()
 
 
 def refuse(check, *args, folder=None):
     """Run a configuration check (or the job); a ConfigError, or a missing input file (a dataset, the
     demonstrations, a model), ends the command with the message alone (exit 2). A job `folder` that
-    Hydra made for the refused command goes with it."""
+    Hydra made for the refused command goes with it. A job that submitit launched does not exit (its
+    sweep would wait for a result that never comes): it returns REFUSED, its status.json says failed."""
     try:
         return check(*args)
     except KeyboardInterrupt:   # Ctrl-C: the job logged its one line; no traceback
@@ -35,9 +40,13 @@ def refuse(check, *args, folder=None):
     except (ConfigError, FileNotFoundError) as e:
         if os.environ.get("DOPR_TRACEBACK"):
             raise
-        if folder is not None and isinstance(e, ConfigError) and check is not run_job:
+        if folder is not None and isinstance(e, ConfigError) and check is not run_job and not submitted():
             discard_fresh_folder(folder)
         print(f"Error: {e}", file=sys.stderr)
+        if submitted():
+            if folder is not None:
+                write_status(folder, "failed", f"{folder}: failed: {type(e).__name__}: {e}")
+            return REFUSED
         sys.exit(2)
 
 
@@ -45,8 +54,9 @@ def refuse(check, *args, folder=None):
 def main(cfg: DictConfig):
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir)
-    refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""),
-           folder=out)
+    if refuse(check_job, cfg, list(hc.overrides.task), set(hc.runtime.choices), hc.runtime.choices.get("task", ""),
+              folder=out) is REFUSED:
+        return None
     # a sweep's failed job is logged and recorded, and the sweep goes on; it ends with its counts
     # (experiments/common/callbacks.py, SummarizeSweep) and exits 1
     return refuse(run_job, cfg, out, hc.mode == RunMode.MULTIRUN)

@@ -7,7 +7,8 @@
 #   bash scripts/slurm_cluster.sh stop [DIR]     stop the daemons started by `start`, remove DIR
 #
 # DIR defaults to /tmp/dopr-slurm. `start` prints `export SLURM_CONF=DIR/slurm.conf`: every Slurm
-# command (sbatch, squeue, sinfo, submitit) needs it. Two partitions share the node: `debug`
+# command (sbatch, squeue, sinfo, submitit) needs it; `launcher=slurm_local` sizes the jobs for its
+# node (docs/suite.md has the command, which tests/test_slurm.py runs). Two partitions share the node: `debug`
 # (default, PriorityTier=1) and `urgent` (PriorityTier=10); a job in `urgent` preempts `debug` jobs,
 # which get USR2 (submitit checkpoints and requeues them) and are requeued. Runs as root (slurmd
 # must). Slurm's ports 6817-6819 are fixed: one such cluster per machine at a time.

@@ -155,3 +155,29 @@ def test_a_sweep_ends_with_its_counts_and_every_job_with_its_line(launcher, toy,
     for job in (1, 3):
         assert f"toy/sgd seed 0: failed: RuntimeError: the toy task was told to fail; wrote {sweep / str(job)}" in out
     assert "Traceback" not in res.stderr
+
+
+def test_a_submitted_job_missing_an_input_returns_its_failure(compose, toy, tmp_path, monkeypatch):
+    """Run here, a missing input stops the sweep with its one line (raised); in a job that submitit
+    launched, whose sweep waits for a result, the job returns with its failure in status.json."""
+    cfg = compose(toy, "task=toy", "optim=sgd", "task.outcome=missing")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    with pytest.raises(FileNotFoundError):
+        run_job(cfg, tmp_path / "here", keep_going=True)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert run_job(cfg, tmp_path / "submitted", keep_going=True) is None
+    status = json.loads((tmp_path / "submitted" / "status.json").read_text())
+    assert status["status"] == "failed" and "FileNotFoundError: the toy task's input file is missing" in status["line"]
+
+
+@pytest.mark.slow
+def test_a_parallel_sweep_with_a_job_missing_an_input_ends_with_its_counts(toy, tmp_path):
+    sweep = tmp_path / "sweep"
+    res = _run_py("-m", "launcher=local_parallel", toy, "task=toy", "task.outcome=ok,missing", "optim=sgd",
+                  f"hydra.sweep.dir={sweep}", timeout=240)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stdout.rstrip("\n").splitlines()[-1] == \
+        f"1 finished, 0 diverged, 1 failed; report with: python -m experiments.report {sweep}"
+    assert f"toy/sgd seed 0: failed: FileNotFoundError: the toy task's input file is missing; wrote {sweep / '1'}" \
+        in res.stdout
+    assert "Traceback" not in res.stderr and "UncompletedJobError" not in res.stderr

@@ -1,6 +1,8 @@
 """`launcher=slurm` against a real one-node Slurm cluster (scripts/slurm_cluster.sh): a sweep is one
 job array, a preempted job is requeued and resumes from its checkpoint to the same result as an
-uninterrupted run, and a missing partition fails with a message naming slurm.partition.
+uninterrupted run, and a missing partition fails with a message naming slurm.partition. A missing
+input, resources no node has, and a forgotten SLURM_CONF are each refused in one line before
+anything is queued; a job that stops on its node returns its failure, so the sweep ends with its counts.
 
 Needs the Debian packages slurmctld slurmd slurm-client munge (`bash scripts/slurm_cluster.sh install`,
 which CI runs) and root; skipped otherwise. Without slurmdbd there is no `sacct`, so submitit cannot
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,9 +37,17 @@ if shutil.which("slurmctld") is None or shutil.which("slurmd") is None or shutil
 if os.geteuid() != 0:
     pytest.skip("the test cluster's slurmd must run as root", allow_module_level=True)
 
-# Small jobs that fit the one test node (its CPUs are nproc, often 2).
-SLURM_ARGS = ["launcher=slurm", "slurm.partition=debug", "slurm.cpus_per_task=1", "slurm.mem_gb=1",
-              "slurm.gpus_per_node=0", "slurm.time_min=10"]
+# Small jobs that fit the one test node (its CPUs are nproc, often 2): conf/launcher/slurm_local.yaml
+SLURM_ARGS = ["launcher=slurm_local"]
+DOCS = ROOT / "docs" / "suite.md"
+
+
+def _documented_sweep() -> list:
+    """The overrides of the test-cluster sweep docs/suite.md shows (`python run.py -m launcher=slurm_local ...`)."""
+    lines = [line.strip() for line in DOCS.read_text().splitlines()
+             if line.strip().startswith("python run.py -m launcher=slurm_local")]
+    assert len(lines) == 1, f"docs/suite.md should show one test-cluster command, found {lines}"
+    return shlex.split(lines[0])[2:]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +100,12 @@ def _submitit_logs(sweep: Path) -> str:
     return "\n".join(f"--- {p}\n{_tail(p.read_text())}" for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
 
 
-def test_sweep_runs_as_one_job_array(cluster, tmp_path):
+def test_the_documented_sweep_runs_as_one_job_array(cluster, tmp_path):
     sweep = tmp_path / "sweep"
     t0 = time.time()
-    res = _run_py("-m", *SLURM_ARGS, "task=feature_learning", "debug=default", "optim=sgd,dopr_sgd",
-                  f"hydra.sweep.dir={sweep}", timeout=RUN_TIMEOUT)
+    documented = _documented_sweep()   # as docs/suite.md writes it, into a folder of the test's
+    assert {"launcher=slurm_local", "task=feature_learning", "optim=sgd,dopr_sgd"} <= set(documented)
+    res = _run_py(*documented, f"hydra.sweep.dir={sweep}", timeout=RUN_TIMEOUT)
     assert res.returncode == 0, f"{_tail(res.stderr)}\n{_submitit_logs(sweep)}\n{_cluster_logs(cluster)}"
     # submitit_folder is .submitit/%j: an array's tasks are <array id>_<index>
     tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
@@ -208,3 +220,64 @@ def test_multigpu_launcher_runs_one_task_per_device_under_torch_distributed(clus
     assert res.returncode == 0, _tail(res.stderr) + _cluster_logs(cluster)
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["optim"] == "dopr_sgd"
+
+
+def _queued() -> list:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()
+
+
+def _errors(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("Error:")]
+
+
+def test_a_missing_dataset_is_refused_before_sbatch_in_one_line(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    before = _queued()
+    res = _run_py("-m", *SLURM_ARGS, "task=mup_mlp_cifar10", "debug=default", "optim=sgd,adamw",
+                  f"hydra.sweep.dir={sweep}", timeout=120)
+    assert res.returncode == 2, _tail(res.stderr)
+    errors = _errors(res.stderr)
+    assert len(errors) == 1 and "task.data=cifar10 needs task.data_path" in errors[0], _tail(res.stderr)
+    assert "(job 0 of 2: " in errors[0] and errors[0].endswith("nothing was submitted")
+    assert "Traceback" not in res.stderr and not sweep.exists() and set(_queued()) <= set(before)   # nothing new
+
+
+def test_a_job_missing_its_dataset_on_the_node_fails_and_the_sweep_ends_with_its_counts(cluster, tmp_path):
+    """The check before sbatch bypassed (the files would be on the nodes only): the job stops on its node
+    and returns its failure; without sacct the sweep used to wait for it forever."""
+    sweep = tmp_path / "sweep"
+    res = _run_py("-m", *SLURM_ARGS, "task=mup_mlp_cifar10", "debug=default", "task.data=digits,cifar10",
+                  "hydra.callbacks.check_jobs.inputs=false", f"hydra.sweep.dir={sweep}", timeout=RUN_TIMEOUT)
+    assert res.returncode == 1, f"{_tail(res.stderr)}\n{_submitit_logs(sweep)}"   # a job failed
+    assert res.stdout.rstrip("\n").splitlines()[-1] == \
+        f"1 finished, 0 diverged, 1 failed; report with: python -m experiments.report {sweep}"
+    assert "failed: FileNotFoundError: task.data=cifar10 needs task.data_path" in res.stdout
+    assert json.loads((sweep / "1" / "status.json").read_text())["status"] == "failed"
+
+
+def test_resources_no_node_has_are_one_line_with_sbatchs_message(cluster, tmp_path):
+    """launcher=slurm's defaults (1 GPU, 8 CPUs, 32 GB) on the test node (no GPU): a warning naming the
+    partition's largest node, then sbatch's own refusal in one line, and no folder left behind."""
+    sweep = tmp_path / "sweep"
+    res = _run_py("-m", "launcher=slurm", "slurm.partition=debug", "task=lds", "debug=default",
+                  f"hydra.sweep.dir={sweep}", timeout=120)
+    assert res.returncode == 2, _tail(res.stderr)
+    assert re.search(r"^Warning: a job asks for 8 CPUs, 32 GB, 1 GPUs per node .* more than any node of "
+                     r"partition debug has \(at most \d+ CPUs, [\d.]+ GB, 0 GPUs\)", res.stderr, re.M), res.stderr
+    errors = _errors(res.stderr)
+    assert len(errors) == 1 and errors[0].startswith("Error: sbatch refuses the sweep's jobs: sbatch: error: ")
+    assert errors[0].endswith("; nothing was submitted") and "Traceback" not in res.stderr
+    assert not sweep.exists()
+
+
+def test_a_forgotten_slurm_conf_is_one_line_naming_it(cluster, tmp_path):
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has a system-wide /etc/slurm/slurm.conf: Slurm finds a cluster without SLURM_CONF")
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    res = subprocess.run([PY, "run.py", "-m", *SLURM_ARGS, "task=lds", "debug=default", f"hydra.sweep.dir={sweep}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, _tail(res.stderr)
+    errors = _errors(res.stderr)
+    assert len(errors) == 1 and "SLURM_CONF is not set" in errors[0] and "Traceback" not in res.stderr, res.stderr
+    assert not sweep.exists()

@@ -1,11 +1,13 @@
 """A task that lives outside the suite (tests/test_jobs.py adds its config through hydra.searchpath):
 proof that a new task needs no edit in experiments/common. Its job returns `task.value` as `toy_metric`,
-or raises when `task.outcome=fail`."""
+or raises when `task.outcome=fail` (`missing`: as a job whose input file is missing)."""
 
 
 def run(cfg, run) -> dict:
     if cfg.task.outcome == "fail":
         raise RuntimeError("the toy task was told to fail")
+    if cfg.task.outcome == "missing":
+        raise FileNotFoundError("the toy task's input file is missing")
     run.log({"toy_metric": float(cfg.task.value)}, 1)
     return {"toy_metric": float(cfg.task.value), "toy_label": "ok"}
 

@@ -30,8 +30,8 @@ def digits() -> tuple:
     return torch.tensor(d.images / 16.0, dtype=torch.float32).unsqueeze(1), torch.tensor(d.target)
 
 
-def cifar10(data_path) -> tuple:
-    """(images N x 3 x 32 x 32 in [0, 1], labels N) from the python-format training batches."""
+def cifar10_root(data_path) -> Path:
+    """The folder of CIFAR-10's python-format training batches; FileNotFoundError naming what is missing."""
     if not data_path:
         raise FileNotFoundError("task.data=cifar10 needs task.data_path=<folder holding cifar-10-batches-py/> "
                                 "(https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, extracted)")
@@ -41,6 +41,18 @@ def cifar10(data_path) -> tuple:
     if missing:
         raise FileNotFoundError(f"CIFAR-10 is incomplete under {root}: missing {', '.join(missing)} "
                                 "(extract https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz there)")
+    return root
+
+
+def check_inputs(t) -> None:
+    """The task's input files are there (checked before a sweep is submitted): CIFAR-10's batches."""
+    if t.get("data") == "cifar10":
+        cifar10_root(t.get("data_path"))
+
+
+def cifar10(data_path) -> tuple:
+    """(images N x 3 x 32 x 32 in [0, 1], labels N) from the python-format training batches."""
+    root = cifar10_root(data_path)
     xs, ys = [], []
     for f in CIFAR_FILES:
         with open(root / f, "rb") as fh:

@@ -89,6 +89,23 @@ def initialize(model: GPT, generator: torch.Generator = None) -> None:
             p.copy_(torch.randn(p.shape, generator=generator) * std)
 
 
+def openwebtext_root(t) -> Path:
+    """The folder of nanoGPT's tokenised OpenWebText (train.bin, val.bin); FileNotFoundError naming what is missing."""
+    root = Path(t.data_path) if t.data_path else None
+    missing = [f for f in ("train.bin", "val.bin") if root is None or not (root / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"task.data=openwebtext needs nanoGPT's tokenised OpenWebText under "
+                                f"task.data_path (now {t.data_path}): missing {', '.join(missing)} "
+                                "(made by nanoGPT's data/openwebtext/prepare.py)")
+    return root
+
+
+def check_inputs(t) -> None:
+    """The task's input files are there (checked before a sweep is submitted): OpenWebText's tokens."""
+    if t.get("data") == "openwebtext":
+        openwebtext_root(t)
+
+
 def tokens(t) -> dict:
     """{"train"|"val": 1-d int64 token stream} and the vocabulary size."""
     if t.data == "bytes":
@@ -99,12 +116,7 @@ def tokens(t) -> dict:
         cut = int(len(stream) * float(t.train_fraction))
         return {"train": stream[:cut], "val": stream[cut:], "vocab": 256}
     if t.data == "openwebtext":
-        root = Path(t.data_path) if t.data_path else None
-        missing = [f for f in ("train.bin", "val.bin") if root is None or not (root / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"task.data=openwebtext needs nanoGPT's tokenised OpenWebText under "
-                                    f"task.data_path (now {t.data_path}): missing {', '.join(missing)} "
-                                    "(made by nanoGPT's data/openwebtext/prepare.py)")
+        root = openwebtext_root(t)
         return {s: torch.from_numpy(np.memmap(root / f"{s}.bin", dtype=np.uint16, mode="r").astype(np.int64))
                 for s in ("train", "val")} | {"vocab": int(t.vocab)}
     raise ValueError(f"task.data must be bytes or openwebtext, got {t.data!r}")

@@ -25,14 +25,26 @@ from .expert import expert_path, generate_demos
 from .policy import ResidualMLP
 
 
+def check_inputs(t) -> None:
+    """The task's demonstrations are there, or the expert that writes them (checked before a sweep is
+    submitted, and by resolve_demos); FileNotFoundError otherwise."""
+    path = Path(t.demos)
+    if path.exists():
+        return
+    if not t.generate_demos:
+        demo_io.load(path, t.env)   # its message: how to write them
+    expert = expert_path(t.env, t.expert_version)
+    if not expert.exists():
+        raise FileNotFoundError(f"no demonstrations at {path} and no committed expert at {expert}: train one "
+                                f"with `python run.py task=expert task.env={t.env}` and pass task.demos=...")
+
+
 def resolve_demos(t) -> Path:
     """The task's demonstration file; written from the committed expert on first use when allowed."""
     path = Path(t.demos)
-    if not path.exists() and not path.is_dir() and t.generate_demos:
+    check_inputs(t)
+    if not path.exists():
         expert = expert_path(t.env, t.expert_version)
-        if not expert.exists():
-            raise FileNotFoundError(f"no demonstrations at {path} and no committed expert at {expert}: train one "
-                                    f"with `python run.py task=expert task.env={t.env}` and pass task.demos=...")
         n = t.max_trajectories + t.val_trajectories
         print(f"writing {n} demonstrations of {t.env} from {expert} to {path}", flush=True)
         generate_demos(t.env, n, path, expert)

@@ -56,15 +56,18 @@ class CheckJobsBeforeLaunch(Callback):
     before anything is submitted, with the one-line messages a local job gives (a job's own check
     runs in its process: on SLURM after the queue). `runs_here`: the jobs run on this machine, so their
     device is checked too (not for SLURM: a login node has no GPU). `needs`: a command the launcher
-    calls (sbatch). SystemExit: Hydra turns a callback's exceptions into warnings and goes on."""
+    calls (sbatch). `inputs`: the jobs' input files (datasets, demonstrations, weights) are checked too
+    (experiments/common/inputs.py; hydra.callbacks.check_jobs.inputs=false when they are only on the
+    nodes). SystemExit: Hydra turns a callback's exceptions into warnings and goes on."""
 
-    def __init__(self, runs_here: bool = True, needs: str | None = None) -> None:
-        self.runs_here, self.needs = runs_here, needs
+    def __init__(self, runs_here: bool = True, needs: str | None = None, inputs: bool = True) -> None:
+        self.runs_here, self.needs, self.inputs = runs_here, needs, inputs
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from hydra import compose
 
         from .checks import ConfigError, check_job
+        from .inputs import check_inputs
 
         if self.needs and shutil.which(self.needs) is None:
             _refuse(f"launcher={config.hydra.runtime.choices.get('launcher')} submits with {self.needs}, which is not "
@@ -77,7 +80,9 @@ class CheckJobsBeforeLaunch(Callback):
             choices = cfg.hydra.runtime.choices
             try:
                 check_job(cfg, job, set(choices), choices.get("task", ""), here=self.runs_here)
-            except ConfigError as e:
+                if self.inputs:
+                    check_inputs(cfg)
+            except (ConfigError, FileNotFoundError) as e:
                 if os.environ.get("DOPR_TRACEBACK"):
                     raise
                 which = f" (job {i} of {len(jobs)}: {' '.join(job)})" if len(jobs) > 1 else ""

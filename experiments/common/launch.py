@@ -90,6 +90,12 @@ log = logging.getLogger("experiments")
 STATUSES = ("finished", "diverged", "failed")
 
 
+def submitted() -> bool:
+    """Whether this process is a job that submitit launched (launcher=local_parallel, slurm): its sweep
+    waits for the job's result, so a job that fails returns (status.json says how) and never exits."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
 def job_name(cfg: DictConfig) -> str:
     return f"{cfg.task.name}/{cfg.task.get('folder_optim', cfg.optim.name)} seed {cfg.seed}"
 
@@ -247,7 +253,8 @@ def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | 
         log.error("%s", line)
         from .checks import ConfigError
 
-        refused = isinstance(e, (ConfigError, FileNotFoundError))   # run.py's refusals (missing input): the sweep stops
+        # run.py's refusals (missing input) stop a sweep run here; a submitted job returns its failure
+        refused = isinstance(e, (ConfigError, FileNotFoundError)) and not submitted()
         if keep_going and not refused and not os.environ.get("DOPR_TRACEBACK"):
             return None
         raise

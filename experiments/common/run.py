@@ -10,6 +10,7 @@ Every job writes into its own Hydra output directory:
   status.json          how the job ended (finished / diverged / failed) and its last line; written by
                        experiments/common/launch.py, read by the sweep's summary (callbacks.py)
   wandb/               the W&B run directory when logger=wandb (offline without an API key)
+  wandb_run_id         the job's W&B run id: a resumed or requeued job continues that run
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import dopr
 
+from . import wandb_run
 from .distributed import is_main, world
 from .loop import Clock
 from .optim import gp_arguments, optim_identity
@@ -106,7 +108,8 @@ class Run:
         # checkpoint, or of a finished run re-run in its folder; a resume cuts them back to its checkpoint
         fresh = not self.checkpoint_path.exists()
         self._metrics = open(self.dir / "metrics.jsonl" if self.is_main else os.devnull, "w" if fresh else "a")
-        self._wandb = self._start_wandb(cfg) if cfg.logger.name == "wandb" and self.is_main else None
+        self._wandb = (wandb_run.start(cfg, self.dir, resuming=not fresh)
+                       if cfg.logger.name == "wandb" and self.is_main else None)
         self.summary_path = self.dir / "summary.json"
         self.optimizers: list = []
         if self.is_main and self.summary_path.exists():  # a re-run in the same directory starts unfinished
@@ -118,24 +121,6 @@ class Run:
         opt = build_optimizer(model, self.cfg)
         self.optimizers.append(opt)
         return opt
-
-    # ------------------------------------------------------------------------------ W&B
-    def _start_wandb(self, cfg):
-        import wandb
-
-        lg = cfg.logger
-        mode = lg.mode
-        if mode is None:
-            has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
-            mode = "online" if has_key else "offline"
-        run = wandb.init(
-            project=lg.project, entity=lg.entity, group=cfg.sweep_name, name=self.dir.name,
-            tags=[cfg.task.name, cfg.optim.name], mode=mode, dir=str(self.dir),
-            config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
-        )
-        if mode == "offline":
-            print(f"W&B offline: sync later with `wandb sync {run.dir.rsplit('/files', 1)[0]}`", flush=True)
-        return run
 
     # ---------------------------------------------------------------------------- logging
     def progress(self, total: int, initial: int = 0, desc: Optional[str] = None):

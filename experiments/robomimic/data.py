@@ -65,10 +65,21 @@ def _unreadable(path: Path, error: Exception) -> ValueError:
                       f"{error}")
 
 
-def _open(path) -> h5py.File:
+def require_file(path) -> Path:
+    """`path` as a Path when it is a file; FileNotFoundError saying where to get the dataset otherwise."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(_missing_file_message(path))
+    return path
+
+
+def check_inputs(t) -> None:
+    """The task's dataset file is there (checked before a sweep is submitted)."""
+    require_file(t.dataset)
+
+
+def _open(path) -> h5py.File:
+    path = require_file(path)
     try:
         return h5py.File(path, "r")
     except OSError as error:

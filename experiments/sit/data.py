@@ -42,15 +42,21 @@ def center_crop_arr(image, size: int):
     return Image.fromarray(arr[top: top + size, left: left + size])
 
 
+def require_image_folder(root) -> Path:
+    """`root` when it is a folder; FileNotFoundError saying what it should hold."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"ImageNet directory {root} does not exist: extract the ILSVRC2012 train split so that it "
+            f"holds one folder of JPEGs per class (train/n01440764/*.JPEG, ...) and pass task.data_path=<dir>")
+    return root
+
+
 class ImageFolder(torch.utils.data.Dataset):
     """``root/<class name>/<image file>`` -> (image (3, size, size) in [-1, 1], label)."""
 
     def __init__(self, root, image_size: int = 256, flip: bool = True) -> None:
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(
-                f"ImageNet directory {self.root} does not exist: extract the ILSVRC2012 train split so that it "
-                f"holds one folder of JPEGs per class (train/n01440764/*.JPEG, ...) and pass task.data_path=<dir>")
+        self.root = require_image_folder(root)
         self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir())
         self.samples = [(str(f), i) for i, c in enumerate(self.classes) for f in sorted((self.root / c).iterdir())
                         if f.suffix.lower() in IMAGE_EXTENSIONS]
@@ -133,16 +139,22 @@ def encode_latents(data_path, out_dir, vae="ema", image_size: int = 256, batch_s
     return out
 
 
+def require_latents(path) -> Path:
+    """`path` when it holds the output of ``encode_latents``; FileNotFoundError saying how to make it."""
+    path = Path(path)
+    missing = [f for f in ("moments.npy", "labels.npy", "meta.json") if not (path / f).exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"latent directory {path} lacks {missing}: make it once with `python -m experiments.sit.data "
+            f"encode --data-path <ImageNet train dir> --out {path}` (needs the VAE weights)")
+    return path
+
+
 class LatentDataset(torch.utils.data.Dataset):
     """The output of ``encode_latents``: (moments (2C, h, w) of a random flip, label)."""
 
     def __init__(self, path) -> None:
-        self.path = Path(path)
-        missing = [f for f in ("moments.npy", "labels.npy", "meta.json") if not (self.path / f).exists()]
-        if missing:
-            raise FileNotFoundError(
-                f"latent directory {self.path} lacks {missing}: make it once with `python -m experiments.sit.data "
-                f"encode --data-path <ImageNet train dir> --out {self.path}` (needs the VAE weights)")
+        self.path = require_latents(path)
         self.moments = np.load(self.path / "moments.npy", mmap_mode="r")
         self.labels = np.load(self.path / "labels.npy")
         self.meta = json.loads((self.path / "meta.json").read_text())

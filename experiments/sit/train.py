@@ -157,6 +157,13 @@ def autocast(t, device):
     return contextlib.nullcontext()
 
 
+def check_inputs(t) -> None:
+    """The task's data is there (checked before a sweep is submitted): the latent directory or the
+    ImageNet ImageFolder at task.data_path."""
+    if t.data in ("imagenet_latents", "imagenet_images") and t.data_path is not None:
+        (sit_data.require_latents if t.data == "imagenet_latents" else sit_data.require_image_folder)(t.data_path)
+
+
 def training_data(t):
     """(dataset, x1 from a batch): what the loop trains on, checked before any model is built."""
     if t.data not in DATA:

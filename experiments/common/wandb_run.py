@@ -1,0 +1,106 @@
+"""The job's W&B run (logger=wandb): which mode, one run per job across resumes, and a failed start.
+
+Mode: `logger.mode` when set, else W&B's own WANDB_MODE, else online when W&B would find an API key
+for its server (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or that server's machine in the netrc file),
+else offline. A start that fails (no network, a bad key) or that cannot reach the server's name is one
+line in the job's log; `logger.on_error` says what then: `offline` goes on with W&B offline (sync later),
+`stop` ends the job with that line.
+"""
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+import secrets
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from omegaconf import DictConfig, OmegaConf
+
+from .checks import ConfigError
+
+log = logging.getLogger("experiments")
+
+#: the job folder's file holding its W&B run id: a resumed or requeued job continues that run
+RUN_ID_FILE = "wandb_run_id"
+ON_ERROR = ("offline", "stop")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _netrc_path() -> Path:
+    """The netrc file W&B reads: $NETRC, else ~/.netrc."""
+    return Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+
+
+def has_api_key(base_url: str) -> bool:
+    """Whether W&B finds credentials for `base_url` as wandb.init does: the environment, or a netrc
+    entry for that server's host (a netrc file for other machines does not count)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        creds = netrc.netrc(_netrc_path()).authenticators(urlsplit(base_url).netloc)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(creds and creds[2])
+
+
+def choose_mode(configured, base_url: str) -> str:
+    """`logger.mode`, else WANDB_MODE, else online with an API key for `base_url`, else offline."""
+    return configured or os.environ.get("WANDB_MODE") or ("online" if has_api_key(base_url) else "offline")
+
+
+def unreachable(base_url: str) -> str | None:
+    """Why the W&B server cannot be reached from here (its name does not resolve: a node without
+    internet), or None. Behind a proxy the name is the proxy's to resolve: not checked."""
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    parts = urlsplit(base_url)
+    try:
+        socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    except (OSError, UnicodeError) as e:
+        return f"cannot resolve {parts.hostname} ({e}): no network on this machine?"
+    return None
+
+
+def run_id(out_dir: Path, resuming: bool) -> str:
+    """The job's W&B run id: the one kept in its folder when it resumes (a requeue, resume=true), a new
+    one, kept there, on a fresh start."""
+    path = Path(out_dir) / RUN_ID_FILE
+    if resuming and path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    new = secrets.token_hex(6)   # W&B's ids: lower-case letters and digits
+    path.write_text(new + "\n")
+    return new
+
+
+def start(cfg: DictConfig, out_dir: Path, resuming: bool):
+    """wandb.init for the job (None when it failed and logger.on_error=offline could not go on either)."""
+    import wandb
+
+    lg = cfg.logger
+    on_error = lg.get("on_error", "offline")
+    if on_error not in ON_ERROR:
+        raise ConfigError(f"logger.on_error={on_error}: must be one of {', '.join(ON_ERROR)}")
+    base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+    mode = choose_mode(lg.mode, base_url)
+    args = dict(project=lg.project, entity=lg.entity, group=cfg.sweep_name, name=Path(out_dir).name,
+                tags=[cfg.task.name, cfg.optim.name], dir=str(out_dir), id=run_id(out_dir, resuming),
+                resume="allow", config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
+                settings=wandb.Settings(init_timeout=float(lg.get("init_timeout_s", 30))))
+    try:
+        why = unreachable(base_url) if mode in ("online", "run", "shared") else None
+        if why:
+            raise ConnectionError(why)
+        run = wandb.init(mode=mode, **args)
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
+        line = f"logger=wandb: W&B did not start {mode} ({type(e).__name__}: {first})"
+        if on_error == "stop" or mode == "offline":
+            raise ConfigError(f"{line}; logger.on_error={on_error}"
+                              + ("" if mode == "offline" else " (offline: go on with W&B offline)")) from None
+        log.warning("%s; going on offline (logger.on_error=offline)", line)
+        mode, run = "offline", wandb.init(mode="offline", **args)
+    if mode in ("offline", "dryrun"):
+        print(f"W&B offline: sync later with `wandb sync {run.dir.rsplit('/files', 1)[0]}`", flush=True)
+    return run
