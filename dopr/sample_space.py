@@ -30,6 +30,7 @@ solved in feature space from Sigma = Xs^T Xs by the configured solver, retries a
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Optional
 
@@ -243,7 +244,7 @@ def gather_rows(groups: "OrderedDict", rows: Optional[type]) -> "OrderedDict":
             gathered.append((key, stat, [int(c) for c in counts], d))
     if not gathered:
         return out
-    dtype = torch.promote_types(*(statistics_dtype(s.sums[0].dtype) for _, s, _, _ in gathered), torch.float32)
+    dtype = functools.reduce(torch.promote_types, [s.sums[0].dtype for _, s, _, _ in gathered])   # one buffer
     width = [max(c) * d for _, _, c, d in gathered]
     buf = torch.zeros(sum(width), dtype=dtype, device=device)
     offset = 0

@@ -218,3 +218,73 @@ def test_forced_sample_space_names_what_it_cannot_do():
     # auto keeps to the feature space where sample space cannot run
     _, stats = _grads(_mlp(), [_data()], precond_ema=0.5)
     assert stats["sample_space_solves"] == 0 and stats["factorizations"] == 3
+
+
+# ------------------------------------------------------------------ data parallel: rows on several ranks
+ROWS = (16, 11)      # uneven: 27 rows in all, >= d = 25 for the first layer (Sigma), < 40 and 31 (rows)
+
+
+def _global_batch():
+    return _data(sum(ROWS), seed=3)
+
+
+def _rank_grads(model, x, y, scale, **options):
+    """Each step's M (whole matrices) over 2 steps, the loss summed over the rows times `scale` (the
+    data-parallel mean of the 2 ranks' sums is the whole batch's sum / 2)."""
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=1e-3), damping=1e-3, **options)
+    out = []
+    for _ in range(2):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).sum().mul(scale).backward()
+        opt.step()
+        out.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    for n, p in model.named_parameters()})
+    return out, opt.stats()
+
+
+def _rank_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from ranks import leave_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    x, y = _global_batch()
+    mine = slice(sum(ROWS[:rank]), sum(ROWS[:rank + 1]))
+    result = {}
+    ddp = nn.parallel.DistributedDataParallel(_mlp())
+    result["ddp"] = _rank_grads(ddp, x[mine], y[mine], 1.0)
+    sharded = _mlp()
+    for i in (0, 2, 4):
+        fully_shard(sharded[i])
+    fully_shard(sharded)
+    result["fsdp2"] = _rank_grads(sharded, x[mine], y[mine], 1.0)
+    if rank == 0:
+        torch.save(result, out)
+    ddp = sharded = None
+    leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_rank_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_rows_on_two_ranks_are_gathered_and_equal_the_whole_batch_feature_space_solve(two_ranks, wrapper):
+    x, y = _global_batch()
+    expected, _ = _rank_grads(_mlp(), x, y, 0.5, solve_space="features")
+    got, stats = two_ranks[wrapper]
+    for a, b in zip(got, expected):
+        _assert_same({n: a[n.removeprefix("module.")] if n in a else a["module." + n] for n in b}, b)
+    # 27 rows in all: the 25-dim layer forms Sigma (each rank alone had fewer than 25), the others gather rows
+    assert stats["sample_space_solves"] == 2 * 2 and stats["factorizations"] == 2 * 3
