@@ -259,23 +259,17 @@ def _rank_worker(rank, world, init_file, out):
         fully_shard(sharded[i])
     fully_shard(sharded)
     result["fsdp2"] = _rank_grads(sharded, x[mine], y[mine], 1.0)
-    if rank == 0:
-        torch.save(result, out)
     ddp = sharded = None
     leave_process_group()
+    if rank == 0:
+        torch.save(result, out)
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    import os
-    import tempfile
+    from ranks import rank0_result
 
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_rank_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
-        return torch.load(out)
+    return rank0_result(_rank_worker)
 
 
 @pytest.mark.slow
