@@ -194,6 +194,8 @@ class SampleSpaceInverse:
         if (whole is not None and len(ops) == len(whole[0])
                 and all(op.whole is whole and op.index == i for i, op in enumerate(ops))):
             x, l, lam = whole                                 # the factor batch as it is: no stack
+        elif any(op.x.shape != ops[0].x.shape for op in ops):   # same G shape, other row counts
+            return torch.stack([op.apply(g) for op, g in zip(ops, gs.unbind(0))])
         else:
             x, l, lam = (torch.stack([getattr(op, a) for op in ops]) for a in ("x", "l", "lam"))
         w = torch.matmul(gs, x.mT).to(l.dtype)                                # G Xs^T (B, rows, n)

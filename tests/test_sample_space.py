@@ -282,3 +282,25 @@ def test_rows_on_two_ranks_are_gathered_and_equal_the_whole_batch_feature_space_
         _assert_same({n: a[n.removeprefix("module.")] if n in a else a["module." + n] for n in b}, b)
     # 27 rows in all: the 25-dim layer forms Sigma (each rank alone had fewer than 25), the others gather rows
     assert stats["sample_space_solves"] == 2 * 2 and stats["factorizations"] == 2 * 3
+
+
+def test_layers_of_one_shape_with_other_row_counts_are_solved_each_with_its_rows():
+    """Two Linear(24, 24) reading 12 and 7 rows: one gradient bucket, two factor batches."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(24, 24), nn.Linear(24, 24)
+
+        def forward(self, xs):
+            return self.a(xs[0]).tanh().sum(0) + self.b(xs[1]).tanh().sum(0)
+
+    torch.manual_seed(0)
+    model = Two().double()
+    g = torch.Generator().manual_seed(1)
+    batch = [((torch.randn(12, 24, generator=g).double(), torch.randn(7, 24, generator=g).double()),
+              torch.randn(24, generator=g).double())]
+    for every in (1, 2):      # the step's own factors, and the cached operators of the refresh before
+        rows, stats = _grads(model, batch, steps=2, damping=1e-3, precond_every=every)
+        features, _ = _grads(model, batch, steps=2, damping=1e-3, precond_every=every, solve_space="features")
+        _assert_same(rows, features)
+        assert stats["sample_space_solves"] == 2 * (3 - every)
