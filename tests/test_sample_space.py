@@ -228,18 +228,39 @@ def _global_batch():
     return _data(sum(ROWS), seed=3)
 
 
-def _rank_grads(model, x, y, scale, **options):
-    """Each step's M (whole matrices) over 2 steps, the loss summed over the rows times `scale` (the
-    data-parallel mean of the 2 ranks' sums is the whole batch's sum / 2)."""
+def _rank_grads(model, loss, **options):
+    """Each step's M (whole matrices) over 2 steps of ``loss(model)``."""
     opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=1e-3), damping=1e-3, **options)
     out = []
     for _ in range(2):
         opt.zero_grad()
-        ((model(x) - y) ** 2).sum().mul(scale).backward()
+        loss(model).backward()
         opt.step()
-        out.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                    for n, p in model.named_parameters()})
+        out.append({n.removeprefix("module."): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                    .clone() for n, p in model.named_parameters() if p.grad is not None})
     return out, opt.stats()
+
+
+def _squares(x, y):
+    """The loss summed over the rows: the data-parallel mean of 2 ranks' sums is the whole batch's sum / 2."""
+    return lambda m: ((m(x) - y) ** 2).sum()
+
+
+class _Heads(nn.Module):
+    """Two Linear(40, 40); ``both=False`` runs the first only (a rank that skips a layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(40, 40), nn.Linear(40, 40)
+
+    def forward(self, x, both=True):
+        return self.a(x).tanh() + self.b(2 * x) if both else self.a(x).tanh()   # b: not a's input, its own group
+
+
+def _heads_data():
+    x = torch.randn(sum(ROWS), 40, generator=torch.Generator().manual_seed(4)).double()
+    return x[:ROWS[0]], x[ROWS[0]:]
 
 
 def _rank_worker(rank, world, init_file, out):
@@ -253,13 +274,15 @@ def _rank_worker(rank, world, init_file, out):
     mine = slice(sum(ROWS[:rank]), sum(ROWS[:rank + 1]))
     result = {}
     ddp = nn.parallel.DistributedDataParallel(_mlp())
-    result["ddp"] = _rank_grads(ddp, x[mine], y[mine], 1.0)
+    result["ddp"] = _rank_grads(ddp, _squares(x[mine], y[mine]))
     sharded = _mlp()
     for i in (0, 2, 4):
         fully_shard(sharded[i])
     fully_shard(sharded)
-    result["fsdp2"] = _rank_grads(sharded, x[mine], y[mine], 1.0)
-    ddp = sharded = None
+    result["fsdp2"] = _rank_grads(sharded, _squares(x[mine], y[mine]))
+    heads = nn.parallel.DistributedDataParallel(_Heads().double(), find_unused_parameters=True)
+    result["partial"] = _rank_grads(heads, lambda m: m(_heads_data()[rank], both=rank == 0).square().sum())
+    ddp = sharded = heads = None
     leave_process_group()
     if rank == 0:
         torch.save(result, out)
@@ -276,10 +299,10 @@ def two_ranks():
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_rows_on_two_ranks_are_gathered_and_equal_the_whole_batch_feature_space_solve(two_ranks, wrapper):
     x, y = _global_batch()
-    expected, _ = _rank_grads(_mlp(), x, y, 0.5, solve_space="features")
+    expected, _ = _rank_grads(_mlp(), lambda m: _squares(x, y)(m) / 2, solve_space="features")
     got, stats = two_ranks[wrapper]
     for a, b in zip(got, expected):
-        _assert_same({n: a[n.removeprefix("module.")] if n in a else a["module." + n] for n in b}, b)
+        _assert_same(a, b)
     # 27 rows in all: the 25-dim layer forms Sigma (each rank alone had fewer than 25), the others gather rows
     assert stats["sample_space_solves"] == 2 * 2 and stats["factorizations"] == 2 * 3
 
@@ -304,3 +327,15 @@ def test_layers_of_one_shape_with_other_row_counts_are_solved_each_with_its_rows
         features, _ = _grads(model, batch, steps=2, damping=1e-3, precond_every=every, solve_space="features")
         _assert_same(rows, features)
         assert stats["sample_space_solves"] == 2 * (3 - every)
+
+
+@pytest.mark.slow
+def test_a_layer_that_one_rank_skips_is_solved_from_the_other_ranks_rows(two_ranks):
+    """Rank 1 runs head a only: b's rows are rank 0's 16 (rank 1 holds no rows for it), a's all 27."""
+    x0, x1 = _heads_data()
+    expected, _ = _rank_grads(_Heads().double(), lambda m: (m(x0).square().sum() + m(x1, both=False).square().sum()) / 2,
+                              solve_space="features")
+    got, stats = two_ranks["partial"]
+    for a, b in zip(got, expected):
+        _assert_same(a, b)
+    assert stats["sample_space_solves"] == 2 * 2
