@@ -65,10 +65,12 @@ class SampleRows(ActivationStatistics):
     def from_activations(cls, z: Tensor, homogeneous: bool, auto: bool = False) -> "SampleRows":
         """A copy of z in the statistics dtype (the model's activations are not kept), [z, 1] with a bias."""
         n, d = z.shape
-        x = torch.empty(n, d + int(homogeneous), dtype=statistics_dtype(z.dtype), device=z.device)
-        x[:, :d] = z
-        if homogeneous:
-            x[:, d] = 1.0
+        w = d + int(homogeneous)
+        x = torch.empty(n, w, dtype=statistics_dtype(z.dtype), device=z.device)
+        if not homogeneous:
+            return cls((x.copy_(z),), n, auto)
+        x.as_strided((n, d), (w, 1)).copy_(z)           # views by as_strided: one op each (per layer, per forward)
+        x.as_strided((n,), (w,), d).fill_(1.0)
         return cls((x,), n, auto)
 
     def clone(self) -> "SampleRows":
@@ -83,7 +85,7 @@ class SampleRows(ActivationStatistics):
 
     def mean(self) -> tuple:
         """(Xs,) = X / sqrt(n): Sigma = Xs^T Xs. A new tensor (the rows may be shared)."""
-        return (self.rows * torch.scalar_tensor(self.count, dtype=self.rows.dtype).rsqrt(),)
+        return (torch.mul(self.rows, torch.scalar_tensor(self.count ** -0.5, dtype=self.rows.dtype)),)
 
     mean_ = mean
 
@@ -162,8 +164,7 @@ class SampleSpaceBatch(solvers.Deferred):
         self.whole = (xs, l, lam)    # what the operators share: a batch applies in one call
 
     def ops(self) -> list:
-        xs, l, lam = self.whole
-        return [SampleSpaceInverse(xs[i], l[i], lam[i], self.whole, i) for i in range(len(xs))]
+        return [SampleSpaceInverse(whole=self.whole, index=i) for i in range(len(self.xs))]
 
     def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
         bad = self.trouble if finite is None else self.trouble & finite
@@ -182,8 +183,15 @@ class SampleSpaceBatch(solvers.Deferred):
 class SampleSpaceInverse:
     """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T (float64)."""
 
-    def __init__(self, x: Tensor, l: Tensor, lam: Tensor, whole: Optional[tuple] = None, index: int = 0) -> None:
-        self.x, self.l, self.lam, self.whole, self.index = x, l, lam, whole, index
+    def __init__(self, x: Optional[Tensor] = None, l: Optional[Tensor] = None, lam: Optional[Tensor] = None,
+                 whole: Optional[tuple] = None, index: int = 0) -> None:
+        # its own (x, l, lam), or member `index` of a batch's, taken out only when needed
+        self._own, self.whole, self.index = (x, l, lam) if whole is None else None, whole, index
+
+    def _part(self, k: int) -> Tensor:
+        return self._own[k] if self._own is not None else self.whole[k][self.index]
+
+    x, l, lam = (property(lambda self, k=k: self._part(k)) for k in range(3))
 
     def apply(self, g: Tensor) -> Tensor:
         return self.apply_stack([self], g.unsqueeze(0))[0]
