@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from . import sharding
+from .sample_space import accumulate
 from .compiled import Probes
 from .statistics import ActivationStatistics
 
@@ -217,6 +218,7 @@ class ActivationCapture:
     def __init__(self, helpers: list, statistic: type) -> None:
         self.layers = [LayerRecord(h) for h in helpers]
         self.statistic = statistic
+        self.rows = None   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
         self.collecting = True
         self._captures: dict = {}
         self._nodes: dict = {}
@@ -287,7 +289,9 @@ class ActivationCapture:
     def _statistics(self, helper, x: Tensor) -> ActivationStatistics:
         x = _as_multiplied(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            return helper.statistics(x, self.statistic)
+            rows = self.rows is not None and not torch.compiler.is_compiling()   # probes carry Sigma's sums
+            return helper.statistics(x, self.rows if rows and helper.statistic_type(self.statistic) is self.statistic
+                                     else self.statistic)
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
                counted: Optional[list] = None) -> Optional[list]:
@@ -385,7 +389,7 @@ class ActivationCapture:
         else:
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
-            layer.stat.add_(stat)
+            layer.stat = accumulate(layer.stat, stat)   # sums add, rows append
         layer.sig.append(cid)
 
     def groups(self, names) -> OrderedDict:

@@ -41,6 +41,7 @@ from .ema import CovarianceEMA, GradientEMA
 from .health import HealthReports, damping_scale, direction_energy, filtered_damping_scale, spectrum
 from .layers import find_layers
 from .options import DoPrOptions
+from .sample_space import SampleRows, gather_rows, row_statistic
 from .statistics import STATISTICS, statistics_dtype
 
 
@@ -89,7 +90,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     #: the counters of :meth:`stats` (ints, 0 until counted); a job's summary.json sums them over its
     #: DoPr optimizers (experiments/common/run.py). "steps" is the AP step counter itself.
     COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries",
-                "unreliable_factors", "eigh_fallbacks", "nonfinite_skips", "damping_choices", "damping_raises")
+                "unreliable_factors", "eigh_fallbacks", "nonfinite_skips", "damping_choices", "damping_raises",
+                "sample_space_solves", "sample_space_fallbacks")
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
                  options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
@@ -229,6 +231,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
         old = self._capture
         self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
+        self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             before = {l.helper.name: l for l in old.layers}
@@ -290,7 +293,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
-            all_reduce_statistics(list(groups.values()))      # data parallel: the global batch's Sigma
+            groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
+            all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)])   # the global Sigma
             gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
             if not refresh:                                   # between refreshes: factors for the layers without one
                 groups = {sub: stat for key, stat in groups.items()

@@ -26,6 +26,8 @@ CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 #: how weak_share_bound measures the weak share (dopr/health.py)
 WEAK_SHARE_ESTIMATES = ("spectrum", "filter")
+#: where the cholesky solve runs (dopr/sample_space.py)
+SOLVE_SPACES = ("auto", "features", "samples")
 
 Schedule = Callable[[int], float]
 
@@ -87,6 +89,11 @@ class DoPrOptions:
         "span (the pseudo-inverse of the undamped Sigma on the directions the data supports, no damping; "
         "span_rcond, span_cap) or any registered with dopr.solvers.register_solver",
         lambda v: v in solvers.SOLVERS, lambda: f"choose from {tuple(solvers.SOLVERS)}", show=repr)
+    solve_space: str = _option(
+        "auto", "where the cholesky solve runs: auto (in sample space, n x n, for a layer whose rows this step are "
+        "fewer than its dim d, where nothing needs the d x d Sigma; dopr/sample_space.py), features (always the d x d "
+        "Sigma) or samples (always the rows)",
+        lambda v: v in SOLVE_SPACES, f"choose from {SOLVE_SPACES}", show=repr)
     precond_every: int = _option(
         1, "refactor every k steps, gathering statistics on those steps, and reuse each layer's last good "
         "inverse in between (a layer with none gets one from the next step it runs on); 1 is the exact algorithm",
@@ -158,6 +165,9 @@ class DoPrOptions:
             raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
                              "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
                              "refreshes), or weak_share_estimate='filter', which chooses on every refresh")
+
+        if self.solve_space == "samples" and (why := sample_space_blocker(self)) is not None:
+            raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -231,6 +241,20 @@ def options_table() -> str:
 
 DoPrOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
     f"    - ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in dataclasses.fields(DoPrOptions))
+
+
+def sample_space_blocker(options: DoPrOptions) -> Optional[str]:
+    """None when the sample-space solve (dopr/sample_space.py) can run under `options`, else why not:
+    what needs the d x d Sigma itself, or lambda > 0."""
+    if options.solver != "cholesky":
+        return f"solver={options.solver!r} factors Sigma itself, sample space needs 'cholesky'"
+    if callable(options.precond_ema) or options.precond_ema != 0:
+        return "precond_ema keeps an EMA of Sigma itself"
+    if options.health_every or options.weak_share_bound is not None:
+        return "health_every and weak_share_bound read Sigma's spectrum"
+    if not callable(options.damping) and options.damping == 0:
+        return "damping 0: the Woodbury identity needs lambda > 0"
+    return None
 
 
 def damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:

@@ -1,4 +1,4 @@
-"""Ending a test's gloo process: what experiments.common.distributed.shutdown does for a job."""
+"""A test's gloo processes: starting them (rank0_result), and ending one as experiments.common.distributed.shutdown does."""
 import gc
 
 import torch.distributed as dist
@@ -11,3 +11,17 @@ def leave_process_group() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def rank0_result(worker, world: int = 2):
+    """Run ``worker(rank, world, init_file, out)`` on `world` gloo processes; what rank 0 saved to ``out``."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(worker, args=(world, os.path.join(tmp, "init"), out), nprocs=world, join=True)
+        return torch.load(out)

@@ -150,7 +150,7 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
     # bf16, the first layer's float32 input too, cast as autocast casts it for the layer's own GEMM
     monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"})
     model = _mlp(3, width=16)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3)
+    opt = dopr.build(model, "dopr_adamw", lr=1e-3, solve_space="features")   # 8 rows < d: Sigma, not the rows
     with _GemmDtypes() as mode:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(8, 16)).float().square().mean()

@@ -1,0 +1,272 @@
+"""The AP in sample space, for layers that see fewer activation rows in a step than their dimension.
+
+With this step's rows X (n x d, the homogeneous 1 column included for a layer with a bias) and no
+statistics EMA, Sigma = X^T X / n. Write Xs = X / sqrt(n), so Sigma = Xs^T Xs, and K = Xs Xs^T (n x n).
+Woodbury gives, for lam > 0,
+
+    (Sigma + lam I)^-1 = (1/lam) (I - Xs^T (K + lam I)^-1 Xs)
+    M = G (Sigma + lam I)^-1 = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs)
+
+at n^2 d for K, n^3/3 for its Cholesky factor and 2 rows n d + rows n^2 for the apply, where the
+feature-space solve costs n d^2 to form Sigma, d^3/3 to factor it and 2 rows d^2 to apply it: for n < d
+every term is smaller (Llama-8B widths, n = 2048 tokens for d = 4096 and 14336). The d x d Sigma is
+never formed. The n x n side (K, its factor, the solve against it) runs in float64: K + lam I has
+the condition number of Sigma + lam I, and the cancellation in G - (G Xs^T)(...)Xs costs what the
+feature-space solve's rounding costs.
+
+Which layers: ``solve_space`` (dopr.options). "auto" chooses sample space for a statistics group
+whose rows this step are fewer than d, when the solver is cholesky and nothing needs the d x d Sigma
+(no statistics EMA, no health report, no weak_share_bound, damping not the constant 0). The capture
+keeps a forward's rows instead of summing z z^T when they are fewer than d (:class:`RowsOrCovariance`);
+micro-batches append their rows, and once a layer's rows reach d they become Sigma's sums (the
+feature-space solve from there on). "samples" keeps the rows whatever their number; "features" never.
+Under data parallelism every rank's rows are needed: :func:`gather_rows` all-gathers them (uneven row
+counts: padded to the longest). Compiled forwards (probes) keep the feature-space statistics.
+
+Failures: a non-finite X makes its diagonal non-finite (the optimizer's skip / raise rules, as for a
+non-finite Sigma); a factor of K + lam I that failed or lost lam to rounding (``dopr.solvers.unreliable``),
+and lam <= 0, are flagged on the device with the other trouble flags (no host sync of their own) and
+solved in feature space from Sigma = Xs^T Xs by the configured solver, retries and fallbacks included.
+"""
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import solvers
+from .distributed import is_distributed
+from .options import damping, sample_space_blocker
+from .statistics import ActivationStatistics, DenseCovariance, gram, statistics_dtype
+
+#: the precision of the n x n side (K, its Cholesky factor, the solve against it)
+SAMPLE_SPACE_DTYPE = torch.float64
+
+
+class SampleRows(ActivationStatistics):
+    """The activation rows themselves, (n, d) in the statistics dtype, the homogeneous 1 appended.
+    ``auto``: become Sigma's sums (:meth:`to_dense`) once the rows reach d (solve_space "auto")."""
+
+    kind = "samples"
+
+    def __init__(self, sums: tuple, count: float, auto: bool = True) -> None:
+        super().__init__(sums, count)
+        self.auto = auto
+
+    @property
+    def rows(self) -> Tensor:
+        return self.sums[0]
+
+    @classmethod
+    def from_activations(cls, z: Tensor, homogeneous: bool, auto: bool = False) -> "SampleRows":
+        """A copy of z in the statistics dtype (the model's activations are not kept), [z, 1] with a bias."""
+        n, d = z.shape
+        w = d + int(homogeneous)
+        x = torch.empty(n, w, dtype=statistics_dtype(z.dtype), device=z.device)
+        if not homogeneous:
+            return cls((x.copy_(z),), n, auto)
+        x.as_strided((n, d), (w, 1)).copy_(z)           # views by as_strided: one op each (per layer, per forward)
+        x.as_strided((n,), (w,), d).fill_(1.0)
+        return cls((x,), n, auto)
+
+    def clone(self) -> "SampleRows":
+        return SampleRows(self.sums, self.count, self.auto)   # the rows are never changed in place
+
+    def to_dense(self) -> DenseCovariance:
+        return DenseCovariance((gram(self.rows),), self.count)
+
+    def full(self) -> bool:
+        """Whether the rows reached d, where the feature-space solve is the cheaper one ("auto")."""
+        return self.auto and self.rows.shape[0] >= self.rows.shape[1]
+
+    def mean(self) -> tuple:
+        """(Xs,) = X / sqrt(n): Sigma = Xs^T Xs. A new tensor (the rows may be shared)."""
+        return (torch.mul(self.rows, torch.scalar_tensor(self.count ** -0.5, dtype=self.rows.dtype)),)
+
+    mean_ = mean
+
+    @staticmethod
+    def diagonal(mean: tuple) -> Tensor:
+        return mean[0].square().sum(-2)
+
+    @classmethod
+    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
+                homogeneous=None) -> tuple:
+        xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
+        diag = cls.diagonal((xs,))
+        return xs, damping(gamma, damping_mode, diag, homogeneous), diag.isfinite().all(-1)
+
+    @classmethod
+    def factor(cls, xs: Tensor, lam: Tensor, factor, counts: dict) -> "SampleSpaceBatch":
+        counts["sample_space_solves"] += len(xs)
+        return SampleSpaceBatch(xs, lam.to(xs.dtype), factor)
+
+
+class RowsOrCovariance:
+    """The statistic the capture gathers under solve_space "auto": a forward's rows when they are fewer
+    than d (:class:`SampleRows`), else Sigma's sums (:class:`DenseCovariance`)."""
+
+    @staticmethod
+    def from_activations(z: Tensor, homogeneous: bool) -> ActivationStatistics:
+        if z.shape[0] < z.shape[1] + int(homogeneous):
+            return SampleRows.from_activations(z, homogeneous, auto=True)
+        return DenseCovariance.from_activations(z, homogeneous)
+
+
+class AlwaysRows:
+    """solve_space "samples": the rows, whatever their number."""
+
+    @staticmethod
+    def from_activations(z: Tensor, homogeneous: bool) -> SampleRows:
+        return SampleRows.from_activations(z, homogeneous, auto=False)
+
+
+def row_statistic(options) -> Optional[type]:
+    """What the capture gathers for dense layers instead of DenseCovariance: None (feature space),
+    :class:`RowsOrCovariance` ("auto", where allowed) or :class:`AlwaysRows` ("samples"; the option
+    checks refuse what it cannot do, dopr.options)."""
+    if options.solve_space == "samples":
+        return AlwaysRows
+    if options.solve_space == "features" or sample_space_blocker(options) is not None:
+        return None
+    return RowsOrCovariance
+
+
+def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationStatistics:
+    """a + b for the capture's micro-batch accumulation (a may be changed, the result returned): rows are
+    appended (Sigma's sums once they reach d under "auto"); rows meeting sums become sums."""
+    rows_a, rows_b = isinstance(a, SampleRows), isinstance(b, SampleRows)
+    if rows_a and rows_b:
+        out = SampleRows((torch.cat([a.rows, b.rows]),), a.count + b.count, a.auto and b.auto)
+        return out.to_dense() if out.full() else out
+    if rows_a or rows_b:
+        return (a.to_dense() if rows_a else a).add_(b.to_dense() if rows_b else b)
+    return a.add_(b)
+
+
+# ------------------------------------------------------------------------------ the solve
+class SampleSpaceBatch(solvers.Deferred):
+    """The Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch of same-size rows, in float64.
+    Trouble: a failed or unreliable factor, or lam <= 0; :meth:`finish` solves those in feature space."""
+
+    def __init__(self, xs: Tensor, lam: Tensor, factor) -> None:
+        self.xs, self.lam, self.factor = xs, lam, factor
+        x = xs.to(SAMPLE_SPACE_DTYPE)
+        k = torch.matmul(x, x.mT)
+        lam64 = lam.to(SAMPLE_SPACE_DTYPE)
+        k.diagonal(dim1=-2, dim2=-1).add_(lam64[:, None])
+        l, info = torch.linalg.cholesky_ex(k)
+        self.trouble = (info > 0) | (lam <= 0) | solvers.unreliable(l, lam64)
+        self.whole = (xs, l, lam)    # what the operators share: a batch applies in one call
+
+    def ops(self) -> list:
+        return [SampleSpaceInverse(whole=self.whole, index=i) for i in range(len(self.xs))]
+
+    def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
+        bad = self.trouble if finite is None else self.trouble & finite
+        ops = self.ops()
+        idx = bad.nonzero().flatten()
+        if idx.numel() == 0:
+            return ops
+        counts["sample_space_fallbacks"] += idx.numel()
+        x = self.xs[idx]
+        res = self.factor(torch.matmul(x.mT, x), self.lam[idx], counts)     # Sigma, the feature-space solver
+        for j, op in zip(idx.tolist(), res.finish(counts) if isinstance(res, solvers.Deferred) else res):
+            ops[j] = op
+        return ops
+
+
+class SampleSpaceInverse:
+    """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T (float64)."""
+
+    def __init__(self, x: Optional[Tensor] = None, l: Optional[Tensor] = None, lam: Optional[Tensor] = None,
+                 whole: Optional[tuple] = None, index: int = 0) -> None:
+        # its own (x, l, lam), or member `index` of a batch's, taken out only when needed
+        self._own, self.whole, self.index = (x, l, lam) if whole is None else None, whole, index
+
+    def _part(self, k: int) -> Tensor:
+        return self._own[k] if self._own is not None else self.whole[k][self.index]
+
+    x, l, lam = (property(lambda self, k=k: self._part(k)) for k in range(3))
+
+    def apply(self, g: Tensor) -> Tensor:
+        return self.apply_stack([self], g.unsqueeze(0))[0]
+
+    @staticmethod
+    def apply_stack(ops: list, gs: Tensor) -> Tensor:
+        whole = ops[0].whole
+        if (whole is not None and len(ops) == len(whole[0])
+                and all(op.whole is whole and op.index == i for i, op in enumerate(ops))):
+            x, l, lam = whole                                 # the factor batch as it is: no stack
+        elif any(op.x.shape != ops[0].x.shape for op in ops):   # same G shape, other row counts
+            return torch.stack([op.apply(g) for op, g in zip(ops, gs.unbind(0))])
+        else:
+            x, l, lam = (torch.stack([getattr(op, a) for op in ops]) for a in ("x", "l", "lam"))
+        w = torch.matmul(gs, x.mT).to(l.dtype)                                # G Xs^T (B, rows, n)
+        y = solvers.CholeskyFactor.apply_stack([solvers.CholeskyFactor(batch=l, index=i) for i in range(len(l))], w)
+        m = torch.baddbmm(gs, y.to(gs.dtype), x, alpha=-1.0)                  # G - Y Xs
+        return m.div_(lam.to(m.dtype)[:, None, None])
+
+    def cached(self) -> "SampleSpaceInverse":
+        """Reused until the next refresh (precond_every > 1): the rows and the n x n factor, whose apply
+        costs 2 rows n d + rows n^2 against rows d^2 for an explicit inverse. No reference to the batch."""
+        return SampleSpaceInverse(self.x, self.l, self.lam)
+
+    def tensors(self) -> dict:
+        return {"x": self.x, "l": self.l, "lam": self.lam}
+
+
+solvers.OPERATORS[SampleSpaceInverse.__name__] = SampleSpaceInverse   # cached operators in a checkpoint
+
+
+# ------------------------------------------------------------------------------ data parallel
+def gather_rows(groups: "OrderedDict", rows: Optional[type]) -> "OrderedDict":
+    """Under data parallelism, each group's rows from every rank (in rank order, so every rank solves
+    the same problem), as :class:`SampleRows` of the global batch: one all-gather of the row counts, one
+    of the rows padded to each group's longest. A group some rank holds as Sigma's sums (its rows
+    reached d there), or whose global rows reach d under "auto", becomes sums on every rank, for
+    dopr.distributed.all_reduce_statistics. ``rows``: the capture's row statistic (None: nothing to do).
+    ``groups`` is agreed by all ranks (dopr.distributed.agree_groups); a rank that ran none of a group's
+    layers holds zero sums with count 0 for it: no rows."""
+    if rows is None or not groups or not is_distributed():
+        return groups
+    keys, stats = list(groups), list(groups.values())
+    device = stats[0].sums[0].device
+    world = dist.get_world_size()
+    # per group: this rank's row count, 0 for empty sums, -1 for sums with samples
+    mine = torch.tensor([float(s.rows.shape[0]) if isinstance(s, SampleRows) else (0.0 if s.count == 0 else -1.0)
+                         for s in stats], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    table = torch.stack(parts).T.tolist()            # [group][rank]
+    out, gathered = OrderedDict(), []
+    for key, stat, counts in zip(keys, stats, table):
+        d = stat.rows.shape[1] if isinstance(stat, SampleRows) else stat.sums[0].shape[-1]
+        total = sum(counts)
+        if min(counts) < 0 or total == 0 or (rows is RowsOrCovariance and total >= d):
+            out[key] = stat.to_dense() if isinstance(stat, SampleRows) else stat
+        else:
+            out[key] = stat
+            gathered.append((key, stat, [int(c) for c in counts], d))
+    if not gathered:
+        return out
+    dtype = functools.reduce(torch.promote_types, [s.sums[0].dtype for _, s, _, _ in gathered])   # one buffer
+    width = [max(c) * d for _, _, c, d in gathered]
+    buf = torch.zeros(sum(width), dtype=dtype, device=device)
+    offset = 0
+    for (_, stat, _, _), w in zip(gathered, width):
+        if isinstance(stat, SampleRows):
+            buf[offset:offset + stat.rows.numel()] = stat.rows.reshape(-1)
+        offset += w
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    offset = 0
+    for (key, stat, counts, d), w in zip(gathered, width):
+        x = torch.cat([b[offset:offset + c * d].view(c, d) for b, c in zip(bufs, counts)])
+        out[key] = SampleRows((x.to(stat.sums[0].dtype),), float(sum(counts)), rows is RowsOrCovariance)
+        offset += w
+    return out
