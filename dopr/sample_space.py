@@ -41,7 +41,7 @@ from torch import Tensor
 from . import solvers
 from .distributed import is_distributed
 from .options import damping, sample_space_blocker
-from .statistics import ActivationStatistics, DenseCovariance, gram, statistics_dtype
+from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, statistics_dtype
 
 #: the precision of the n x n side (K, its Cholesky factor, the solve against it)
 SAMPLE_SPACE_DTYPE = torch.float64
@@ -64,14 +64,12 @@ class SampleRows(ActivationStatistics):
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool, auto: bool = False) -> "SampleRows":
         """A copy of z in the statistics dtype (the model's activations are not kept), [z, 1] with a bias."""
-        n, d = z.shape
-        w = d + int(homogeneous)
-        x = torch.empty(n, w, dtype=statistics_dtype(z.dtype), device=z.device)
+        n = z.shape[0]
+        dtype = statistics_dtype(z.dtype)
         if not homogeneous:
-            return cls((x.copy_(z),), n, auto)
-        x.as_strided((n, d), (w, 1)).copy_(z)           # views by as_strided: one op each (per layer, per forward)
-        x.as_strided((n,), (w,), d).fill_(1.0)
-        return cls((x,), n, auto)
+            return cls((z.to(dtype, copy=True),), n, auto)
+        z = z if z.dtype == dtype else z.to(dtype)
+        return cls((torch.cat([z, ones_column(n, z)], dim=1),), n, auto)   # one op (per layer, per forward)
 
     def clone(self) -> "SampleRows":
         return SampleRows(self.sums, self.count, self.auto)   # the rows are never changed in place
@@ -90,13 +88,25 @@ class SampleRows(ActivationStatistics):
     mean_ = mean
 
     @staticmethod
+    def stacked_mean(stats: list) -> Tensor:
+        """The Xs of each of `stats` (same shape), stacked (B, n, d): one stack and one product with their
+        count^-1/2 held as a tensor, where :meth:`mean` per member takes two ops each (the same product, bit
+        for bit). The stack is a copy: the rows, which may be shared, are not changed."""
+        rows = torch.stack([s.rows for s in stats])
+        scale = torch.tensor([s.count ** -0.5 for s in stats], dtype=rows.dtype).to(rows.device, non_blocking=True)
+        return rows.mul_(scale[:, None, None])
+
+    @staticmethod
     def diagonal(mean: tuple) -> Tensor:
         return mean[0].square().sum(-2)
 
     @classmethod
     def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
                 homogeneous=None) -> tuple:
-        xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
+        if isinstance(means, Tensor):    # stacked already (stacked_mean)
+            xs = means
+        else:
+            xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = cls.diagonal((xs,))
         return xs, damping(gamma, damping_mode, diag, homogeneous), diag.isfinite().all(-1)
 

@@ -106,7 +106,7 @@ class DenseCovariance(ActivationStatistics):
             s[:d, d] = s[d, :d] = z.sum(0, dtype=dtype)
             s[d, d] = n
             return cls((s,), n)
-        za = torch.cat([z, _ones(n, z)], dim=1)   # [z, 1]: its gram is the whole matrix, ones' sums and n included
+        za = torch.cat([z, ones_column(n, z)], dim=1)   # [z, 1]: its gram is the whole matrix, ones' sums and n included
         return cls((gram(za, zt=_transposed(za)),), n)
 
     @classmethod
@@ -267,7 +267,8 @@ def _low_precision_gram(z: Tensor, dtype: torch.dtype = None) -> bool:
 _ONES: dict = {}
 
 
-def _ones(n: int, like: Tensor) -> Tensor:
+def ones_column(n: int, like: Tensor) -> Tensor:
+    """A cached (n, 1) column of ones like `like` (dtype, device): the homogeneous 1 of n activation rows."""
     key = (n, like.dtype, like.device)
     ones = _ONES.get(key)
     if ones is None:

@@ -67,14 +67,16 @@ def test_a_dopr_step_reads_the_device_once_whatever_the_layer_count(layers, devi
     assert [n for n, in_base in gp if n in SYNCS and not in_base] == []   # the count is DoPr's own
 
 
-def test_dopr_adds_at_most_20_aten_ops_per_preconditioned_layer(device_path):
+@pytest.mark.parametrize("solve_space", ["features", "auto"])
+def test_dopr_adds_at_most_20_aten_ops_per_preconditioned_layer(device_path, solve_space):
     # 16 identical Linear layers (with bias): the work is grouped by shape (one stack, factorisation and
-    # solve per size), so what is left per layer is the forward hook's covariance (one GEMM of [z, 1]),
-    # and M written back (dopr/buckets.py: G read by concatenation, M by two foreach copies from views
-    # made once). Before: 134 per layer, then 39 (a7af4b7: the homogeneous blocks written through views,
-    # a division per Sigma, G and M copied layer by layer).
+    # solve per size), so what is left per layer is the forward hook's statistics (features: one GEMM of
+    # [z, 1]; auto, here 16 rows < d = 33: the rows [z, 1] kept, one concatenation), and M written back
+    # (dopr/buckets.py: G read by concatenation, M by two foreach copies from views made once). Before:
+    # 134 per layer, then 39 (a7af4b7: the homogeneous blocks written through views, a division per Sigma,
+    # G and M copied layer by layer).
     layers = 16
-    extra = len(_profiled_step("dopr_adamw", layers)) - len(_profiled_step("adamw", layers))
+    extra = len(_profiled_step("dopr_adamw", layers, solve_space=solve_space)) - len(_profiled_step("adamw", layers))
     assert 0 < extra / layers <= 20, extra / layers
 
 
@@ -266,11 +268,12 @@ class _Gemms(TorchDispatchMode):
 def test_a_step_between_refreshes_adds_one_gemm_per_bucket():
     # issue 61 item 5: with no statistics EMA, a step whose Sigma will not be used gathers no activations
     # (no covariance GEMM in the forward) and applies the cached inverses, one batched GEMM per bucket of
-    # same-shape layers, over the GP's own step
+    # same-shape layers, over the GP's own step. 64 rows for d = 33: the feature-space solve (with fewer
+    # rows than d, solve_space="auto" caches the rows and their n x n factor instead, dopr/sample_space.py)
     def gemms(name, steps_before, **kw):
         model = _mlp(4)
         opt = dopr.build(model, name, lr=1e-3, **kw)
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
 
         def step():
             model(x).square().mean().backward()
