@@ -228,6 +228,8 @@ def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | 
     try:
         result = run.finish(task(cfg, run))
         failed = False
+        if interrupt.requested() is not None:   # acknowledged, but it came during the last step
+            log.info("%s: %s", job_name(cfg), interrupt.finished_anyway())
         line = finished_line(cfg, result, out_dir)
         if run.is_main:
             write_status(out_dir, job_status(cfg, result), line)
@@ -252,8 +254,8 @@ def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | 
             return None
         raise
     except KeyboardInterrupt:              # Ctrl-C before the loop had its training state (or a second one)
-        log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; nothing to resume from this attempt",
-                 job_name(cfg))
+        log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; %s", job_name(cfg),
+                 interrupt.lost_work(run.checkpoint_path))
         raise                              # run.py ends with that line alone (exit 130)
     finally:
         interrupt.uninstall()
