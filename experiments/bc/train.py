@@ -26,9 +26,10 @@ from .policy import ResidualMLP
 
 
 def resolve_demos(t) -> Path:
-    """The task's demonstration file; written from the committed expert on first use when allowed."""
+    """The task's demonstration file; written from the committed expert on first use when allowed, and
+    only at `task.expert_demos` (a mistyped task.demos is refused by demos.load, not written)."""
     path = Path(t.demos)
-    if not path.exists() and not path.is_dir() and t.generate_demos:
+    if not path.exists() and t.generate_demos and path.resolve() == Path(t.expert_demos).resolve():
         expert = expert_path(t.env, t.expert_version)
         if not expert.exists():
             raise FileNotFoundError(f"no demonstrations at {path} and no committed expert at {expert}: train one "
