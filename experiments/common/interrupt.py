@@ -13,8 +13,9 @@ The first signal of an armed job is acknowledged at once on stderr, saying when 
 signal during the last step, or its evaluation, lets the job finish instead: ``run_job`` says so).
 Before arming, and in a task that never checkpoints, a signal acts as it would without the suite
 (Ctrl-C raises KeyboardInterrupt at once), as does a second Ctrl-C while the first waits for the end
-of its step; ``run_job`` then names the last checkpoint, if there is one (:func:`lost_work`). Under torch.distributed the ranks agree on every decision (one all-reduce of a flag per
-check), since a checkpoint may be a collective.
+of its step; ``run_job`` then names the last checkpoint, if there is one (:func:`lost_work`). Under
+torch.distributed the ranks agree on every decision (one all-reduce of a flag per check), since a
+checkpoint may be a collective.
 """
 from __future__ import annotations
 
