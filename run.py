@@ -1,9 +1,11 @@
 """The DoPr experiment suite: `python run.py task=<task> optim=<optim>`, `-m` for sweeps.
 
-    python run.py task=feature_learning optim=dopr_sgd
-    python run.py -m task=feature_learning optim=sgd,adamw,dopr_sgd seed=0,1,2
-    python run.py -m sweep=feature_learning launcher=slurm slurm.partition=gpu
-    python run.py task=humanoid optim=dopr_adamw resume=true   # continue the latest unfinished run of it
+    python run.py task=feature_learning +tuned/feature_learning_protocol=dopr_sgd
+    python run.py -m task=feature_learning '+tuned/feature_learning_protocol=sgd,adamw,dopr_sgd' seed=1,2,3
+    python run.py -m sweep=feature_learning_protocol launcher=slurm slurm.partition=gpu
+    python run.py task=feature_learning +tuned/feature_learning_protocol=dopr_sgd resume=true   # continue its latest unfinished run
+
+(in the environment `make` created: `source .venv/bin/activate` first, or `.venv/bin/python run.py ...`)
 """
 import os
 import sys

@@ -335,3 +335,18 @@ def test_a_rollout_with_progress_shows_a_bar_that_ends_at_its_total(capsys, monk
     assert capsys.readouterr().err == "" and len(closed) == 1
     hopper = rollout("Hopper-v5", lambda obs: np.ones((len(obs), 3), np.float32), 1, seed=0, progress="hop")
     assert hopper["lengths"][0] < 1000 and closed[1] == ("hop", 1000, 1000)   # it fell: the rest counted
+
+
+def test_a_mistyped_demos_path_is_refused_and_demonstrations_are_written_only_at_the_default_path(tmp_path, monkeypatch,
+                                                                                                compose):
+    # issue 63: a typo in task.demos silently wrote 47 MB of demonstrations at the typo's path
+    written = []
+    monkeypatch.setattr(train, "generate_demos", lambda env, n, path, expert: written.append(Path(path)))
+    typo = tmp_path / "HalfCheeta-v5.npz"
+    t = compose("task=halfcheetah", f"task.demos={typo}").task
+    with pytest.raises(FileNotFoundError, match=f"demonstration file not found: {typo}"):
+        demos.load(train.resolve_demos(t), t.env)
+    assert written == [] and not typo.exists()
+    default = tmp_path / "demos" / "HalfCheetah-v5.npz"   # where the expert's demonstrations go (task.expert_demos)
+    t = compose("task=halfcheetah", f"task.expert_demos={default}").task
+    assert Path(t.demos) == default and train.resolve_demos(t) == default and written == [default]

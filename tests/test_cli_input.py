@@ -1,6 +1,7 @@
 """Bad input on the command line (issue "Safe on a cluster and in real code", section 3): one line, exit
 status 2, no folder left behind; a failed run's log says that it failed and why."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,40 @@ def test_more_trajectories_than_the_file_holds_is_a_config_error_naming_the_keys
     demos.observations = [np.zeros((3, 2))] * 4
     with pytest.raises(ConfigError, match=r"asked for 5 training \+ 1 validation trajectories \(task.num_trajectories"):
         demos.split(5, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, says", [
+    (["task=feature_learning", "seed=abc"], "seed=abc: must be a whole number in [0, 2**32 - 1]"),
+    (["task=humanoid", "task.num_trajectories=500"], "task.num_trajectories=500: must be at most task.max_trajectories=50"),
+])
+def test_a_bad_seed_or_more_trajectories_than_the_task_has_is_one_line_and_leaves_no_folder(tmp_path, args, says):
+    # issue 63: each was a 14-18-line traceback from inside the job, and left its folder
+    out = tmp_path / "run"
+    r = _run(*args, f"hydra.run.dir={out}")
+    assert r.returncode == 2 and r.stderr.strip() == f"Error: {says}", r.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_a_config_group_that_does_not_exist_is_named_with_the_close_ones():
+    # issue 63: `+tuned/sit_mnist=adamw` was refused as an unknown key, where the group is tuned/sit_mnist_protocol
+    from experiments.common.checks import ConfigError, suggest_key
+
+    for arg in ("+tuned/sit_mnist=adamw", "tuned/sit_mnist=adamw,sgd"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(arg)}: no config group tuned/sit_mnist \(conf/tuned/"
+                                              r"sit_mnist/ does not exist; did you mean tuned/sit_mnist_protocol\?\)$"):
+            suggest_key(["task=sit_mnist", arg], ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"no config group tuned/humanod .*did you mean tuned/humanoid\?"):
+        suggest_key(["-m", "+tuned/humanod=adamw"], ROOT / "conf")
+    suggest_key(["task=sit_mnist", "+tuned/sit_mnist_protocol=adamw"], ROOT / "conf")   # a group that exists
+
+
+@pytest.mark.slow
+def test_a_missing_dataset_is_said_once(tmp_path):
+    # issue 63: the job's error line and run.py's refusal printed the same message two or three times
+    out = tmp_path / "run"
+    r = _run("task=grafting_cifar10", "debug=default", f"hydra.run.dir={out}")
+    said = "task.data=cifar10 needs task.data_path="
+    assert r.returncode == 2 and (r.stdout + r.stderr).count(said) == 1, r.stdout + r.stderr
+    assert r.stderr.strip().startswith(f"Error: {said}") and r.stderr.strip().count("\n") == 0
+    assert (out / "run.log").read_text().count(f"failed: FileNotFoundError: {said}") == 1   # the job's log keeps it

@@ -40,3 +40,36 @@ def test_the_front_page_is_short():
     table = [line for line in readme.splitlines() if line.startswith("| ") and "results/CLAIMS.md#" in line]
     assert all(len(line) < 300 for line in table), "a front-page claims line is over 300 characters"
     assert len(readme.splitlines()) < 160
+
+
+def _run_commands(text: str) -> list:
+    """The `python run.py ...` command lines of a text, comments and spacing dropped."""
+    lines = (line.strip().split("  #")[0].split() for line in text.splitlines())
+    return [" ".join(words) for words in lines if words[:2] == ["python", "run.py"]]
+
+
+def test_readme_docs_and_run_py_show_one_set_of_tuned_examples_in_the_environment_make_creates():
+    # issue 63: the README's commands failed with "No module named 'hydra'" (nothing activated .venv),
+    # its "paper preset" was an ablation, and run.py and docs/suite.md showed an untuned sweep that diverges
+    import ast
+    import shlex
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    suite = (ROOT / "docs" / "suite.md").read_text(encoding="utf-8")
+    run_py = ast.get_docstring(ast.parse((ROOT / "run.py").read_text(encoding="utf-8")))
+    for text in (readme, suite):
+        first = text.index("\npython run.py")   # the first command line
+        assert "source .venv/bin/activate" in text[text.rindex("```bash", 0, first):first]
+    assert ".venv/bin/python" in run_py and "source .venv/bin/activate" in run_py
+    examples = _run_commands(run_py)
+    assert examples and set(examples) <= set(_run_commands(readme))
+    assert {c for c in examples if "launcher=" not in c} <= set(_run_commands(suite))   # its launchers: their section
+    for command in examples:
+        words = shlex.split(command)
+        assert any(w.startswith("+tuned/") or w.startswith("sweep=") for w in words), command
+        for w in words:
+            if w.startswith("sweep="):
+                preset = (ROOT / "conf" / "sweep" / f"{w.split('=', 1)[1]}.yaml").read_text(encoding="utf-8")
+                assert "ablation" not in preset.splitlines()[1], f"{w} is an ablation, not a paper preset"
+    presets = [c for c in _run_commands(readme) if "sweep=" in c and "paper preset" in readme]
+    assert presets and all("sweep=feature_learning_protocol" in c for c in presets)

@@ -180,13 +180,68 @@ def test_launcher_slurm_without_slurm_is_one_line_and_leaves_no_folder(tmp_path)
     assert "Traceback" not in r.stderr and not sweep.exists()
 
 
-def test_resume_true_says_when_there_is_no_checkpoint_to_resume_from(tmp_path, capsys):
+def test_resume_true_says_when_there_is_no_checkpoint_to_resume_from(tmp_path, caplog):
     from types import SimpleNamespace
 
     from experiments.common.checkpoint import TrainingState
 
+    caplog.set_level("INFO", logger="experiments")   # the job's log (run.log under Hydra)
     run = SimpleNamespace(cfg={"resume": True}, checkpoint_path=tmp_path / "checkpoint.pt", load_checkpoint=lambda: None)
     assert TrainingState().resume(run) == (0, {})
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "checkpoint.pt does not exist" in out and "starting from step 0" in out
     interrupt.uninstall()
+
+
+# ---------------------------------------------------------------------- Ctrl-C outside the training step
+def _evaluating_job(tmp_path, folder, *extra):
+    """`python run.py task=evaluating` (tests/evaluating_task.py) into `folder`, started; returns the process
+    once the job's last-step evaluation has begun (a checkpoint of step 2 exists by then)."""
+    import evaluating_task
+
+    conf = evaluating_task.write_config(tmp_path / "conf")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    argv = ["task=evaluating", "optim=sgd", f"hydra.searchpath=[file://{conf}]", f"hydra.run.dir={folder}", *extra]
+    proc = subprocess.Popen([sys.executable, "run.py", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (folder / "evaluating").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None and (folder / "checkpoint.pt").exists(), proc.communicate()
+    return proc, argv, env
+
+
+@pytest.mark.slow
+def test_a_first_ctrl_c_during_the_last_evaluation_is_acknowledged_and_the_job_says_it_finished(tmp_path):
+    # before: the signal was silently ignored, the job finished and exited 0 with no word of it
+    folder = tmp_path / "job"
+    proc, _, _ = _evaluating_job(tmp_path, folder)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    ack = [ln for ln in err.splitlines() if ln.startswith("SIGINT received:")]
+    assert len(ack) == 1 and "stops at the end of the step in progress" in ack[0] and "Ctrl-C again" in ack[0], err
+    said = "SIGINT came during the last step (or its evaluation): the job finished instead of stopping"
+    assert said in out and said in (folder / "run.log").read_text()
+    assert (folder / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_evaluation_names_the_last_checkpoint_which_resumes(tmp_path):
+    # before: "nothing to resume from this attempt" while checkpoint.pt of step 2 existed, and the resumed
+    # job's "resuming from step 2" was missing from its run.log
+    folder = tmp_path / "job"
+    proc, argv, env = _evaluating_job(tmp_path, folder, "task.eval_s=120")
+    proc.send_signal(signal.SIGINT)   # acknowledged: the job would stop after the evaluation
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)   # stops it at once
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in out + err, err[-2000:]
+    stopped = [ln for ln in out.splitlines() if "interrupted (Ctrl-C)" in ln]
+    assert len(stopped) == 1 and f"the last checkpoint is {folder / 'checkpoint.pt'} (step 2)" in stopped[0], out
+    assert "resume=true" in stopped[0] and "nothing to resume" not in stopped[0]
+    assert stopped[0].split("] - ", 1)[1] in (folder / "run.log").read_text()
+    again = subprocess.run([sys.executable, "run.py", *argv, "task.eval_s=0"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from step 2" in (folder / "run.log").read_text()

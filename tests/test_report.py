@@ -84,3 +84,12 @@ def test_a_long_stamp_sits_under_the_axes_and_is_saved_whole(tmp_path):
         report.save_figure(fig, tmp_path / "f.png", s)
         heights.append(Image.open(tmp_path / "f.png").size[1])
     assert heights[1] > heights[0] + 6 * 8                                 # the file holds the extra lines
+
+
+def test_a_missing_sweep_folder_is_one_line(tmp_path):
+    # issue 63: `python -m experiments.report <missing path>` raised a FileNotFoundError traceback
+    with pytest.raises(SystemExit) as stop:
+        report.main([str(tmp_path / "nope"), str(tmp_path)])
+    said = str(stop.value)
+    assert said.startswith(f"sweep directory not found: {tmp_path / 'nope'} (") and "\n" not in said
+    assert "multirun/<sweep>/<time>" in said

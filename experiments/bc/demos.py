@@ -69,7 +69,8 @@ def load(path, env_id: str | None = None) -> Demos:
         raise FileNotFoundError(
             f"demonstration file not found: {path}. Write one with `python -m experiments.bc.expert demos --env "
             f"{env_id or '<env>'} --out {path}` (rolls out the committed expert), or point task.demos at a local "
-            f"Minari dataset directory")
+            f"Minari dataset directory (the committed expert's demonstrations are written on first use only at "
+            f"task.expert_demos, the default task.demos)")
     demos = _load_minari(path) if path.is_dir() else _load_npz(path)
     if env_id is not None and demos.env.split("/")[-1] != env_id and env_id not in demos.env:
         raise ValueError(f"{path} holds demonstrations for {demos.env!r}, not {env_id!r}")

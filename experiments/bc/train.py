@@ -31,8 +31,8 @@ def check_inputs(t) -> None:
     path = Path(t.demos)
     if path.exists():
         return
-    if not t.generate_demos:
-        demo_io.load(path, t.env)   # its message: how to write them
+    if not (t.generate_demos and path.resolve() == Path(t.expert_demos).resolve()):
+        demo_io.load(path, t.env)   # its message: a mistyped or missing file of one's own is not written
     expert = expert_path(t.env, t.expert_version)
     if not expert.exists():
         raise FileNotFoundError(f"no demonstrations at {path} and no committed expert at {expert}: train one "
@@ -40,7 +40,8 @@ def check_inputs(t) -> None:
 
 
 def resolve_demos(t) -> Path:
-    """The task's demonstration file; written from the committed expert on first use when allowed."""
+    """The task's demonstration file; written from the committed expert on first use when allowed, and
+    only at `task.expert_demos` (a mistyped task.demos is refused by demos.load, not written)."""
     path = Path(t.demos)
     check_inputs(t)
     if not path.exists():

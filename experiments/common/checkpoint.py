@@ -15,6 +15,7 @@ numpy.random.Generator), and any extra values.
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Optional
 
@@ -24,6 +25,8 @@ import torch
 from . import interrupt
 
 FORMAT = 2
+
+log = logging.getLogger("experiments")   # the job's run.log and console (Hydra's logging)
 
 
 def rng_state() -> dict:
@@ -88,14 +91,15 @@ class TrainingState:
         """(step, extra) of the run's last checkpoint, everything restored (the run's clock too);
         (0, {}) when there is none. Says which, and from here on a signal asks for a checkpoint."""
         state = run.load_checkpoint()
-        interrupt.arm()
         if state is None:
+            interrupt.arm()
             if getattr(run, "cfg", None) is not None and run.cfg.get("resume"):
-                print(f"resume=true: {run.checkpoint_path} does not exist (the earlier attempt stopped before its "
-                      "first checkpoint): starting from step 0", flush=True)
+                log.info("resume=true: %s does not exist (the earlier attempt stopped before its first checkpoint): "
+                         "starting from step 0", run.checkpoint_path)
             return 0, {}
         step, extra = self.load_state_dict(state)
         if "clock" in state:  # a checkpoint of an earlier version has none: its times start again
             run.clock.load_state_dict(state["clock"])
-        print(f"resuming from step {step}", flush=True)
+        interrupt.arm(step)
+        log.info("resuming from step %s", step)
         return step, extra

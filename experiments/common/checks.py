@@ -153,11 +153,30 @@ def refuse_bad_task_counts(cfg: DictConfig) -> None:
             raise ConfigError(f"task.{key}={v}: must be a whole number >= 1")
 
 
+def refuse_counts_over_their_max(cfg: DictConfig) -> None:
+    """`task.num_trajectories=500` where the task's `max_trajectories` is 50: every `num_<x>` of a task
+    that also names `max_<x>` is at most that."""
+    task = OmegaConf.to_container(cfg.task, resolve=True) if "task" in cfg else {}
+    for key, v in task.items():
+        top = task.get("max_" + key.removeprefix("num_")) if key.startswith("num_") else None
+        if isinstance(v, int) and isinstance(top, int) and v > top:
+            raise ConfigError(f"task.{key}={v}: must be at most task.max_{key.removeprefix('num_')}={top}")
+
+
+def refuse_bad_seed(cfg: DictConfig) -> None:
+    """`seed=abc` (or -1): a seed is a whole number in [0, 2**32 - 1], the range numpy's seeding takes."""
+    seed = OmegaConf.select(cfg, "seed", default=0)
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 32):
+        raise ConfigError(f"seed={seed}: must be a whole number in [0, 2**32 - 1]")
+
+
 def check_job(cfg: DictConfig, overrides: list, groups: set, task: str = "", here: bool = True) -> None:
     """Every check above, on the composed job config and its command-line overrides (`task`: the
     task config chosen; `here`: the job runs on this machine, so its device must be here too)."""
     refuse_missing_task_values(cfg, task)
     refuse_bad_task_counts(cfg)
+    refuse_counts_over_their_max(cfg)
+    refuse_bad_seed(cfg)
     refuse_added_keys(cfg, overrides, groups)
     if here:
         refuse_unavailable_device(OmegaConf.select(cfg, "device", default="auto"))
@@ -285,14 +304,37 @@ def discard_fresh_folder(folder: Path) -> None:
         shutil.rmtree(sweep)
 
 
+def refuse_unknown_group(argv: list, conf: Path) -> None:
+    """`+tuned/sit_mnist=adamw`: a config group path (with a /) that conf/ does not have, which Hydra
+    takes for a key; refused naming the close groups (tuned/sit_mnist_protocol). A command that adds a
+    config search path (hydra.searchpath) is left to Hydra."""
+    if any(a.startswith("hydra.searchpath") for a in argv):
+        return
+    for arg in argv:
+        group = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if arg.startswith("-") or "=" not in arg or "/" not in group or group.startswith("hydra/") or \
+                (conf / group).is_dir():
+            continue
+        parent = group.rsplit("/", 1)[0]
+        groups = sorted(str(d.relative_to(conf)) for d in (conf / parent).glob("*") if d.is_dir())
+        leaf = {g.rsplit("/", 1)[-1]: g for g in groups}
+        close = ([g for g in groups if g.startswith(group)] or
+                 [leaf[n] for n in difflib.get_close_matches(group.rsplit("/", 1)[-1], leaf, n=3, cutoff=0.6)])
+        hint = (f"did you mean {' or '.join(close[:3])}{' or ...' if len(close) > 3 else ''}?" if close else
+                f"the groups under {parent}/ are in conf/{parent}/" if groups else f"conf/{parent}/ does not exist either")
+        raise ConfigError(f"{arg}: no config group {group} (conf/{group}/ does not exist; {hint})")
+
+
 def suggest_key(argv: list, conf: Path) -> None:
     """A key override without `+` that no config has (`task.step=5`): Hydra's advice is to add `+`,
     which makes a key nothing reads. Refused here with the likely key. The config is composed once
-    with the command's group choices (a sweep's first value) to know the keys."""
+    with the command's group choices (a sweep's first value) to know the keys. A config group that
+    conf/ does not have is named first (refuse_unknown_group)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    refuse_unknown_group(argv, conf)
     plain = [a for a in argv if not a.startswith("-") and "=" in a and not a.split("=", 1)[0].startswith("hydra.")]
     try:
         parsed = OverridesParser.create().parse_overrides(plain)

@@ -9,10 +9,13 @@ it requeues the job) or exit status 128 + the signal; the requeued job, or ``res
 step bit-identically.
 
 A job is *armed* once its loop has restored or started its training state (``TrainingState.resume``).
-Before that, and in a task that never checkpoints, a signal acts as it would without the suite
+The first signal of an armed job is acknowledged at once on stderr, saying when the job will stop (a
+signal during the last step, or its evaluation, lets the job finish instead: ``run_job`` says so).
+Before arming, and in a task that never checkpoints, a signal acts as it would without the suite
 (Ctrl-C raises KeyboardInterrupt at once), as does a second Ctrl-C while the first waits for the end
-of its step. Under torch.distributed the ranks agree on every decision (one all-reduce of a flag per
-check), since a checkpoint may be a collective.
+of its step; ``run_job`` then names the last checkpoint, if there is one (:func:`lost_work`). Under
+torch.distributed the ranks agree on every decision (one all-reduce of a flag per check), since a
+checkpoint may be a collective.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class _State:
         self.every_s = 0.0
         self.last = time.monotonic()
         self.previous: dict = {}
+        self.checkpoint_step: Optional[int] = None   # the step of the checkpoint saved or resumed from last
 
 
 _state = _State()
@@ -68,10 +72,13 @@ def uninstall() -> None:
     _state.armed = False
 
 
-def arm() -> None:
-    """The loop has its training state: from now on a signal asks for a checkpoint."""
+def arm(step: Optional[int] = None) -> None:
+    """The loop has its training state (restored from the checkpoint of `step`; None: a fresh start):
+    from now on a signal asks for a checkpoint."""
     _state.armed = True
     _state.last = time.monotonic()
+    if step is not None:
+        _state.checkpoint_step = int(step)
 
 
 def requested() -> Optional[int]:
@@ -80,9 +87,36 @@ def requested() -> Optional[int]:
 
 def _handler(signum, frame) -> None:
     if _state.armed and not (signum == signal.SIGINT and _state.requested == signal.SIGINT):
+        if _state.requested is None:
+            _acknowledge(signum)
         _state.requested = signum   # the loop checkpoints at the end of this step, then stops
         return
     forward(signum, frame)
+
+
+def _acknowledge(signum: int) -> None:
+    """One line on stderr, at once (os.write: safe inside a signal handler, which may interrupt a print)."""
+    again = "; Ctrl-C again stops it at once, losing the steps since the last checkpoint" \
+        if signum == signal.SIGINT else ""
+    os.write(2, (f"\n{signal.Signals(signum).name} received: the job stops at the end of the step in progress "
+                 f"(after its evaluation, if one is running) once it has saved its checkpoint; during the last "
+                 f"step it finishes instead{again}\n").encode())
+
+
+def finished_anyway() -> str:
+    """What the job says when a signal asked it to stop during its last step, which it finished."""
+    return (f"{signal.Signals(_state.requested).name} came during the last step (or its evaluation): the job "
+            "finished instead of stopping")
+
+
+def lost_work(checkpoint) -> str:
+    """What an interruption without a new checkpoint leaves: the last `checkpoint` (a path; its step when
+    this attempt saved or resumed from it), or nothing."""
+    if not os.path.exists(checkpoint):
+        return "nothing to resume from this attempt"
+    step = "" if _state.checkpoint_step is None else f" (step {_state.checkpoint_step})"
+    return (f"the last checkpoint is {checkpoint}{step}: resume=true (or a requeue) continues from there, "
+            "the steps after it are lost")
 
 
 def forward(signum: int, frame=None) -> None:
@@ -127,5 +161,6 @@ def due() -> bool:
 def saved(step: int) -> None:
     """A checkpoint of `step` was written: the wall clock restarts; after a signal, the job stops."""
     _state.last = time.monotonic()
+    _state.checkpoint_step = int(step)
     if _agreed(_state.requested is not None) and _state.armed:
         raise JobInterrupted(_state.requested or signal.SIGTERM, step)

@@ -154,6 +154,19 @@ def failed_line(cfg: DictConfig, error: BaseException, out_dir) -> str:
     return f"{job_name(cfg)}: failed: {type(error).__name__}: {first}; wrote {out_dir} (traceback in status.json)"
 
 
+def log_to_files(line: str) -> None:
+    """Log an error `line` into the job's log files (run.log) alone, not on the console, where run.py
+    prints the refusal's message itself; without a log file (no Hydra logging), as any error."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        log.error("%s", line)
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (line,), None)
+    for h in files:
+        if record.levelno >= h.level:
+            h.handle(record)
+
+
 STATUS_FILE = "status.json"
 
 
@@ -234,6 +247,8 @@ def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | 
     try:
         result = run.finish(task(cfg, run))
         failed = False
+        if interrupt.requested() is not None:   # acknowledged, but it came during the last step
+            log.info("%s: %s", job_name(cfg), interrupt.finished_anyway())
         line = finished_line(cfg, result, out_dir)
         if run.is_main:
             write_status(out_dir, job_status(cfg, result), line)
@@ -247,20 +262,20 @@ def run_job(cfg: DictConfig, out_dir: Path, keep_going: bool = False) -> dict | 
     except Exception as e:                 # the job's log says that it failed and why
         import traceback
 
+        from .checks import ConfigError
+
         line = failed_line(cfg, e, out_dir)
         if run.is_main:
             write_status(out_dir, "failed", line, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        log.error("%s", line)
-        from .checks import ConfigError
-
         # run.py's refusals (missing input) stop a sweep run here; a submitted job returns its failure
         refused = isinstance(e, (ConfigError, FileNotFoundError)) and not submitted()
+        (log_to_files if refused else log.error)(line)   # a refusal: run.py prints its message, once
         if keep_going and not refused and not os.environ.get("DOPR_TRACEBACK"):
             return None
         raise
     except KeyboardInterrupt:              # Ctrl-C before the loop had its training state (or a second one)
-        log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; nothing to resume from this attempt",
-                 job_name(cfg))
+        log.info("%s: interrupted (Ctrl-C) before a checkpoint could be saved; %s", job_name(cfg),
+                 interrupt.lost_work(run.checkpoint_path))
         raise                              # run.py ends with that line alone (exit 130)
     finally:
         interrupt.uninstall()

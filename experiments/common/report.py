@@ -336,6 +336,10 @@ def main(argv=None) -> None:
     ap.add_argument("--replace-results", action="store_true",
                     help="allow --out results (the committed tables); never for debug runs")
     args = ap.parse_args(argv)
+    absent = [s for s in args.sweeps if not Path(s).exists()]
+    if absent:   # one line, not load_records' FileNotFoundError traceback
+        raise SystemExit(f"sweep directory not found: {', '.join(absent)} (give the folders `python run.py -m ...` "
+                         "wrote: multirun/<sweep>/<time>)")
     records = load_records(args.sweeps)
     unfinished = _unfinished(args.sweeps)
     if not records:
