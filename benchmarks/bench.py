@@ -399,7 +399,10 @@ as the paper's N d^2 (symmetric X^T X) and 2 d^2 d_out (two triangular solves) d
 counted by `sdpa_flops` (causal masking not discounted; grouped-query attention as if k and v were
 repeated to q's heads). "opt state" is persistent state only: with precond_ema=0 (default) DoPr keeps no covariance between steps, and k>1 keeps the cached
 inverses. "step transient" is the memory a step allocates above what it started with (activations
-saved for backward, gradients, DoPr's covariances, factors and unfolded patches)."""
+saved for backward, gradients, DoPr's covariances, factors and unfolded patches).
+The peer tables (`--peers`, benchmarks/peers.py) time SOAP, Shampoo and PSGD-Kron through their package against
+AdamW in their own round-robin, beside DoPr-AdamW at each k; a peer with a refresh period f (SOAP) is amortised as
+a k=f row is; R there is against AdamW, not against the peer."""
 UNET_NOTE = """\
 The unet has no nn.Linear, so its "muon" / "adamuon" is AdamW on every parameter (gp.route_matrix_params)."""
 
@@ -464,6 +467,24 @@ def dopr_options(pairs, error) -> dict:
     return out
 
 
+def peer_section(args, every, error):
+    """``rows(model)``: the lines of the model's peer table (benchmarks/peers.py: AdamW, DoPr-AdamW at each k,
+    the peers ``--peers`` names, R against AdamW), none without peers; a name that is no peer is one line
+    through ``error``."""
+    from . import peers   # it imports this module
+    try:
+        chosen = peers.peer_rows([g for g in args.peers.split(",") if g])
+    except ValueError as e:
+        error(f"--peers: {e}")
+
+    def rows(model):
+        if not chosen:
+            return []
+        found = peers.bench_peers(model, args.device, args.repeats, args.budget, args.dopr_extra, chosen, every=every)
+        return [f"#### {model}: the peers, R against AdamW", "", peers.table(found, args.device == "cuda"), ""]
+    return rows
+
+
 def main(argv=None, command=None):
     """``command``: how the caller was invoked, for the report's first line (default: this module's)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -477,6 +498,9 @@ def main(argv=None, command=None):
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     p.add_argument("--compile", action="store_true", help="torch.compile every row's model (DoPr's capture in its graph)")
     p.add_argument("--smoke", action="store_true", help="the MLP, 3 steps a row, k=1,2: does it run (seconds)")
+    p.add_argument("--peers", default="soap,shampoo,kron",
+                   help="the published peers (pytorch-optimizer's, dopr.gp.peers) timed against AdamW beside DoPr-AdamW "
+                        "at each k, at their package's default refresh and at refresh 1 (benchmarks/peers.py); '' for none")
     p.add_argument("--dopr-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a DoPr option for every DoPr row, over the model's own (repeatable): "
                         "--dopr-option solver=span --dopr-option span_cap=3")
@@ -485,6 +509,7 @@ def main(argv=None, command=None):
     if args.smoke:
         args.models, args.repeats, args.budget, args.precond_every = "mlp", 3, 0.5, "1,2"
     args.gps, every = args.gps.split(","), [int(k) for k in args.precond_every.split(",")]
+    peer_rows = peer_section(args, every, p.error)
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
@@ -500,7 +525,7 @@ def main(argv=None, command=None):
     for name in args.models.split(","):
         header, rows = bench_model(name, args, every)
         results[name] = {r["label"]: r for r in rows}
-        lines += [header, "", table(rows, args.device == "cuda"), ""]
+        lines += [header, "", table(rows, args.device == "cuda"), ""] + peer_rows(name)
     # other processes on the machine distort every timing: record the load around the run
     lines[2] += f", load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     routed = "unet" in args.models.split(",") and bool({"muon", "adamuon"} & set(args.gps))
