@@ -29,7 +29,7 @@ from importlib import metadata
 
 import torch
 
-from benchmarks.bench import WARMUP, Row, make_task
+from benchmarks.bench import WARMUP, Row, make_task, soap_refreshed
 
 #: the pyproject extra that installs the peers' packages (and `make gpu-deps` carries to a GPU machine)
 EXTRA = "peers"
@@ -85,14 +85,6 @@ class PeerMissing(Exception):
     """The peer's package is not installed here."""
 
 
-def soap_refreshed(opt) -> bool:
-    """pytorch_optimizer's SOAP only sets up its statistics on its first step, then (step counting from
-    that one) re-bases its eigenvectors by one power iteration and a QR when (step - 1) is a multiple of
-    precondition_frequency: steps 11, 21, ... at f = 10."""
-    group = opt.param_groups[0]
-    return group["step"] > 1 and (group["step"] - 1) % group["precondition_frequency"] == 0
-
-
 #: Shampoo recomputes every inverse root (an SVD per dimension of every parameter) on every step at its
 #: default preconditioning_compute_steps=1; PSGD-Kron's default schedule updates its preconditioner with
 #: probability 1 for the first 500 steps (then decaying to 0.03), so every step timed here updates it.
@@ -106,28 +98,6 @@ PEERS = [
     Peer("psgd_kron", "pytorch-optimizer", "pytorch_optimizer", "Kron",
          needs=(("opt_einsum", "opt-einsum", ", which Kron's einsum needs to contract in a sane order"),)),
 ]
-
-
-#: the peers at refresh 1, beside PEERS at their packages' defaults (benchmarks.bench's peer rows, issue 64): SOAP
-#: re-bases its eigenvectors on every step; Kron updates its preconditioner with probability 1 (its default
-#: schedule also does for its first 500 steps: on a benchmark's few steps the two rows do the same work). Shampoo's
-#: default, preconditioning_compute_steps=1, already refreshes on every step: it has one row.
-AT_REFRESH_1 = [
-    Peer("soap f=1", "pytorch-optimizer", "pytorch_optimizer", "SOAP", {"precondition_frequency": 1},
-         every="precondition_frequency", refreshed=soap_refreshed),
-    Peer("psgd_kron p=1", "pytorch-optimizer", "pytorch_optimizer", "Kron", {"pre_conditioner_update_probability": 1.0},
-         needs=PEERS[2].needs),
-]
-
-
-def peer_rows(gps) -> list:
-    """The rows of the peers named by their GP names (dopr.gp.peers: soap, shampoo, kron), each at its
-    package's default refresh and at refresh 1; ValueError for a name that is not a peer."""
-    from dopr.gp.peers import PEERS as GP_PEERS
-    unknown = sorted(set(gps) - set(GP_PEERS))
-    if unknown:
-        raise ValueError(f"{unknown} are not peers (choose from {sorted(GP_PEERS)})")
-    return [peer for gp in gps for peer in PEERS + AT_REFRESH_1 if peer.cls == GP_PEERS[gp][0]]
 
 
 class PeerRow(Row):
@@ -163,19 +133,18 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
-def bench_peers(task, device, repeats, budget, dopr_options=None, peers=None, seconds=None, every=(1,)) -> list:
+def bench_peers(task, device, repeats, budget, dopr_options=None, peers=None, seconds=None) -> list:
     """The rows of one task: [{label, package, status ("ok", "missing: ...", "failed ...", "out of time ..."),
-    and for a row that ran n, t, R, state, peak (CUDA)}], AdamW first, then DoPr-AdamW at each k in
-    ``every`` (precond_every), then each peer in order. ``seconds``: the time the call may take (None: unbounded). What is left of it once the rows
+    and for a row that ran n, t, R, state, peak (CUDA)}], AdamW first, then DoPr-AdamW k=1, then each peer
+    in order. ``seconds``: the time the call may take (None: unbounded). What is left of it once the rows
     are built is shared out among the rows, a done row's unused part going to the others: a row stops
     stepping when it has had its share (a Shampoo step may take seconds: a slow peer cannot starve the
     others), and a row stopped with too few timed steps says so instead of a number."""
     start, peers = time.monotonic(), PEERS if peers is None else peers
     gp = Row(task, "adamw", 0, device)
-    rows, out = [gp, *(Row(task, "adamw", k, device, options=dopr_options) for k in every)], {}
+    rows, out = [gp, Row(task, "adamw", 1, device, options=dopr_options)], {}
     out[gp.label] = {"package": "torch.optim.AdamW (dopr.build)"}
-    for r in rows[1:]:
-        out[r.label] = {"package": "dopr (this checkout), DoPr over torch.optim.AdamW"}
+    out[rows[1].label] = {"package": "dopr (this checkout), DoPr over torch.optim.AdamW"}
     for peer in peers:
         out[peer.label] = {"package": peer.dist}
         try:
