@@ -46,6 +46,7 @@ from torch.utils import flop_counter
 
 import dopr
 from dopr.factory import optimizer_name
+from dopr.gp.peers import PEERS as GP_PEERS
 
 WARMUP = 2  # untimed steps per row (optimizer state allocation, first refresh)
 
@@ -274,19 +275,43 @@ def tensor_bytes(obj):
     return sum(tensor_bytes(v) for v in items)
 
 
-class Row:
-    """One optimizer (k = 0: the GP alone, else DoPr with precond_every=k) on its own model copy."""
+def soap_refreshed(opt) -> bool:
+    """pytorch_optimizer's SOAP only sets up its statistics on its first step, then (step counting from
+    that one) re-bases its eigenvectors by one power iteration and a QR when (step - 1) is a multiple of
+    precondition_frequency: steps 11, 21, ... at f = 10."""
+    group = opt.param_groups[0]
+    return group["step"] > 1 and (group["step"] - 1) % group["precondition_frequency"] == 0
 
-    def __init__(self, task, gp, k, device, compile_model=False, options=None):
+
+#: a peer GP's refresh (issue 64): (the key of its optimizer's defaults that holds it, the label's letter, its
+#: value at refresh 1, whether the steps between refreshes are cheaper: amortised as a k>1 DoPr row). SOAP
+#: re-bases its eigenvectors every f steps; Kron updates its preconditioner with a probability (default: its
+#: schedule, 1 for the first 500 steps, so on a benchmark's few steps both Kron rows do the same work);
+#: Shampoo's default preconditioning_compute_steps=1 already refreshes on every step: one row.
+PEER_REFRESH = {"soap": ("precondition_frequency", "f", 1, True),
+                "kron": ("pre_conditioner_update_probability", "p", 1.0, False)}
+
+
+class Row:
+    """One optimizer (k = 0: the GP alone, else DoPr with precond_every=k) on its own model copy;
+    ``gp_kwargs`` go to the GP (a peer's refresh, PEER_REFRESH)."""
+
+    def __init__(self, task, gp, k, device, compile_model=False, options=None, gp_kwargs=None):
         self.label = optimizer_name(gp, k > 0) + (f" k={k}" if k > 1 else "")
-        self.k, self.cuda = max(k, 1), device == "cuda"
+        self.k, self.cuda, self.refreshed = max(k, 1), device == "cuda", None
         mem0 = torch.cuda.memory_allocated() if self.cuda else 0
         self.model, self.x, self.y, self.loss_fn = make_task(task, device)
         if compile_model:   # rows compile instances of one class, with hooks and without
             dopr.enable_compiled_capture()
         self.forward = torch.compile(self.model) if compile_model else self.model
         kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1], **(options or {})} if k else {}
-        self.opt = dopr.build(self.model, optimizer_name(gp, k > 0), lr=1e-3, **kw)
+        self.opt = dopr.build(self.model, optimizer_name(gp, k > 0), lr=1e-3, **kw, **(gp_kwargs or {}))
+        if not k and gp in PEER_REFRESH:   # its refresh in its label; SOAP's period amortised as DoPr's k
+            key, letter, _, amortised = PEER_REFRESH[gp]
+            every = self.opt.defaults[key]
+            self.label += f" {letter}={'schedule' if every is None else f'{every:g}'}"
+            if amortised and every > 1:
+                self.k, self.refreshed = int(every), soap_refreshed
         self.refresh, self.other, self.spent, self.transient = [], [], 0.0, 0
         for _ in range(WARMUP):
             self.step(record=False)
@@ -314,7 +339,8 @@ class Row:
         dt = time.perf_counter() - t0
         if record:
             self.spent += dt
-            refreshed = self.k == 1 or self.opt.stats()["refreshes"] > before
+            refreshed = (self.k == 1 or (self.refreshed(self.opt) if self.refreshed
+                                         else self.opt.stats()["refreshes"] > before))
             (self.refresh if refreshed else self.other).append(dt)
 
     def done(self, repeats, budget):
@@ -399,7 +425,10 @@ as the paper's N d^2 (symmetric X^T X) and 2 d^2 d_out (two triangular solves) d
 counted by `sdpa_flops` (causal masking not discounted; grouped-query attention as if k and v were
 repeated to q's heads). "opt state" is persistent state only: with precond_ema=0 (default) DoPr keeps no covariance between steps, and k>1 keeps the cached
 inverses. "step transient" is the memory a step allocates above what it started with (activations
-saved for backward, gradients, DoPr's covariances, factors and unfolded patches)."""
+saved for backward, gradients, DoPr's covariances, factors and unfolded patches).
+The peer tables (`--peers`) time SOAP, Shampoo and PSGD-Kron (the GPs soap, shampoo, kron: pytorch-optimizer's
+classes) against AdamW in their own round-robin, beside DoPr-AdamW at each k; a peer with a refresh period f (SOAP)
+is amortised as a k=f row is; R there is against AdamW, not against the peer."""
 UNET_NOTE = """\
 The unet has no nn.Linear, so its "muon" / "adamuon" is AdamW on every parameter (gp.route_matrix_params)."""
 
@@ -464,6 +493,37 @@ def dopr_options(pairs, error) -> dict:
     return out
 
 
+def bench_peers(name, args, every) -> list:
+    """The peer table of one model (issue 64): AdamW, DoPr-AdamW at each k and each peer GP of ``args.peers``
+    (plain, through its package: dopr.gp.peers) at its package's default refresh and at refresh 1, stepping in
+    turn until every row is done; R against AdamW."""
+    rows = [Row(name, "adamw", k, args.device, options=args.dopr_extra) for k in [0] + every]
+    for gp in args.peers:
+        variants = [{}] + ([{PEER_REFRESH[gp][0]: PEER_REFRESH[gp][2]}] if gp in PEER_REFRESH else [])
+        rows += [Row(name, gp, 0, args.device, gp_kwargs=v) for v in variants]
+    print(f"[bench] {name}: the peers against AdamW ...", file=sys.stderr, flush=True)
+    while not all(r.done(args.repeats, args.budget) for r in rows):
+        for r in rows:
+            r.step()
+    results = [r.result() for r in rows]
+    for r in rows[1:]:
+        getattr(r.opt, "close", lambda: None)()
+    for res in results:
+        res["R"] = res["t"] / results[0]["t"]
+    return results
+
+
+def peer_table(rows, cuda) -> str:
+    cols = ["optimizer", "n", "t_step (ms)", "R vs AdamW", "opt state (MB)", "step transient (MB)"]
+    cols += ["peak CUDA (MB)"] * cuda
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["label"], r["n"], f"{1e3 * r['t']:.1f}", f"{r['R']:.2f}", f"{r['state']:.2f}", f"{r['transient']:.1f}"]
+        cells += [f"{r['peak']:.0f}"] if cuda else []
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None, command=None):
     """``command``: how the caller was invoked, for the report's first line (default: this module's)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -477,6 +537,9 @@ def main(argv=None, command=None):
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     p.add_argument("--compile", action="store_true", help="torch.compile every row's model (DoPr's capture in its graph)")
     p.add_argument("--smoke", action="store_true", help="the MLP, 3 steps a row, k=1,2: does it run (seconds)")
+    p.add_argument("--peers", default="soap,shampoo,kron",
+                   help="the published peers (pytorch-optimizer's, dopr.gp.peers) timed against AdamW beside DoPr-AdamW "
+                        "at each k, at their package's default refresh and at refresh 1; '' for none")
     p.add_argument("--dopr-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a DoPr option for every DoPr row, over the model's own (repeatable): "
                         "--dopr-option solver=span --dopr-option span_cap=3")
@@ -485,6 +548,9 @@ def main(argv=None, command=None):
     if args.smoke:
         args.models, args.repeats, args.budget, args.precond_every = "mlp", 3, 0.5, "1,2"
     args.gps, every = args.gps.split(","), [int(k) for k in args.precond_every.split(",")]
+    args.peers = [g for g in args.peers.split(",") if g]
+    if set(args.peers) - set(GP_PEERS):
+        p.error(f"--peers: {sorted(set(args.peers) - set(GP_PEERS))} are not peers (choose from {sorted(GP_PEERS)})")
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
@@ -501,6 +567,9 @@ def main(argv=None, command=None):
         header, rows = bench_model(name, args, every)
         results[name] = {r["label"]: r for r in rows}
         lines += [header, "", table(rows, args.device == "cuda"), ""]
+        if args.peers:
+            lines += [f"#### {name}: the peers, R against AdamW", "",
+                      peer_table(bench_peers(name, args, every), args.device == "cuda"), ""]
     # other processes on the machine distort every timing: record the load around the run
     lines[2] += f", load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     routed = "unet" in args.models.split(",") and bool({"muon", "adamuon"} & set(args.gps))

@@ -29,7 +29,7 @@ from importlib import metadata
 
 import torch
 
-from benchmarks.bench import WARMUP, Row, make_task
+from benchmarks.bench import WARMUP, Row, make_task, soap_refreshed
 
 #: the pyproject extra that installs the peers' packages (and `make gpu-deps` carries to a GPU machine)
 EXTRA = "peers"
@@ -83,14 +83,6 @@ class Peer:
 
 class PeerMissing(Exception):
     """The peer's package is not installed here."""
-
-
-def soap_refreshed(opt) -> bool:
-    """pytorch_optimizer's SOAP only sets up its statistics on its first step, then (step counting from
-    that one) re-bases its eigenvectors by one power iteration and a QR when (step - 1) is a multiple of
-    precondition_frequency: steps 11, 21, ... at f = 10."""
-    group = opt.param_groups[0]
-    return group["step"] > 1 and (group["step"] - 1) % group["precondition_frequency"] == 0
 
 
 #: Shampoo recomputes every inverse root (an SVD per dimension of every parameter) on every step at its

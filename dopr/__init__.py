@@ -1,5 +1,6 @@
 """dopr: Double Preconditioning. The activation preconditioner (AP) of the paper, wrapped around
-any gradient preconditioner (GP): SGD, AdamW, Muon, Signum, AdaMuon, Lion, or one added with register_gp."""
+any gradient preconditioner (GP): SGD, AdamW, Muon, Signum, AdaMuon, Lion, the peers SOAP, Shampoo and
+PSGD-Kron (pytorch-optimizer's, dopr.gp.peers), or one added with register_gp."""
 from .compiled import enable_compiled_capture
 from .factory import NAMES, build, names, optimizer_name, split_name
 from .gp import SGD, AdaMuon, HybridOptimizer, Lion, Signum, build_gp, register_gp

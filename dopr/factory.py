@@ -1,5 +1,5 @@
 """One factory for every optimizer of the suite: each registered GP (dopr.gp.GPS: sgd, adamw, signum,
-lion, muon, adamuon), plain or wrapped in DoPr. An optimizer's identity is the pair (gp, ap); its
+lion, muon, adamuon, soap, shampoo, kron), plain or wrapped in DoPr. An optimizer's identity is the pair (gp, ap); its
 user-facing name is ``gp`` or ``"dopr_" + gp`` (:func:`optimizer_name`, :func:`split_name`)."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """benchmarks.bench: the smoke mode runs in seconds and reports every column and the cost model (no verdict);
 the CPU transient-memory measure is exact on a known allocation pattern."""
+import pytest
 import torch
 
 from benchmarks import bench
@@ -17,7 +18,8 @@ def test_cpu_transient_bytes_is_the_peak_of_allocations_minus_frees():
 
 def test_the_smoke_mode_reports_rows_cost_model_memory_and_targets(tmp_path):
     out = tmp_path / "smoke.md"
-    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--out", str(out)], command="python -m benchmarks.bench --smoke")
+    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--peers", "", "--out", str(out)],
+               command="python -m benchmarks.bench --smoke")
     text = out.read_text()
     table = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "optimizer" not in line]
     assert [cells[0].strip() for cells in table] == ["adamw", "dopr_adamw", "dopr_adamw k=2"]
@@ -30,6 +32,30 @@ def test_the_smoke_mode_reports_rows_cost_model_memory_and_targets(tmp_path):
     assert float(table[1][4]) == 1.82
     # a smoke run gives no verdict (3 steps under any load say nothing about the targets)
     assert "smoke run: no verdict" in text and "PASS" not in text and "FAIL" not in text
+
+
+def test_the_smoke_mode_has_a_peer_table_per_model_at_default_refresh_and_refresh_1(tmp_path):
+    """Issue 64: SOAP, Shampoo and PSGD-Kron (the peer GPs) against AdamW beside DoPr-AdamW at each k."""
+    pytest.importorskip("pytorch_optimizer")
+    out = tmp_path / "smoke.md"
+    bench.main(["--smoke", "--gps", "adamw", "--threads", "1", "--out", str(out)], command="python -m benchmarks.bench --smoke")
+    lines = out.read_text().splitlines()
+    start = lines.index("#### mlp: the peers, R against AdamW")
+    assert lines[start + 2].startswith("| optimizer | n | t_step (ms) | R vs AdamW |")
+    table = [line.split("|")[1:-1] for line in lines[start + 4:] if line.startswith("| ")]
+    assert [cells[0].strip() for cells in table] == ["adamw", "dopr_adamw", "dopr_adamw k=2", "soap f=10", "soap f=1",
+                                                    "shampoo", "kron p=schedule", "kron p=1"]
+    assert float(table[0][3]) == 1.0
+    for cells in table[1:]:   # every row ran and has its ratio to AdamW
+        assert float(cells[3]) > 0 and float(cells[2]) > 0, cells
+    assert table[3][1].strip().endswith("(1 refresh)")   # SOAP f=10 amortised over its refresh step
+    assert "(" not in table[4][1]                         # f=1: every step refreshes
+
+
+def test_a_peer_that_is_not_one_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--peers", "soap,adamw"])
+    assert "--peers: ['adamw'] are not peers (choose from ['kron', 'shampoo', 'soap'])" in capsys.readouterr().err
 
 
 def test_the_targets_give_a_verdict_per_row():

@@ -355,7 +355,8 @@ def test_every_gp_plain_and_dopr_lowers_the_loss_and_the_ap_really_runs(name):
     w = torch.randn(8, 4)
     x = torch.randn(256, 8) * torch.logspace(0, 1, 8)  # anisotropic inputs
     y = torch.tanh(x @ w)
-    lr = {"sgd": 0.05, "signum": 3e-3, "adamw": 3e-3, "muon": 0.02, "adamuon": 0.01, "lion": 3e-3}[name.removeprefix("dopr_")]
+    lr = {"sgd": 0.05, "signum": 3e-3, "adamw": 3e-3, "muon": 0.02, "adamuon": 0.01, "lion": 3e-3, "soap": 1e-2,
+          "shampoo": 3e-2, "kron": 3e-2}[name.removeprefix("dopr_")]
     opt = dopr.build(model, name, lr=lr)
     seen = {}
     if isinstance(opt, DoPr):

@@ -4,6 +4,7 @@ import copy
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,11 @@ from dopr.gp import HybridOptimizer, route_matrix_params
 
 def _mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _seed_globals(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
 
 
 def _loss(model, seed):
@@ -175,7 +181,9 @@ def test_step_with_a_closure_is_the_step_after_the_same_forward_and_backward(nam
             loss = _loss(model, t)
             loss.backward()
             return loss
+        _seed_globals(t)   # kron draws from torch's and numpy's global generators in its step
         returned = opt.step(closure)
+        _seed_globals(t)
         opt_twin.zero_grad()
         loss = _loss(twin, t)
         loss.backward()

@@ -240,6 +240,12 @@ def test_the_step_benchmark_times_a_registered_model(tmp_path):
                 "--precond-every", "1", "--out", str(out)], command="python -m tiny")
     text = out.read_text()
     assert text.startswith("`python -m tiny`")
-    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "optimizer" not in line]
+    gp_part, _, peer_part = text.partition("#### tiny_conv: the peers, R against AdamW")
+    rows = [line.split("|")[1].strip() for line in gp_part.splitlines() if line.startswith("| ") and "optimizer" not in line]
     assert rows == ["adamw", "dopr_adamw"]
     assert "2/2 parametrised modules preconditioned" in text  # the Conv2d (SUA) and the Linear
+    # a family's benchmark gets the peer rows too (issue 64): each ran, a 4-d convolution kernel included
+    peers = [line.split("|")[1:-1] for line in peer_part.splitlines() if line.startswith("| ") and "optimizer" not in line]
+    assert [cells[0].strip() for cells in peers] == ["adamw", "dopr_adamw", "soap f=10", "soap f=1", "shampoo",
+                                                     "kron p=schedule", "kron p=1"]
+    assert all(float(cells[3]) > 0 for cells in peers)

@@ -58,6 +58,10 @@ def test_every_task_and_optimizer_composes_and_runs(task, tmp_path, demo_file, c
     # (tens of seconds here), and grafting_digits runs every optimizer through the same job
     for optim in OPTIMS if task not in ("expert", "grafting_cifar10", "mup_mlp_cifar10") else ["adamw"]:
         cfg = compose(f"task={task}", f"optim={optim}", "debug=default", *extra)
+        if task == "mup_gpt_openwebtext" and optim.endswith("shampoo"):   # GPT-2's 50304-token embedding
+            with pytest.raises(ValueError, match=r"^GP 'shampoo': parameter 'wte.weight' of shape \(50304, 64\)"):
+                run_job(cfg, tmp_path / optim)
+            continue
         summary = run_job(cfg, tmp_path / optim)
         assert summary["task"] == task and summary["optim"] == optim
         # the job's last line shows keys its job writes (lm-eval's only when the debug run evaluates with it)

@@ -13,6 +13,7 @@ from .adamuon import AdaMuon
 from .lion import Lion
 from .muon import HybridOptimizer, Muon, mark_role, route_matrix_params
 from .newton_schulz import newton_schulz5
+from .peers import PEERS, build_peer
 from .sgd import SGD
 from .signum import Signum
 
@@ -24,20 +25,21 @@ __all__ = ["SGD", "Signum", "Lion", "AdaMuon", "Muon", "HybridOptimizer", "mark_
 class GradientPreconditioner:
     """A GP by name: ``build(params, lr=, weight_decay=, **kwargs)`` makes it, over a list of
     parameters (or param groups), or over the ``nn.Module`` itself when ``needs_module`` (Muon's
-    hybrids route parameters by module); ``kwargs`` are the keywords it takes besides lr and
-    weight_decay."""
+    hybrids route parameters by module), or over the module's (name, parameter) pairs when ``named`` (to
+    name a layer it refuses); ``kwargs`` are the keywords it takes besides lr and weight_decay."""
 
     name: str
     build: Callable
     kwargs: frozenset
     needs_module: bool = False
+    named: bool = False
 
 
 GPS: dict = {}
 
 
 def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = None,
-                needs_module: bool = False) -> None:
+                needs_module: bool = False, named: bool = False) -> None:
     """Add a GP: ``build_gp(model, name, lr=...)`` and ``dopr.build(model, name)`` / ``"dopr_" + name``
     then make it. ``build`` is a ``torch.optim.Optimizer`` class or a function with its constructor's
     form; ``kwargs`` defaults to its keyword parameters besides the first (the parameters), lr and
@@ -45,7 +47,7 @@ def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = No
     if kwargs is None:
         params = list(inspect.signature(build).parameters.values())[1:]
         kwargs = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    GPS[name] = GradientPreconditioner(name, build, frozenset(kwargs) - {"lr", "weight_decay"}, needs_module)
+    GPS[name] = GradientPreconditioner(name, build, frozenset(kwargs) - {"lr", "weight_decay"}, needs_module, named)
 
 
 def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float = 0.0,
@@ -61,7 +63,9 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     (sqrt(max(1, m/n)), Keller Jordan's Muon, torch's default); ``conv="flatten"`` gives
     convolutions to Muon / AdaMuon as (out, in x kernel) matrices (default ``"adamw"``) or ``"match_rms_adamw"``
     (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
-    to AdaMuon too). Keywords a GP does not take raise ``TypeError``.
+    to AdaMuon too). "soap", "shampoo", "kron" are pytorch-optimizer's SOAP, Shampoo and Kron with the
+    package's defaults (:mod:`dopr.gp.peers`; an nn.Module, parameters or param groups). Keywords a GP does
+    not take raise ``TypeError``.
     """
     gp = GPS.get(name)
     if gp is None:
@@ -76,7 +80,9 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     if gp.needs_module and not isinstance(source, nn.Module):
         raise TypeError(f"GP {name!r} routes parameters by module and needs an nn.Module, "
                         f"got {type(source).__name__}")
-    if not gp.needs_module and isinstance(source, nn.Module):
+    if gp.named and isinstance(source, nn.Module):
+        source = [(n, p) for n, p in source.named_parameters() if p.requires_grad]
+    elif not gp.needs_module and isinstance(source, nn.Module):
         source = [p for p in source.parameters() if p.requires_grad]
     return gp.build(source, lr=lr, weight_decay=weight_decay, **kwargs)
 
@@ -116,3 +122,5 @@ register_gp("signum", Signum)
 register_gp("adamuon", functools.partial(_build_hybrid, name="adamuon"), _HYBRID_KWARGS | {"beta2"},
             needs_module=True)
 register_gp("lion", Lion)
+for _peer, (_, _kwargs) in PEERS.items():   # SOAP, Shampoo, PSGD-Kron from pytorch-optimizer (dopr/gp/peers.py)
+    register_gp(_peer, functools.partial(build_peer, name=_peer), _kwargs, named=True)
