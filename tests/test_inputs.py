@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
     (["task=mup_mlp_cifar10"], "task.data=cifar10 needs task.data_path="),
     (["task=grafting_cifar10", "task.data_path=/nonexistent"], "CIFAR-10 is incomplete under /nonexistent"),
     (["task=mup_gpt_openwebtext", "task.data_path=/nonexistent"], "missing train.bin, val.bin"),
-    (["task=humanoid", "task.demos=/nonexistent/d.npz", "task.expert_version=none"],
+    (["task=humanoid", "task.expert_demos=/nonexistent/d.npz", "task.expert_version=none"],
      "no demonstrations at /nonexistent/d.npz and no committed expert at "),
+    (["task=humanoid", "task.demos=/nonexistent/d.npz"],     # a path of one's own is never written
+     "demonstration file not found: /nonexistent/d.npz"),
     (["task=humanoid", "task.demos=/nonexistent/d.npz", "task.generate_demos=false"],
      "demonstration file not found: /nonexistent/d.npz"),
     (["task=robomimic_lift", "task.dataset=/nonexistent/lift.hdf5"], "no robomimic dataset file at /nonexistent/lift.hdf5"),
@@ -41,7 +43,7 @@ def test_inputs_that_are_there_pass_and_nothing_is_written(compose, tmp_path):
     demos = ROOT / "data" / "demos"
     before = sorted(demos.iterdir()) if demos.exists() else None
     for overrides in (["task=feature_learning"], ["task=mup_mlp_digits"],
-                      ["task=humanoid", f"task.demos={tmp_path / 'new.npz'}"],   # written later, by the committed expert
+                      ["task=humanoid", f"task.expert_demos={tmp_path / 'new.npz'}"],   # written later, by the expert
                       ["task=humanoid"], ["task=hopper", f"task.demos={tmp_path / 'd.npz'}"]):
         check_inputs(compose(*overrides))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz"]
