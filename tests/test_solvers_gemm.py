@@ -209,3 +209,28 @@ def test_dopr_on_a_forced_route_takes_the_same_step(monkeypatch):
         grads[route] = torch.cat([p.grad.flatten() for p in model.parameters()])
     for route in ("cholesky_inverse", "blocked_inverse"):
         assert _err(grads[route], grads["cholesky_solve"]) < 1e-10, route
+
+
+def test_the_route_benchmark_writes_the_table_it_measured(tmp_path):
+    import ast
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_solvers", Path(__file__).parents[1] / "scripts" / "bench_solvers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "routes.md"
+    text = bench.main(["--routes", "--dims", "16,40", "--row-factors", "0.5,2", "--repeats", "1", "--threads", "1",
+                       "--batch", "2", "--out", str(out)])
+    assert out.read_text() == text and "bench_solvers.py --routes" in text
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines() if ln[:4] in ("| 16", "| 40")]
+    table = ast.literal_eval(text.split("CHOLESKY_ROUTE_TABLE['cpu']): `")[1].split("`")[0])
+    kept = [r for r in rows if len(r) == 11]
+    assert [(int(r[0]), int(r[1])) for r in kept] == [(16, 8), (16, 32), (40, 20), (40, 80)] == list(table)
+    for d, n, cond, *cells in kept:
+        times, errs, route = [float(x) for x in cells[:3]], [float(x) for x in cells[3:6]], cells[6]
+        assert table[(int(d), int(n))] == route and route in solvers.CHOLESKY_ROUTES
+        best = min(range(3), key=times.__getitem__)                 # kept: the fastest by > MARGIN, or today's
+        assert route == (solvers.CHOLESKY_ROUTES[best] if times[best] < (1 - bench.MARGIN) * times[0]
+                         else "cholesky_solve")
+        assert max(errs) < float(cond) * int(d) * 2.0**-24          # float32 solves: cond * d * u
+    assert [ln.split("|")[1].strip() for ln in text.splitlines()[-2:]] == ["16", "40"]   # batched vs looped rows
