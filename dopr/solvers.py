@@ -307,8 +307,13 @@ CHOLESKY_ROUTES = ("cholesky_solve", "cholesky_inverse", "blocked_inverse")
 #: The route per device type, measured on that device: {(d, rows): route} at the measured points (the
 #: nearest one in log d, log rows is taken), or one route name for every size (to force a route:
 #: ``dopr.solvers.CHOLESKY_ROUTE_TABLE["cuda"] = "blocked_inverse"``). A device type without an entry gets
-#: :func:`flop_route`. The CPU's from ``python scripts/bench_solvers.py --routes`` (results/bench/solvers_cpu_routes.md).
-CHOLESKY_ROUTE_TABLE: dict = {"cpu": "cholesky_solve"}
+#: :func:`flop_route`. The CPU's: ``python scripts/bench_solvers.py --routes`` (results/bench/solvers_cpu_routes.md,
+#: 1 thread; a route other than cholesky_solve only where it was >10% faster).
+CHOLESKY_ROUTE_TABLE: dict = {"cpu": {
+    (64, 16): "cholesky_solve", (64, 64): "cholesky_inverse", (64, 256): "cholesky_inverse",
+    (256, 64): "cholesky_solve", (256, 256): "cholesky_solve", (256, 1024): "cholesky_inverse",
+    (512, 128): "cholesky_solve", (512, 512): "cholesky_solve", (512, 2048): "cholesky_inverse",
+    (1024, 256): "cholesky_solve", (1024, 1024): "cholesky_solve", (1024, 4096): "blocked_inverse"}}
 
 #: The rate of each kernel class relative to a GEMM's, for devices without a measured table: on an H100
 #: (issue 61) fp32 GEMMs run ~50 TFLOP/s, large potrf ~12 ((6, 4096) looped in 11.4 ms), trsm 1.2-7.
