@@ -8,7 +8,10 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
   1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
   eigendecomposition pseudo-inverse. With damping 0, a numerically singular Sigma (a pivot under
   rcond times its largest diagonal entry) goes straight to the pseudo-inverse, so the update stays in
-  the span of the inputs. Every retry and fallback is counted.
+  the span of the inputs. Every retry and fallback is counted. By size (issue 61): a batch's members are
+  factored one call each from CHOLESKY_LOOP_FROM on, and the route to M (two triangular solves per apply,
+  or an explicit inverse by potri or by the GEMM-bound blocked Cholesky of dopr.inverse, applied by one
+  GEMM) is CHOLESKY_ROUTE_TABLE's for the device, else the rate-weighted FLOP count's (:func:`cholesky_route`).
 * ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
   rcond * max eigenvalue are treated as exact zeros and their directions stay zero (damping boosts
   only the directions the activations do span), the open problem the paper names.
@@ -40,7 +43,6 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
 from __future__ import annotations
 
 import functools
-
 import math
 
 import torch
@@ -282,7 +284,7 @@ class Deferred:
 #: instead of one batched call: torch sends any batch > 1 to cuSOLVER's batched potrf, slower than a loop
 #: above d ~ 2k (H100, cholesky_ex: (2, 14336) 225.6 ms batched vs 64.9 looped, (6, 4096) 22.1 vs 11.4,
 #: (8, 2561) 10.3 vs 8.7; issue 61). None: never (the CPU's LAPACK path loops over the batch itself;
-#: results/bench/solvers_cpu.md, "batched vs looped").
+#: results/bench/solvers_cpu_routes.md, "batched ... looped").
 CHOLESKY_LOOP_FROM = {"cuda": 2048, "cpu": None}
 
 
