@@ -8,7 +8,10 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
   1000x the damping (at least 1e-6 * tr(Sigma) / d), and what still fails falls back to the
   eigendecomposition pseudo-inverse. With damping 0, a numerically singular Sigma (a pivot under
   rcond times its largest diagonal entry) goes straight to the pseudo-inverse, so the update stays in
-  the span of the inputs. Every retry and fallback is counted.
+  the span of the inputs. Every retry and fallback is counted. By size (issue 61): a batch's members are
+  factored one call each from CHOLESKY_LOOP_FROM on, and the route to M (two triangular solves per apply,
+  or an explicit inverse by potri or by the GEMM-bound blocked Cholesky of dopr.inverse, applied by one
+  GEMM) is CHOLESKY_ROUTE_TABLE's for the device, else the rate-weighted FLOP count's (:func:`cholesky_route`).
 * ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
   rcond * max eigenvalue are treated as exact zeros and their directions stay zero (damping boosts
   only the directions the activations do span), the open problem the paper names.
@@ -40,6 +43,7 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -47,27 +51,48 @@ from torch import Tensor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from dopr.inverse import blocked_inverse
+
 CHOLESKY_RETRIES = 3
 
 
 class ExplicitInverse:
-    """M = G P with P the (pseudo-)inverse, formed once: the cheapest to reuse between refreshes."""
+    """M = G P with P the (pseudo-)inverse, formed once: one GEMM per apply, the cheapest to reuse between
+    refreshes. P itself, or member `index` of a batch of them (applied to a whole batch without a stack)."""
 
-    def __init__(self, p: Tensor) -> None:
-        self.p = p
+    def __init__(self, p: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
+        self._p, self.batch, self.index = p, batch, index
+
+    @property
+    def p(self) -> Tensor:
+        if self._p is None:
+            self._p = self.batch[self.index]
+        return self._p
 
     def apply(self, g: Tensor) -> Tensor:
         return g @ self.p
 
     @staticmethod
     def apply_stack(ops: list, gs: Tensor) -> Tensor:
-        return torch.bmm(gs, torch.stack([op.p for op in ops])) if len(ops) > 1 else gs @ ops[0].p
+        p = _whole_batch(ops)
+        if p is None:
+            p = torch.stack([op.p for op in ops]) if len(ops) > 1 else ops[0].p.unsqueeze(0)
+        return torch.bmm(gs, p)
 
     def cached(self):
         return self
 
     def tensors(self) -> dict:
         return {"p": self.p}
+
+
+def _whole_batch(ops: list) -> Optional[Tensor]:
+    """The batch the operators are members 0, 1, ... of, in order (to apply as it is), else None."""
+    batch = ops[0].batch
+    if (batch is not None and len(ops) == len(batch)
+            and all(op.batch is batch and op.index == i for i, op in enumerate(ops))):
+        return batch
+    return None
 
 
 #: devices where the Cholesky solve and inverse are LAPACK's cholesky_solve / cholesky_inverse (one call per
@@ -95,11 +120,8 @@ class CholeskyFactor:
 
     @staticmethod
     def apply_stack(ops: list, gs: Tensor) -> Tensor:
-        batch = ops[0].batch
-        if (batch is not None and len(ops) == len(batch)
-                and all(op.batch is batch and op.index == i for i, op in enumerate(ops))):
-            l = batch                                            # the factor batch as it is: no stack
-        else:
+        l = _whole_batch(ops)                                    # the factor batch as it is: no stack
+        if l is None:
             l = torch.stack([op.l for op in ops]) if len(ops) > 1 else ops[0].l.unsqueeze(0)
         if l.device.type in LAPACK_DEVICES:
             return torch.cholesky_solve(gs.mT, l).mT
@@ -126,7 +148,7 @@ def cached(ops: dict) -> dict:
     for op in ops.values():
         if isinstance(op, CholeskyFactor) and op.batch is not None and id(op.batch) not in whole:
             whole[id(op.batch)] = inverse_from_factor(op.batch)
-    return {key: ExplicitInverse(whole[id(op.batch)][op.index])
+    return {key: ExplicitInverse(batch=whole[id(op.batch)], index=op.index)
             if isinstance(op, CholeskyFactor) and op.batch is not None else op.cached() for key, op in ops.items()}
 
 
@@ -235,12 +257,11 @@ def factor_span(sigma: Tensor, rcond: float, cap: float) -> list:
     return [ExplicitInverse(p) for p in span_inverse(sigma, rcond, cap)]
 
 
-def unreliable(l: Tensor, lam: Tensor) -> Tensor:
-    """Factors Cholesky returned whose smallest pivot L_ii^2 is under half the damping: in exact
-    arithmetic every pivot of Sigma + lam I is at least lam, so such a factor has lost lam to
-    rounding (a near-singular Sigma whose entries dwarf lam) and its solve is not reliable."""
-    pivots = l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
-    return (lam > 0) & (pivots < 0.5 * lam)
+def unreliable(diag: Tensor, lam: Tensor) -> Tensor:
+    """Factors Cholesky returned (``diag``: their diagonals L_ii) whose smallest pivot L_ii^2 is under half
+    the damping: in exact arithmetic every pivot of Sigma + lam I is at least lam, so such a factor has
+    lost lam to rounding (a near-singular Sigma whose entries dwarf lam) and its solve is not reliable."""
+    return (lam > 0) & (diag.square().amin(-1) < 0.5 * lam)
 
 
 class Deferred:
@@ -259,29 +280,126 @@ class Deferred:
         raise NotImplementedError
 
 
+#: per device type, the size from which the members of a batch are factored one cholesky_ex call each
+#: instead of one batched call: torch sends any batch > 1 to cuSOLVER's batched potrf, slower than a loop
+#: above d ~ 2k (H100, cholesky_ex: (2, 14336) 225.6 ms batched vs 64.9 looped, (6, 4096) 22.1 vs 11.4,
+#: (8, 2561) 10.3 vs 8.7; issue 61). None: never (the CPU's LAPACK path loops over the batch itself;
+#: results/bench/solvers_cpu_routes.md, "batched ... looped").
+CHOLESKY_LOOP_FROM = {"cuda": 2048, "cpu": None}
+
+
+def cholesky_by_size(a: Tensor) -> tuple:
+    """cholesky_ex of a batch (B, d, d): one batched call, or one call per member from
+    CHOLESKY_LOOP_FROM[device type] on (the same factor and info; no host sync either way)."""
+    start = CHOLESKY_LOOP_FROM.get(a.device.type)
+    if start is None or len(a) < 2 or a.shape[-1] < start:
+        return torch.linalg.cholesky_ex(a)
+    l, info = torch.empty_like(a), torch.empty(len(a), dtype=torch.int32, device=a.device)
+    for i in range(len(a)):
+        torch.linalg.cholesky_ex(a[i], out=(l[i], info[i]))
+    return l, info
+
+
+#: How a Cholesky batch becomes M = G A^-1 (issue 61):
+#:   cholesky_solve    potrf, then two triangular solves per apply (CholeskyFactor)
+#:   cholesky_inverse  potrf, P = A^-1 by inverse_from_factor (LAPACK potri on the CPU), one GEMM per apply
+#:   blocked_inverse   P = A^-1 by dopr.inverse.blocked_inverse (GEMMs), one GEMM per apply
+CHOLESKY_ROUTES = ("cholesky_solve", "cholesky_inverse", "blocked_inverse")
+
+#: The route per device type, measured on that device: {(d, rows): route} at the measured points (the
+#: nearest one in log d, log rows is taken), or one route name for every size (to force a route:
+#: ``dopr.solvers.CHOLESKY_ROUTE_TABLE["cuda"] = "blocked_inverse"``). A device type without an entry gets
+#: :func:`flop_route`. The CPU's: ``python scripts/bench_solvers.py --routes`` (results/bench/solvers_cpu_routes.md,
+#: 1 thread; a route other than cholesky_solve only where it was >10% faster).
+CHOLESKY_ROUTE_TABLE: dict = {"cpu": {
+    (64, 16): "cholesky_solve", (64, 64): "cholesky_inverse", (64, 256): "cholesky_inverse",
+    (256, 64): "cholesky_solve", (256, 256): "cholesky_solve", (256, 1024): "cholesky_inverse",
+    (512, 128): "cholesky_solve", (512, 512): "cholesky_solve", (512, 2048): "cholesky_inverse",
+    (1024, 256): "cholesky_solve", (1024, 1024): "cholesky_solve", (1024, 4096): "blocked_inverse"}}
+
+#: The rate of each kernel class relative to a GEMM's, for devices without a measured table: on an H100
+#: (issue 61) fp32 GEMMs run ~50 TFLOP/s, large potrf ~12 ((6, 4096) looped in 11.4 ms), trsm 1.2-7.
+KERNEL_RATES = {"gemm": 1.0, "potrf": 0.25, "trsm": 0.1}
+
+
+def route_cost(route: str, d: int, rows: int, lapack: bool = False, rates: Optional[dict] = None) -> float:
+    """A route's FLOPs for one (d x d) factorisation and one (rows x d) apply, each kernel class's divided by
+    its rate relative to a GEMM's (KERNEL_RATES): potrf d^3/3; two trsm 2 d^2 rows; an explicit inverse
+    from the factor 2 d^3/3 by LAPACK's potri (``lapack``, counted at potrf's rate), else d^3 trsm against I
+    plus a 2 d^3 GEMM; the blocked inverse 10 d^3 / 3 of GEMMs (dopr.inverse); G P 2 d^2 rows of GEMM."""
+    r = KERNEL_RATES if rates is None else rates
+    potrf, gemm_apply = d**3 / 3 / r["potrf"], 2 * d * d * rows / r["gemm"]
+    if route == "cholesky_solve":
+        return potrf + 2 * d * d * rows / r["trsm"]
+    if route == "cholesky_inverse":
+        inverse = 2 * d**3 / 3 / r["potrf"] if lapack else d**3 / r["trsm"] + 2 * d**3 / r["gemm"]
+        return potrf + inverse + gemm_apply
+    return 10 * d**3 / 3 / r["gemm"] + gemm_apply
+
+
+def flop_route(device_type: str, d: int, rows: int) -> str:
+    """The route of least rate-weighted FLOPs (:func:`route_cost`): the default where nothing was measured."""
+    return min(CHOLESKY_ROUTES, key=lambda r: route_cost(r, d, rows, device_type in LAPACK_DEVICES))
+
+
+def cholesky_route(device_type: str, d: int, rows: Optional[int] = None) -> str:
+    """The route for a (d x d) batch applied to ``rows`` gradient rows (default d): CHOLESKY_ROUTE_TABLE's
+    nearest measured point for the device type, else :func:`flop_route`."""
+    rows = d if rows is None else rows
+    table = CHOLESKY_ROUTE_TABLE.get(device_type)
+    if table is None:
+        return flop_route(device_type, d, rows)
+    if isinstance(table, str):
+        return table
+    return table[min(table, key=lambda k: math.hypot(math.log(k[0] / d), math.log(max(k[1], 1) / max(rows, 1))))]
+
+
+def _factor_route(a: Tensor, route: str) -> tuple:
+    """(L or None, P or None, diag L, info) of a damped batch by a route (CHOLESKY_ROUTES). A member whose
+    factor failed gets P from the identity's factor (its P is never used: the repair path replaces it)."""
+    if route == "blocked_inverse":
+        p, diag, info = blocked_inverse(a)
+        return None, p, diag, info
+    l, info = cholesky_by_size(a)
+    if route == "cholesky_solve":
+        return l, None, l.diagonal(dim1=-2, dim2=-1), info
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    return l, inverse_from_factor(torch.where((info > 0)[:, None, None], eye, l)), l.diagonal(dim1=-2, dim2=-1), info
+
+
 class CholeskyBatch(Deferred):
     """cholesky_ex of the damped batch. Trouble: a failed factor, one whose smallest pivot is under half
     the damping (``unreliable``), or, with damping 0, a numerically singular Sigma (a pivot under rcond
     times its largest diagonal entry: it gets the pseudo-inverse, so that M stays in the span of the
-    inputs, where a near-zero pivot would blow rounding up along directions the batch never saw)."""
+    inputs, where a near-zero pivot would blow rounding up along directions the batch never saw).
+    The route (CHOLESKY_ROUTES) is :func:`cholesky_route`'s for the device, d and ``rows``, unless given;
+    every route flags the same trouble."""
 
-    def __init__(self, sigma: Tensor, lam: Tensor, rcond: float) -> None:
+    def __init__(self, sigma: Tensor, lam: Tensor, rcond: float, rows: Optional[int] = None,
+                 route: Optional[str] = None) -> None:
         self.sigma, self.lam, self.rcond = sigma, lam, rcond   # sigma: damped in place (the caller's copy)
+        self.route = route or cholesky_route(sigma.device.type, sigma.shape[-1], rows)
         sigma.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
-        self.l, info = torch.linalg.cholesky_ex(sigma)
-        pivots = self.l.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+        self.l, self.p, diag, info = _factor_route(sigma, self.route)
+        pivots = diag.square().amin(-1)
         self.weak = (info == 0) & (lam > 0) & (pivots < 0.5 * lam)
         self.singular = (lam <= 0) & ((info > 0) | (pivots < rcond * sigma.diagonal(dim1=-2, dim2=-1).amax(-1)))
         self.bad = ((info > 0) | self.weak) & ~self.singular
         self.trouble = self.bad | self.singular
 
     def ops(self) -> list:
-        return [CholeskyFactor(batch=self.l, index=i) for i in range(len(self.l))]
+        return self._ops(self.l, self.p)
+
+    @staticmethod
+    def _ops(l: Optional[Tensor], p: Optional[Tensor]) -> list:
+        if p is not None:
+            return [ExplicitInverse(batch=p, index=i) for i in range(len(p))]
+        return [CholeskyFactor(batch=l, index=i) for i in range(len(l))]
 
     def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
         """Retry with 10x, 100x, 1000x the damping (at least 1e-6 tr(Sigma) / d); what still fails, and
         the singular ones, get the eigendecomposition pseudo-inverse. Restores sigma first."""
-        bad, singular, weak, lam, sigma, l = self.bad, self.singular, self.weak, self.lam, self.sigma, self.l
+        bad, singular, weak, lam, sigma, l, p = self.bad, self.singular, self.weak, self.lam, self.sigma, self.l, self.p
         if finite is not None:
             bad, singular, weak = bad & finite, singular & finite, weak & finite
         if not bool((bad | singular).any()):
@@ -296,16 +414,21 @@ class CholeskyBatch(Deferred):
                 break
             counts["cholesky_retries"] += idx.numel()
             lam_r = torch.maximum(lam[idx], floor[idx]) * 10.0**retry
-            l_r, info_r = torch.linalg.cholesky_ex(_damped(sigma[idx], lam_r))
-            l = l.index_copy(0, idx, l_r)  # a real write: the "K[bad] = I on a copy" bug cannot happen
-            bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(l_r, lam_r))
-        ops = [CholeskyFactor(batch=l, index=i) for i in range(len(l))]
+            l_r, p_r, diag_r, info_r = _factor_route(_damped(sigma[idx], lam_r), self.route)
+            # real writes: the "K[bad] = I on a copy" bug cannot happen
+            l = l.index_copy(0, idx, l_r) if l is not None else None
+            p = p.index_copy(0, idx, p_r) if p is not None else None
+            bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(diag_r, lam_r))
         idx = (bad | singular).nonzero().flatten()
+        if idx.numel() and p is not None:                      # explicit inverses: the fallback joins the batch
+            counts["eigh_fallbacks"] += idx.numel()
+            return self._ops(None, p.index_copy(0, idx, pseudo_inverse(sigma[idx], lam[idx], self.rcond)))
+        ops = self._ops(l, p)
         if idx.numel():
             counts["eigh_fallbacks"] += idx.numel()
-            p = pseudo_inverse(sigma[idx], lam[idx], self.rcond)
+            pinv = pseudo_inverse(sigma[idx], lam[idx], self.rcond)
             for j, i in enumerate(idx.tolist()):
-                ops[i] = ExplicitInverse(p[j])
+                ops[i] = ExplicitInverse(pinv[j])
         return ops
 
 

@@ -3,6 +3,17 @@ inverse applied by one GEMM, and against the GEMM-only Newton-Schulz inverse in 
 
     python scripts/bench_solvers.py [--device cpu|cuda] [--dims 64,256,384,1024,4096] [--rows R]
         [--batch B] [--repeats 10] [--threads 2] [--out FILE.md]
+    python scripts/bench_solvers.py --routes [--device cpu|cuda] [--dims ...] [--row-factors 0.25,1,4]
+        [--batch B] [--repeats 5] [--threads 1] [--out FILE.md]
+
+``--routes`` (issue 61) measures the device's table for dopr.solvers.CHOLESKY_ROUTE_TABLE: per (d, rows), a
+batch of B covariances (as below) through dopr.solvers.CholeskyBatch on each route of
+dopr.solvers.CHOLESKY_ROUTES (repair path included), then one apply to G (B, rows, d); rows = d times each
+of --row-factors. It reports each route's factor + apply time and error, the route to keep per point (the
+fastest, where it beats today's cholesky_solve by more than MARGIN, else cholesky_solve: a win inside the
+timing noise does not change the step), the route dopr.solvers.flop_route would pick, and the table as a
+Python literal to set for the device type; and,
+at each d, cholesky_ex of the batch in one call against a loop over its members (CHOLESKY_LOOP_FROM).
 
 Per d, a batch of B covariances Sigma = X^T X / n from n = 4d samples whose i-th principal direction has
 scale 1/i (eigenvalues ~ 1/i^2, a random rotation; built in float64, stored float32 as DoPr keeps its
@@ -46,6 +57,7 @@ from benchmarks.bench import environment  # noqa: E402
 from dopr import solvers  # noqa: E402
 
 DAMPING, RCOND = 1e-4, 1e-6  # DoPr's defaults: damping (mode 'trace') and eigh_rcond
+MARGIN = 0.1                 # --routes: another route replaces cholesky_solve where it is >10% faster
 
 
 def problem(d: int, rows: int, batch: int, device: str, seed: int = 0):
@@ -125,6 +137,71 @@ def bench_dim(d: int, rows: int, batch: int, device: str, repeats: int) -> list:
     return out
 
 
+def _median_ms(fn, repeats: int, sync) -> float:
+    """Median wall time of fn() over `repeats` after one warm-up call, in ms (CUDA synchronised)."""
+    times = []
+    for rep in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench_routes(d: int, row_factors: list, batch: int, device: str, repeats: int) -> list:
+    """Per rows = d * factor: each route's factor + one apply (ms) and error, through CholeskyBatch."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = []
+    for factor in row_factors:
+        rows = max(1, round(d * factor))
+        sigma, lam, g = problem(d, rows, batch, device)
+        m64, cond = reference(sigma, lam, g)
+        result, ms = {}, {}
+
+        def step(route):
+            ops = solvers.CholeskyBatch(sigma.clone(), lam, RCOND, route=route).finish(defaultdict(int))
+            result[route] = solvers.apply_stack(ops, g)
+        for route in solvers.CHOLESKY_ROUTES:        # in turn, repeats interleaved: drift hits them alike
+            ms[route] = []
+        for _ in range(repeats):
+            for route in solvers.CHOLESKY_ROUTES:
+                ms[route].append(_median_ms(lambda: step(route), 1, sync))
+        errs = {r: float((m.double() - m64).norm() / m64.norm()) for r, m in result.items()}
+        med = {r: statistics.median(t) for r, t in ms.items()}
+        fastest = min(med, key=med.get)
+        keep = fastest if med[fastest] < (1 - MARGIN) * med["cholesky_solve"] else "cholesky_solve"
+        out.append(dict(d=d, rows=rows, cond=cond, ms=med, err=errs, fastest=keep,
+                        flop=solvers.flop_route(device, d, rows)))
+    return out
+
+
+def bench_loop(d: int, batch: int, device: str, repeats: int) -> tuple:
+    """(ms of cholesky_ex on a (batch, d, d) batch in one call, ms looped one member at a time)."""
+    sigma, lam, _ = problem(d, 1, batch, device)
+    a = solvers._damped(sigma, lam)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return (_median_ms(lambda: torch.linalg.cholesky_ex(a), repeats, sync),
+            _median_ms(lambda: [torch.linalg.cholesky_ex(m) for m in a.unbind(0)], repeats, sync))
+
+
+def routes_report(rows: list, loops: dict, device: str) -> str:
+    names = solvers.CHOLESKY_ROUTES
+    lines = ["| d | rows | cond(A) | " + " | ".join(f"{r} ms" for r in names) + " | "
+             + " | ".join(f"{r} error" for r in names) + " | kept | FLOP default |",
+             "|---" * (5 + 2 * len(names)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['d']} | {r['rows']} | {r['cond']:.2g} | " + " | ".join(_g(r["ms"][n]) for n in names)
+                     + " | " + " | ".join(f"{r['err'][n]:.1e}" for n in names) + f" | {r['fastest']} | {r['flop']} |")
+    table = {(r["d"], r["rows"]): r["fastest"] for r in rows}
+    lines += ["", f"The table, to set (dopr/solvers.py CHOLESKY_ROUTE_TABLE[{device!r}]): `{table!r}`", "",
+              "cholesky_ex of the batch, one batched call against a loop over its members (CHOLESKY_LOOP_FROM):", "",
+              "| d | batched ms | looped ms |", "|---|---|---|"]
+    lines += [f"| {d} | {_g(b)} | {_g(lo)} |" for d, (b, lo) in loops.items()]
+    return "\n".join(lines)
+
+
 def _g(x: float) -> str:
     return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
 
@@ -149,6 +226,8 @@ def main(argv=None) -> str:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     p.add_argument("--smoke", action="store_true", help="d = 16, 32, one repeat: does it run (seconds)")
+    p.add_argument("--routes", action="store_true", help="measure the Cholesky routes' table (issue 61)")
+    p.add_argument("--row-factors", default="0.25,1,4", help="--routes: gradient rows as multiples of d")
     args = p.parse_args(argv)
     if args.smoke:
         args.dims, args.repeats = "16,32", 1
@@ -157,6 +236,24 @@ def main(argv=None) -> str:
     load0 = os.getloadavg()[0]
     command = f"python scripts/bench_solvers.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
     dims = [int(s) for s in args.dims.split(",")]
+    if args.routes:
+        factors = [float(f) for f in args.row_factors.split(",")]
+        rows = [r for d in dims for r in bench_routes(d, factors, args.batch, args.device, args.repeats)]
+        loops = {d: bench_loop(d, args.batch, args.device, args.repeats) for d in dims}
+        text = "\n".join([f"`{command}`", "",
+                          f"commit {commit}, {datetime.datetime.now().isoformat(timespec='seconds')}, torch "
+                          f"{torch.__version__}, device {args.device} ({device_name}), {torch.get_num_threads()} "
+                          f"threads, repeats {args.repeats}, batch {args.batch}, load average {load0:.2f} at start, "
+                          f"{os.getloadavg()[0]:.2f} at end", "",
+                          "Per (d, rows): dopr.solvers.CholeskyBatch on each route, repair path included, then one "
+                          "apply (factor + apply, median ms); lam = 1e-4 tr(Sigma); the error of M against a "
+                          "float64 solve. See the script's docstring.", "",
+                          routes_report(rows, loops, args.device)]) + "\n"
+        print(text)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+        return text
     rows = [r for d in dims for r in bench_dim(d, args.rows or d, args.batch, args.device, args.repeats)]
     fastest = {d: min((r for r in rows if r["d"] == d), key=lambda r: r["total"])["method"] for d in dims}
     lines = [f"`{command}`", "",
