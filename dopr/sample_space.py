@@ -170,7 +170,7 @@ class SampleSpaceBatch(solvers.Deferred):
         lam64 = lam.to(SAMPLE_SPACE_DTYPE)
         k.diagonal(dim1=-2, dim2=-1).add_(lam64[:, None])
         l, info = torch.linalg.cholesky_ex(k)
-        self.trouble = (info > 0) | (lam <= 0) | solvers.unreliable(l, lam64)
+        self.trouble = (info > 0) | (lam <= 0) | solvers.unreliable(l.diagonal(dim1=-2, dim2=-1), lam64)
         self.whole = (xs, l, lam)    # what the operators share: a batch applies in one call
 
     def ops(self) -> list:
