@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 SKIP = ("git_revision", "packages", "overrides", "command", "host", "started", "finished")
+#: timings: keys ending in time_s, or seconds / a rate per second of an evaluation's part (env_s_1,
+#: env_steps_per_s_1, policy_s_1: robomimic's rollout timings, per camera count)
+TIMING = re.compile(r"(time_s|_s|_per_s)(_\d+)?$")
 
 
 def leaves(obj, prefix=""):
@@ -23,7 +27,7 @@ def leaves(obj, prefix=""):
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
         key = f"{prefix}.{k}" if prefix else str(k)
-        if str(k) in SKIP or str(k).endswith("time_s"):
+        if str(k) in SKIP or TIMING.search(str(k)):
             continue
         if isinstance(v, bool) or v is None:
             continue
