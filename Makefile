@@ -43,10 +43,12 @@ test-kernels: setup
 
 DEMO := multirun/demo
 demo: setup
+	mkdir -p $(DEMO) && date +%s > $(DEMO)/started
 	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds
 	$(PY) run.py -m sweep=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning
 	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
+	$(PY) scripts/results_changes.py --since $$(cat $(DEMO)/started)   # one line: what moved against HEAD
 
 bench: setup
 	$(PY) -m benchmarks.bench --out results/bench/cpu.md

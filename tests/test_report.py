@@ -93,3 +93,44 @@ def test_a_missing_sweep_folder_is_one_line(tmp_path):
     said = str(stop.value)
     assert said.startswith(f"sweep directory not found: {tmp_path / 'nope'} (") and "\n" not in said
     assert "multirun/<sweep>/<time>" in said
+
+
+def test_a_table_rewritten_from_values_that_differ_beyond_its_digits_is_the_same_file(tmp_path):
+    # issue 63: each `make demo` rewrote 17-digit CSVs whose last digits differ from run to run
+    rows = [{"optimizer": "dopr_muon", "lr": 1.0, "seeds": 10, "loss": 50487.470703125, "dist": 0.25518977918830105,
+             "tiny": 4.697255272881172e-10, "diverged": float("inf")}]
+    noisy = [{k: v * (1 + 3e-12) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    files = []
+    for i, rs in enumerate((rows, noisy)):
+        report.write_table(rs, list(rs[0]), tmp_path / str(i) / "t", "stamp", "title")
+        files.append([(tmp_path / str(i) / f"t.{ext}").read_bytes() for ext in ("csv", "md")])
+    assert noisy[0]["dist"] != rows[0]["dist"] and files[0] == files[1]
+    values = (tmp_path / "0" / "t.csv").read_text().splitlines()[1].split(",")
+    assert values == ["dopr_muon", "1.0", "10", "50487.47", "0.2551898", "4.697255e-10", "inf"]
+
+
+def test_a_commit_of_results_alone_leaves_the_code_revision(tmp_path, monkeypatch):
+    """The stamps name git_revision(): the code's commit, so a report regenerated after committing its
+    outputs names the same commit and its files read the same."""
+    import subprocess
+
+    from experiments.common import provenance
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "."), git("commit", "-qm", "code")
+    code = git("rev-parse", "--short", "HEAD")
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    assert provenance.git_revision() == code
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "t.csv").write_text("a\n1\n")
+    git("add", "."), git("commit", "-qm", "results")
+    assert git("rev-parse", "--short", "HEAD") != code and provenance.git_revision() == code
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert provenance.git_revision() == code + "-dirty"
+    git("commit", "-qam", "more code")
+    assert provenance.git_revision() == git("rev-parse", "--short", "HEAD") != code

@@ -17,11 +17,13 @@ PACKAGES = ("torch", "dopr", "hydra-core", "omegaconf", "submitit", "wandb", "nu
 
 
 def git_revision() -> str:
-    """The short commit, "-dirty" when tracked code differs from it. results/ holds outputs, not code:
-    a report regenerated next to another one is still at this commit."""
+    """The short commit of the code: the last one that changed anything outside results/ (a commit of
+    outputs alone leaves the code, and the stamps of a report regenerated there, as they were), "-dirty"
+    when tracked code differs from it. results/ holds outputs, not code: a report regenerated next to
+    another one is still at this commit."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", ".", ":!results"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         return (rev + ("-dirty" if dirty else "")) or "unknown"

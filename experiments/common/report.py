@@ -64,13 +64,22 @@ def load_records(sweep_dirs) -> list:
     return records
 
 
+SIGNIFICANT_DIGITS = 7   # what a re-run reproduces: float32 training (eps 1.2e-7) and BLAS summation order move
+                         # the 8th digit and beyond; a table rounded here reads the same after every run
+
+
+def reproducible(v):
+    """A float rounded to SIGNIFICANT_DIGITS (non-finite ones, ints and strings as they are)."""
+    return float(f"{v:.{SIGNIFICANT_DIGITS}g}") if isinstance(v, float) and math.isfinite(v) else v
+
+
 def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "") -> None:
     """rows: list of dicts. Writes <stem>.csv and <stem>.md (the markdown names commands and commit)."""
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: reproducible(v) for k, v in r.items()} for r in rows)
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = [f"# {title}" if title else "", "", stamp, "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]

@@ -1,0 +1,87 @@
+"""What a regeneration of results/ changed against the commit, in one line (the last step of `make demo`).
+
+    python scripts/results_changes.py [--since EPOCH_SECONDS] [FOLDER=results]
+
+Compares each file under FOLDER that differs from git HEAD with HEAD's version. A table (CSV, markdown,
+JSON) whose numbers all agree to their last printed digit, and whose text is the same but for the
+stamp's commit, changed at rounding level; another number or word moved. A figure (PNG) that differs
+was redrawn. --since: also count the files written since then (what the run rewrote).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from decimal import Decimal
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?(?![\w.])")
+COMMIT = re.compile(r"commit `[^`]*`")   # the stamp's (experiments/common/report.py make_stamp)
+TEXT = (".csv", ".md", ".json", ".txt")
+
+
+def _git(root: Path, *args: str, text: bool = True):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=text, check=True).stdout
+
+
+def changed_files(root: Path, folder: str) -> list:
+    """(status, path) of the files under folder that differ from HEAD: "??" new, " M"/"M " modified."""
+    out = _git(root, "status", "--porcelain", "--untracked-files=all", "--", folder)
+    return [(line[:2], line[3:]) for line in out.splitlines() if line.strip()]
+
+
+def _quantum(token: str) -> float:
+    """The value of the last printed digit of a number: 0.2552 -> 1e-4, 2.627e+04 -> 1."""
+    return 10.0 ** Decimal(token).as_tuple().exponent
+
+
+def first_move(old: str, new: str):
+    """None when new reads as old to the last printed digit of each number (the stamp's commit aside),
+    else a short description of the first difference beyond that."""
+    old, new = COMMIT.sub("commit", old), COMMIT.sub("commit", new)
+    if NUMBER.split(old) != NUMBER.split(new):
+        return "text changed"
+    for a, b in zip(NUMBER.findall(old), NUMBER.findall(new)):
+        if abs(float(a) - float(b)) > max(_quantum(a), _quantum(b)) * (1 + 1e-9):
+            return f"{a} -> {b}"
+    return None
+
+
+def summarize(root: Path, folder: str = "results", since: float | None = None) -> str:
+    """The one line: how many files were rewritten (since `since`), which differ from HEAD and how."""
+    rounding, moved, redrawn, new = [], [], [], []
+    for status, path in changed_files(root, folder):
+        if status == "??":
+            new.append(path)
+        elif not (root / path).exists() or not path.endswith(TEXT):
+            (moved if not (root / path).exists() else redrawn).append(path)
+        else:
+            move = first_move(_git(root, "show", f"HEAD:{path}"), (root / path).read_text())
+            (moved.append(f"{path} ({move})") if move else rounding.append(path))
+    head = f"{folder}/"
+    if since is not None:
+        written = sum(1 for p in (root / folder).rglob("*") if p.is_file() and p.stat().st_mtime >= since)
+        head += f" {written} file{'s' if written != 1 else ''} rewritten"
+    parts = [f"moved beyond rounding: {', '.join(moved)}" if moved else "nothing moved beyond rounding"]
+    if rounding:
+        parts.append(f"{len(rounding)} changed at rounding level only ({', '.join(rounding)})")
+    if redrawn:
+        parts.append(f"figures redrawn: {', '.join(redrawn)}")
+    if new:
+        parts.append(f"new: {', '.join(new)}")
+    if not (moved or rounding or redrawn or new):
+        parts = ["all as committed (git diff empty)"]
+    return f"{head}: " + "; ".join(parts)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", nargs="?", default="results")
+    ap.add_argument("--since", type=float, default=None, help="epoch seconds the run started at")
+    args = ap.parse_args(argv)
+    print(summarize(ROOT, args.folder, args.since))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""scripts/results_changes.py: the last line of `make demo`, what a regenerated results/ changed against
+HEAD: rounding (every number within its last printed digit, the stamp's commit aside) or a move."""
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_changes  # noqa: E402
+
+CSV = "optimizer,lr,dist\ndopr_muon,1.0,0.2551898\nmuon,0.01,0.3183369\n"
+MD = "Tables by `python -m experiments.report x` at commit `0f50919`.\n\n| dopr_muon | 1 | 0.2552 |\n"
+
+
+def _repo(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "t.csv").write_text(CSV)
+    (tmp_path / "results" / "t.md").write_text(MD)
+    (tmp_path / "results" / "f.png").write_bytes(b"\x89PNG one")
+    git("init", "-q"), git("add", "."), git("commit", "-qm", "results")
+    return tmp_path
+
+
+def test_an_unchanged_regeneration_says_so_and_counts_what_it_rewrote(tmp_path):
+    root = _repo(tmp_path)
+    (root / "results" / "t.csv").write_text(CSV)   # rewritten, same bytes
+    line = results_changes.summarize(root, "results", since=0)
+    assert line == "results/ 3 files rewritten: all as committed (git diff empty)"
+
+
+def test_last_digit_noise_and_a_new_commit_are_rounding_a_moved_number_is_not(tmp_path):
+    root = _repo(tmp_path)
+    (root / "results" / "t.csv").write_text(CSV.replace("0.3183369", "0.318337"))     # one digit, last place
+    (root / "results" / "t.md").write_text(MD.replace("0f50919", "864be0f"))          # the stamp's commit
+    line = results_changes.summarize(root, "results")
+    assert line == ("results/: nothing moved beyond rounding; 2 changed at rounding level only "
+                    "(results/t.csv, results/t.md)")
+    (root / "results" / "t.csv").write_text(CSV.replace("0.2551898", "0.2202031"))
+    (root / "results" / "t.md").write_text(MD.replace("0.2552", "0.2202"))
+    (root / "results" / "f.png").write_bytes(b"\x89PNG two")
+    (root / "results" / "new.md").write_text("x\n")
+    line = results_changes.summarize(root, "results")
+    assert line == ("results/: moved beyond rounding: results/t.csv (0.2551898 -> 0.2202031), "
+                    "results/t.md (0.2552 -> 0.2202); figures redrawn: results/f.png; new: results/new.md")
+    assert "\n" not in line
+
+
+def test_changed_words_are_a_move():
+    assert results_changes.first_move("| adamw | 1 |", "| muon | 1 |") == "text changed"
+    assert results_changes.first_move("2.627e+04", "2.628e+04") is None      # one unit in the last digit
+    assert results_changes.first_move("2.627e+04", "2.629e+04") == "2.627e+04 -> 2.629e+04"
