@@ -48,6 +48,8 @@ demo: setup
 	$(PY) run.py -m sweep=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning
 	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
+	$(PY) -m experiments.common.tuning report $(DEMO)/feature_learning \
+		--selection results/feature_learning/protocol/selection.json --out results/feature_learning/protocol
 	$(PY) scripts/results_changes.py --since $$(cat $(DEMO)/started)   # one line: what moved against HEAD
 
 bench: setup
