@@ -3,21 +3,28 @@
     python scripts/results_changes.py [--since EPOCH_SECONDS] [FOLDER=results]
 
 Compares each file under FOLDER that differs from git HEAD with HEAD's version. A table (CSV, markdown,
-JSON) whose numbers all agree to their last printed digit, and whose text is the same but for the
-stamp's commit, changed at rounding level; another number or word moved. A figure (PNG) that differs
-was redrawn. --since: also count the files written since then (what the run rewrote).
+JSON) whose numbers all agree to their last printed digit (never finer than the tables' rounding,
+experiments.common.report.SIGNIFICANT_DIGITS), and whose words are the same, changed at rounding
+level; one whose stamp alone changed (the line naming the commands and commit) changed its stamp only;
+another number or word moved. A figure (PNG) that differs was redrawn. --since: also count the files
+written since then (what the run rewrote).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import subprocess
+import sys
 from decimal import Decimal
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from experiments.common.report import SIGNIFICANT_DIGITS  # noqa: E402
+
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?(?![\w.])")
-COMMIT = re.compile(r"commit `[^`]*`")   # the stamp's (experiments/common/report.py make_stamp)
+STAMP = re.compile(r"^(?:Runs made by |Made by ).*$", re.M)   # experiments/common/report.py make_stamp's line
 TEXT = (".csv", ".md", ".json", ".txt")
 
 
@@ -32,25 +39,30 @@ def changed_files(root: Path, folder: str) -> list:
 
 
 def _quantum(token: str) -> float:
-    """The value of the last printed digit of a number: 0.2552 -> 1e-4, 2.627e+04 -> 1."""
-    return 10.0 ** Decimal(token).as_tuple().exponent
+    """The value of the last printed digit of a number (0.2552 -> 1e-4, 2.627e+04 -> 1), never finer than the
+    tables' rounding (9950798.0, rounded to 7 digits: 1)."""
+    x = abs(float(token))
+    floor = 10.0 ** (math.floor(math.log10(x)) - SIGNIFICANT_DIGITS + 1) if x > 0 and math.isfinite(x) else 0.0
+    return max(10.0 ** Decimal(token).as_tuple().exponent, floor)
 
 
 def first_move(old: str, new: str):
-    """None when new reads as old to the last printed digit of each number (the stamp's commit aside),
-    else a short description of the first difference beyond that."""
-    old, new = COMMIT.sub("commit", old), COMMIT.sub("commit", new)
-    if NUMBER.split(old) != NUMBER.split(new):
-        return "text changed"
-    for a, b in zip(NUMBER.findall(old), NUMBER.findall(new)):
+    """None when new reads as old to the last printed digit of each number, "stamp" when the stamp's line
+    alone differs beyond that, else a short description of the first difference."""
+    bare_old, bare_new = STAMP.sub("", old), STAMP.sub("", new)
+    words_old, words_new = NUMBER.split(bare_old), NUMBER.split(bare_new)
+    if words_old != words_new:
+        a, b = next((a, b) for a, b in zip(words_old + [""], words_new + [""]) if a != b)
+        return f"text changed: {a.strip()[:30]!r} -> {b.strip()[:30]!r}"
+    for a, b in zip(NUMBER.findall(bare_old), NUMBER.findall(bare_new)):
         if abs(float(a) - float(b)) > max(_quantum(a), _quantum(b)) * (1 + 1e-9):
             return f"{a} -> {b}"
-    return None
+    return "stamp" if STAMP.findall(old) != STAMP.findall(new) else None
 
 
 def summarize(root: Path, folder: str = "results", since: float | None = None) -> str:
     """The one line: how many files were rewritten (since `since`), which differ from HEAD and how."""
-    rounding, moved, redrawn, new = [], [], [], []
+    rounding, stamp, moved, redrawn, new = [], [], [], [], []
     for status, path in changed_files(root, folder):
         if status == "??":
             new.append(path)
@@ -58,7 +70,8 @@ def summarize(root: Path, folder: str = "results", since: float | None = None) -
             (moved if not (root / path).exists() else redrawn).append(path)
         else:
             move = first_move(_git(root, "show", f"HEAD:{path}"), (root / path).read_text())
-            (moved.append(f"{path} ({move})") if move else rounding.append(path))
+            (rounding if move is None else stamp if move == "stamp" else moved).append(
+                path if move in (None, "stamp") else f"{path} ({move})")
     head = f"{folder}/"
     if since is not None:
         written = sum(1 for p in (root / folder).rglob("*") if p.is_file() and p.stat().st_mtime >= since)
@@ -66,11 +79,13 @@ def summarize(root: Path, folder: str = "results", since: float | None = None) -
     parts = [f"moved beyond rounding: {', '.join(moved)}" if moved else "nothing moved beyond rounding"]
     if rounding:
         parts.append(f"{len(rounding)} changed at rounding level only ({', '.join(rounding)})")
+    if stamp:
+        parts.append(f"{len(stamp)} changed in their stamp only ({', '.join(stamp)})")
     if redrawn:
         parts.append(f"figures redrawn: {', '.join(redrawn)}")
     if new:
         parts.append(f"new: {', '.join(new)}")
-    if not (moved or rounding or redrawn or new):
+    if not (moved or rounding or stamp or redrawn or new):
         parts = ["all as committed (git diff empty)"]
     return f"{head}: " + "; ".join(parts)
 

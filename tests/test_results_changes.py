@@ -1,5 +1,5 @@
 """scripts/results_changes.py: the last line of `make demo`, what a regenerated results/ changed against
-HEAD: rounding (every number within its last printed digit, the stamp's commit aside) or a move."""
+HEAD: rounding (every number within its last printed digit), the stamp alone, or a move."""
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import results_changes  # noqa: E402
 
 CSV = "optimizer,lr,dist\ndopr_muon,1.0,0.2551898\nmuon,0.01,0.3183369\n"
-MD = "Tables by `python -m experiments.report x` at commit `0f50919`.\n\n| dopr_muon | 1 | 0.2552 |\n"
+MD = ("Runs made by `python run.py -m sweep=x` (1 run). Tables by `python -m experiments.report x` at commit "
+      "`0f50919`.\n\n| dopr_muon | 1 | 0.2552 |\n")
 
 
 def _repo(tmp_path):
@@ -30,13 +31,13 @@ def test_an_unchanged_regeneration_says_so_and_counts_what_it_rewrote(tmp_path):
     assert line == "results/ 3 files rewritten: all as committed (git diff empty)"
 
 
-def test_last_digit_noise_and_a_new_commit_are_rounding_a_moved_number_is_not(tmp_path):
+def test_last_digit_noise_is_rounding_a_new_stamp_is_said_a_moved_number_is_not(tmp_path):
     root = _repo(tmp_path)
     (root / "results" / "t.csv").write_text(CSV.replace("0.3183369", "0.318337"))     # one digit, last place
-    (root / "results" / "t.md").write_text(MD.replace("0f50919", "864be0f"))          # the stamp's commit
+    (root / "results" / "t.md").write_text(MD.replace("0f50919", "864be0f").replace("1 run", "2 runs"))
     line = results_changes.summarize(root, "results")
-    assert line == ("results/: nothing moved beyond rounding; 2 changed at rounding level only "
-                    "(results/t.csv, results/t.md)")
+    assert line == ("results/: nothing moved beyond rounding; 1 changed at rounding level only (results/t.csv); "
+                    "1 changed in their stamp only (results/t.md)")
     (root / "results" / "t.csv").write_text(CSV.replace("0.2551898", "0.2202031"))
     (root / "results" / "t.md").write_text(MD.replace("0.2552", "0.2202"))
     (root / "results" / "f.png").write_bytes(b"\x89PNG two")
@@ -47,7 +48,9 @@ def test_last_digit_noise_and_a_new_commit_are_rounding_a_moved_number_is_not(tm
     assert "\n" not in line
 
 
-def test_changed_words_are_a_move():
-    assert results_changes.first_move("| adamw | 1 |", "| muon | 1 |") == "text changed"
+def test_changed_words_are_a_move_and_a_table_digits_rounding_is_not():
+    assert results_changes.first_move("| adamw | 1 |", "| muon | 1 |") == "text changed: '| adamw |' -> '| muon |'"
+    assert results_changes.first_move("9950798.47347483", "9950798.0") is None   # written at 7 digits
+    assert results_changes.first_move("1.0", "1.5") == "1.0 -> 1.5"
     assert results_changes.first_move("2.627e+04", "2.628e+04") is None      # one unit in the last digit
     assert results_changes.first_move("2.627e+04", "2.629e+04") == "2.627e+04 -> 2.629e+04"
