@@ -214,7 +214,11 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)},
               **{f"feature_learning_weak{b}": "feature_learning" for b in ("50", "25", "50_every10", "50_ema99")},
               **{f"feature_learning_filter{b}": "feature_learning" for b in ("25",)},
-              "sft_arith_weak50": "sft_arith", "sft_arith_weak25": "sft_arith"}
+              "sft_arith_weak50": "sft_arith", "sft_arith_weak25": "sft_arith",
+              # issue 64's comparison with the peers (results/peers/)
+              **{f"{family}_peers_protocol": task for family, task in
+                 (("feature_learning", "feature_learning"), ("humanoid", "humanoid"),
+                  ("sit_digits", "sit_digits"), ("sft_arith", "sft_arith"))}}
 
 
 def _values(spec, key: str = "") -> list:
