@@ -312,6 +312,21 @@ def test_report_keeps_to_the_fixed_seeds_and_tables_the_extra_ones_apart():
     assert tuning.protocol_tables(recs[:3] + recs[5:8] + recs[10:], sel, ["val"])[1] is None  # no extra seed
 
 
+def test_versus_judges_any_two_arms_by_the_spread_rule_and_refuses_an_unknown_arm():
+    """Issue 64: DoPr-AdamW against SOAP is not a GP / DoPr pair; --versus gives it the same verdict rule."""
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    rows = [{"arm": "adamw", "seeds": "3 4 5", "val_min": 1.0, "val_median": 1.1, "val_max": 1.2},
+            {"arm": "dopr_adamw", "seeds": "3 4 5", "val_min": 1.15, "val_median": 1.3, "val_max": 1.4}]
+    assert tuning.versus(rows, sel, [("dopr_adamw", "adamw")]) == [
+        "Verdict, adamw vs dopr_adamw by val (lower is better), seeds 3 4 5: inconclusive, the seeds overlap "
+        "(adamw ahead on the median): median 1.1 vs 1.3."]
+    rows[1].update(val_min=1.25)
+    assert "adamw better, no seed overlap" in tuning.versus(rows, sel, [("dopr_adamw", "adamw")])[0]
+    assert "dopr_adamw worse, no seed overlap" in tuning.versus(rows, sel, [("adamw", "dopr_adamw")])[0]
+    with pytest.raises(ValueError, match="no arm soap in the selection"):
+        tuning.versus(rows, sel, [("soap", "dopr_adamw")])
+
+
 def test_a_missing_fixed_seed_flags_the_row_and_withholds_the_verdict():
     sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
     recs = [_fresh("adamw", "adamw", s, 1.0) for s in (3, 4, 5)]

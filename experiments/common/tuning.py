@@ -514,16 +514,40 @@ def verdicts(rows: list, selection: dict) -> list:
         if missing or f"{m}_median" not in (g or {}) or f"{m}_median" not in (d or {}):
             lines.append(f"{head}: no verdict, the table is partial ({'; '.join(missing) or 'no runs'}). {knobs}.")
             continue
-        lo = lambda r: r[f"{m}_min"]
-        hi = lambda r: r[f"{m}_max"]
-        ahead = d[f"{m}_median"] < g[f"{m}_median"] if mode == "min" else d[f"{m}_median"] > g[f"{m}_median"]
-        if hi(d) < lo(g) or hi(g) < lo(d):
-            word = f"DoPr {'better' if ahead else 'worse'}, no seed overlap"
-        else:
-            word = f"inconclusive, the seeds overlap (DoPr {'ahead' if ahead else 'behind'} on the median)"
+        word = spread_word(d, g, m, mode, "DoPr")
         at_gp = f"; DoPr at {gp}'s setting {at[f'{m}_median']:.4g}" if at and f"{m}_median" in at else ""
         lines.append(f"{head}, seeds {d['seeds']}: {word}: median {d[f'{m}_median']:.4g} vs "
                      f"{g[f'{m}_median']:.4g}{at_gp}. {knobs}.")
+    return lines
+
+
+def spread_word(a: dict, b: dict, m: str, mode: str, name: str) -> str:
+    """Arm row `a` against arm row `b` by metric `m`: better or worse where the seeds' ranges do not overlap,
+    inconclusive where they do (`name` is what the words call arm `a`)."""
+    ahead = a[f"{m}_median"] < b[f"{m}_median"] if mode == "min" else a[f"{m}_median"] > b[f"{m}_median"]
+    if a[f"{m}_max"] < b[f"{m}_min"] or b[f"{m}_max"] < a[f"{m}_min"]:
+        return f"{name} {'better' if ahead else 'worse'}, no seed overlap"
+    return f"inconclusive, the seeds overlap ({name} {'ahead' if ahead else 'behind'} on the median)"
+
+
+def versus(rows: list, selection: dict, pairs: list) -> list:
+    """One verdict line per (reference, challenger) pair of arms beyond the protocol's GP / DoPr pairs (e.g.
+    DoPr-AdamW against SOAP), by the same rule as `verdicts`."""
+    by = {r["arm"]: r for r in rows}
+    m, mode = selection["metric"], selection["mode"]
+    lines = []
+    for ref, arm in pairs:
+        unknown = [a for a in (ref, arm) if a not in selection["arms"]]
+        if unknown:
+            raise ValueError(f"--versus {ref}:{arm}: no arm {', '.join(unknown)} in the selection "
+                             f"(arms: {', '.join(selection['arms'])})")
+        head = f"Verdict, {arm} vs {ref} by {m} ({'lower' if mode == 'min' else 'higher'} is better)"
+        a, b = by.get(arm), by.get(ref)
+        if not a or not b or a.get("missing") or b.get("missing") or f"{m}_median" not in a or f"{m}_median" not in b:
+            lines.append(f"{head}: no verdict, the table is partial.")
+            continue
+        lines.append(f"{head}, seeds {a['seeds']}: {spread_word(a, b, m, mode, arm)}: median "
+                     f"{a[f'{m}_median']:.4g} vs {b[f'{m}_median']:.4g}.")
     return lines
 
 
@@ -567,6 +591,8 @@ def main(argv=None) -> None:
     p.add_argument("--accept-edge", metavar="REASON",
                    help="select: write the presets although a winner sits at a grid edge; the reason is recorded")
     p.add_argument("--seeds", help="select: the fresh seeds, fixed now (default: the protocol sweep's seed), e.g. 3,4,5")
+    p.add_argument("--versus", action="append", default=[], metavar="REF:ARM",
+                   help="report: a verdict line for ARM against REF too (e.g. soap:dopr_adamw); repeatable")
     p.add_argument("--gp-from", metavar="SELECTION_JSON",
                    help="select: take GP arms the sweeps lack from this earlier selection.json (a DoPr rule tuned "
                         "later against an unchanged GP); recorded per arm")
@@ -614,7 +640,11 @@ def main(argv=None) -> None:
             write_table(rows, cols, out / "protocol", stamp,
                         ("PARTIAL (fixed seeds missing: see `missing`). " if partial else "")
                         + f"Fixed fresh seeds {sel['fresh_seeds']} (fixed at selection), {what}")
-            notes = verdicts(rows, sel)
+            pairs = [tuple(v.split(":", 1)) for v in args.versus]
+            bad = [v for v, pr in zip(args.versus, pairs) if len(pr) != 2 or not all(pr)]
+            if bad:
+                raise ValueError(f"--versus {bad[0]}: expected REF:ARM, e.g. soap:dopr_adamw")
+            notes = verdicts(rows, sel) + versus(rows, sel, pairs)
             for stale in (out / "protocol_all_seeds.md", out / "protocol_all_seeds.csv"):
                 stale.unlink(missing_ok=True)
             if every is not None:
