@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest -q
+	DOPR_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q
 
 # The tier to run after every change: every test not marked `slow` (each module of dopr/ and
 # experiments/ is at least imported, tests/test_layout.py). 4 min 19 s on 2 cores (issue 63); `make test`

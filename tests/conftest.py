@@ -60,3 +60,6 @@ def demo_file(tmp_path_factory):
             cache[(env, n)] = demos.write(out, env, traj, expert="random-linear")
         return cache[(env, n)]
     return make
+
+
+pytest_plugins = ["require_optional"]   # make test: an importorskip skip fails the run (tests/require_optional.py)
