@@ -513,3 +513,91 @@ def test_dopr_wraps_lion_and_lion_receives_the_preconditioned_gradient():
     raw = model[0].weight.grad.clone()
     opt.step()
     assert opt.stats()["preconditioned"] == 2 and not torch.allclose(seen[0], raw)
+
+
+# --- one step for every GP (dopr/gp/base.py) ---------------------------------------------------
+def _sgd_formula(p, g, s, lr, wd):           # b_1 = g_1, b_t = mu b_{t-1} + g_t; d = g + mu b (Nesterov)
+    s["b"] = g if "b" not in s else 0.9 * s["b"] + g
+    return (1 - lr * wd) * p - lr * (g + 0.9 * s["b"])
+
+
+def _signum_formula(p, g, s, lr, wd):        # m_t = mu m_{t-1} + (1 - mu) g_t; step sign(m_t)
+    s["m"] = 0.9 * s.get("m", 0.0) + 0.1 * g
+    return (1 - lr * wd) * p - lr * torch.sign(s["m"])
+
+
+def _lion_formula(p, g, s, lr, wd):          # sign(beta1 m + (1 - beta1) g), then m <- beta2 m + (1 - beta2) g
+    m = s.get("m", torch.zeros_like(g))
+    s["m"] = 0.99 * m + 0.01 * g
+    return (1 - lr * wd) * p - lr * torch.sign(0.9 * m + 0.1 * g)
+
+
+def _muon_formula(p, g, s, lr, wd):          # B <- mu B + (1 - mu) G; NS5(G + mu (B - G)) sqrt(max(1, m/n))
+    s["B"] = 0.95 * s.get("B", 0.0) + 0.05 * g
+    u = newton_schulz5(g + 0.95 * (s["B"] - g), eps=1e-7).double()
+    return (1 - lr * wd) * p - lr * math.sqrt(max(1.0, g.shape[0] / g.shape[1])) * u
+
+
+def _adamuon_formula(p, g, s, lr, wd):       # the class docstring's seven lines, float32 from NS5 on
+    s["M"] = 0.95 * s.get("M", 0.0) + g
+    o = newton_schulz5(torch.sign(g + 0.95 * s["M"]))
+    s["V"] = 0.999 * s.get("V", 0.0) + 0.001 * o * o
+    u = o / (s["V"].sqrt() + 1e-8)
+    u = 0.2 * math.sqrt(g.numel()) * u / u.norm()
+    return (1 - lr * wd) * p - lr * u.double()
+
+
+GP_FORMULAS = {
+    SGD: (_sgd_formula, dict(momentum=0.9, nesterov=True)), Signum: (_signum_formula, dict(momentum=0.9)),
+    Lion: (_lion_formula, dict(betas=(0.9, 0.99))),
+    dopr.gp.Muon: (_muon_formula, dict(momentum=0.95, nesterov=True, adjust_lr_fn="original")),
+    AdaMuon: (_adamuon_formula, dict(momentum=0.95, nesterov=True, beta2=0.999, eps=1e-8)),
+}
+
+
+@pytest.mark.parametrize("cls", list(GP_FORMULAS), ids=lambda c: c.__name__)
+def test_every_gp_follows_its_formula_for_three_steps_and_skips_a_parameter_without_gradient(cls):
+    """float64 parameters, three steps of lr 0.05, weight decay 0.1, two param groups (the second at half
+    the rate), a third parameter that never gets a gradient: untouched, and no state. The tolerance: the
+    elementwise GPs are a dozen float64 roundings of O(1) numbers; Muon and AdaMuon's updates are float32
+    out of Newton-Schulz (O(1) entries, 64 float32 ulps of margin for the few roundings after it)."""
+    formula, kwargs = GP_FORMULAS[cls]
+    gen = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    lrs = (0.05, 0.025)
+    opt = cls([{"params": [ps[0]]}, {"params": [ps[1], ps[2]], "lr": lrs[1]}], lr=lrs[0], weight_decay=0.1, **kwargs)
+    want, states, idle = [p.detach().clone() for p in ps[:2]], [{}, {}], ps[2].detach().clone()
+    elementwise = cls in (SGD, Signum, Lion)
+    for _ in range(3):
+        grads = [torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, (g, lr) in enumerate(zip(grads, lrs)):
+            want[i] = formula(want[i], g, states[i], lr, 0.1)
+            eps = torch.finfo(torch.float64 if elementwise else torch.float32).eps
+            atol = 100 * eps if elementwise else lr * 64 * eps
+            torch.testing.assert_close(ps[i].detach(), want[i], rtol=0, atol=atol)
+    assert torch.equal(ps[2].detach(), idle) and ps[2] not in opt.state
+
+
+@pytest.mark.parametrize("cls", list(GP_FORMULAS), ids=lambda c: c.__name__)
+def test_every_gp_refuses_a_sparse_gradient_naming_itself(cls):
+    p = nn.Parameter(torch.zeros(4, 3))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.eye(4, 3).to_sparse()
+    with pytest.raises(RuntimeError, match=f"^{cls.__name__} does not support sparse gradients$"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cls, bad, message", [
+    (SGD, dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (SGD, dict(momentum=1.0), "Invalid momentum value: 1.0"),
+    (Signum, dict(momentum=-0.5), "Invalid momentum value: -0.5"),
+    (Lion, dict(betas=(1.2, 0.99)), "Invalid beta parameter at index 0: 1.2"),
+    (AdaMuon, dict(beta2=1.0), "Invalid beta2 value: 1.0"),
+    (AdaMuon, dict(eps=0.0), "Invalid epsilon value: 0.0"),
+    (AdaMuon, dict(weight_decay=-1.0), "Invalid weight_decay value: -1.0")])
+def test_the_shared_hyperparameter_checks_name_the_bad_value(cls, bad, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        cls([nn.Parameter(torch.zeros(2, 2))], lr=1e-3, **bad)

@@ -108,3 +108,43 @@ def test_every_module_of_the_library_and_the_suite_imports():
     assert len(names) > 60
     for name in names:
         importlib.import_module(name)
+
+
+def _repeated_runs(paths, n: int = 6) -> list:
+    """The runs of ``n`` code lines (stripped; blank, comment, import and punctuation-only lines left out)
+    that stand in two places or more among ``paths``: [(first place, second place), ...]."""
+    seen, repeats = {}, []
+    for path in paths:
+        lines = [(i, s.strip()) for i, s in enumerate(path.read_text().splitlines(), 1)]
+        code = [(i, s) for i, s in lines if any(c.isalnum() for c in s) and not s.startswith(("#", "import ", "from "))]
+        for k in range(len(code) - n + 1):
+            run = tuple(s for _, s in code[k:k + n])
+            place = f"{path.relative_to(ROOT)}:{code[k][0]}"
+            if run in seen:
+                repeats.append((seen[run], place))
+            else:
+                seen[run] = place
+    return repeats
+
+
+def test_every_gp_is_its_update_formula_on_the_one_step():
+    """Issue 66 item 2: every GP of dopr/gp/ is a BaseGP that writes its update formula (update) and no
+    step of its own (the closure, the loop, the skips and refusals are BaseGP's); HybridOptimizer, which
+    steps several GPs, is the one other optimizer there. No six code lines stand twice among dopr/gp/."""
+    import importlib
+    import inspect
+
+    from torch.optim import Optimizer
+
+    from dopr.gp import BaseGP, HybridOptimizer
+
+    files = sorted((ROOT / "dopr" / "gp").glob("*.py"))
+    modules = [importlib.import_module(_module_name(p)) for p in files]
+    optimizers = {c for m in modules for c in vars(m).values()
+                  if isinstance(c, type) and issubclass(c, Optimizer) and c.__module__ == m.__name__}
+    gps = optimizers - {BaseGP, HybridOptimizer}
+    assert {"SGD", "Signum", "Lion", "Muon", "AdaMuon"} <= {c.__name__ for c in gps}
+    # torch.optim.Optimizer wraps a class's step in a hook runner on its first instance: unwrap to compare
+    own_step = [c.__name__ for c in gps if inspect.unwrap(c.step) is not inspect.unwrap(BaseGP.step)]
+    assert [c.__name__ for c in gps if not issubclass(c, BaseGP) or "update" not in vars(c)] == own_step == []
+    assert _repeated_runs(files) == []

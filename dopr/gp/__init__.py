@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .adamuon import AdaMuon
+from .base import BaseGP
 from .lion import Lion
 from .muon import HybridOptimizer, Muon, mark_role, route_matrix_params
 from .newton_schulz import newton_schulz5
@@ -17,7 +18,7 @@ from .peers import PEERS, build_peer
 from .sgd import SGD
 from .signum import Signum
 
-__all__ = ["SGD", "Signum", "Lion", "AdaMuon", "Muon", "HybridOptimizer", "mark_role", "route_matrix_params", "newton_schulz5",
+__all__ = ["BaseGP", "SGD", "Signum", "Lion", "AdaMuon", "Muon", "HybridOptimizer", "mark_role", "route_matrix_params", "newton_schulz5",
            "GPS", "GradientPreconditioner", "register_gp", "build_gp"]
 
 

@@ -3,9 +3,9 @@
 import math
 
 import torch
-from torch.optim import Optimizer
 
 from .. import sharding
+from .base import BaseGP
 from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
 
@@ -19,7 +19,7 @@ def _target_norm(adjust_lr_fn: str, shape) -> float:
     return 0.2 * math.sqrt(m * n)
 
 
-class AdaMuon(Optimizer):
+class AdaMuon(BaseGP):
     r"""AdaMuon (Si, Zhang & Shen, 2025, "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005).
 
     For a weight matrix W of shape (m, n) with gradient G_t, momentum mu, second-moment decay
@@ -53,16 +53,6 @@ class AdaMuon(Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                  ns_steps: int = 5, adjust_lr_fn: str = "match_rms_adamw"):
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"Invalid beta2 value: {beta2}")
-        if not 0.0 < eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if not (isinstance(ns_steps, int) and ns_steps >= 1):
             raise ValueError(f"Invalid number of Newton-Schulz steps: {ns_steps}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
@@ -85,50 +75,33 @@ class AdaMuon(Optimizer):
                     f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
         super().add_param_group({**param_group, "params": params})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform a single optimization step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self, p, grad, group):
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        beta2, eps = group["beta2"], group["eps"]
+        state = self.state[p]
+        if len(state) == 0:
+            state["momentum_buffer"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        M, V = state["momentum_buffer"], state["exp_avg_sq"]
 
-        for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            beta2, eps = group["beta2"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("AdaMuon does not support sparse gradients")
+        # M_t = mu M_{t-1} + G_t, and the Nesterov look-ahead N_t = G_t + mu M_t
+        M.mul_(mu).add_(grad)
+        N = grad.add(M, alpha=mu) if group["nesterov"] else M
 
-                state = self.state[p]
-                if len(state) == 0:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                M, V = state["momentum_buffer"], state["exp_avg_sq"]
+        # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
+        # on the gathered matrix, then this rank's rows
+        O = sharding.on_whole_matrix(
+            lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
 
-                # M_t = mu M_{t-1} + G_t, and the Nesterov look-ahead N_t = G_t + mu M_t
-                M.mul_(mu).add_(grad)
-                N = grad.add(M, alpha=mu) if group["nesterov"] else M
+        # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
+        V = sharding.local(V)
+        V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
+        U = O / (V.sqrt() + eps)
 
-                # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
-                # on the gathered matrix, then this rank's rows
-                O = sharding.on_whole_matrix(
-                    lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
+        # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
+        U.mul_(_target_norm(group["adjust_lr_fn"], matrix_shape(p.shape)) / sharding.norm(U, p).clamp_min(eps))
 
-                # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
-                V = sharding.local(V)
-                V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
-                U = O / (V.sqrt() + eps)
-
-                # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
-                U.mul_(_target_norm(group["adjust_lr_fn"], matrix_shape(p.shape)) / sharding.norm(U, p).clamp_min(eps))
-
-                # W_t = (1 - lr wd) W_{t-1} - lr U_t
-                w = sharding.local(p)
-                w.mul_(1.0 - lr * wd)
-                w.add_(U.to(p.dtype), alpha=-lr)
-
-        return loss
+        # W_t = (1 - lr wd) W_{t-1} - lr U_t
+        w = sharding.local(p)
+        w.mul_(1.0 - lr * wd)
+        w.add_(U.to(p.dtype), alpha=-lr)

@@ -1,10 +1,11 @@
 """Lion: the sign of an interpolated momentum (Chen et al., 2023), with decoupled weight decay."""
 
 import torch
-from torch.optim import Optimizer
+
+from .base import BaseGP
 
 
-class Lion(Optimizer):
+class Lion(BaseGP):
     r"""Lion (Chen, Liang, Huang, Real, Wang, Pham, Dong, Luong, Hsieh, Lu & Le, 2023, "Symbolic
     Discovery of Optimization Algorithms", arXiv:2302.06675, Algorithm 2).
 
@@ -20,45 +21,20 @@ class Lion(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform a single optimization step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self, p, grad, group):
+        lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p)
+        m = state["exp_avg"]
 
-        for group in self.param_groups:
-            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
-
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
-
-                # c_t = beta1 m_{t-1} + (1 - beta1) g_t
-                c = torch.lerp(grad, m, beta1)
-                # p <- (1 - lr wd) p - lr sign(c_t)
-                p.mul_(1.0 - lr * wd)
-                p.add_(torch.sign(c), alpha=-lr)
-                # m_t = beta2 m_{t-1} + (1 - beta2) g_t
-                m.lerp_(grad, 1.0 - beta2)
-
-        return loss
+        # c_t = beta1 m_{t-1} + (1 - beta1) g_t
+        c = torch.lerp(grad, m, beta1)
+        # p <- (1 - lr wd) p - lr sign(c_t)
+        p.mul_(1.0 - lr * wd)
+        p.add_(torch.sign(c), alpha=-lr)
+        # m_t = beta2 m_{t-1} + (1 - beta2) g_t
+        m.lerp_(grad, 1.0 - beta2)

@@ -12,10 +12,11 @@ from torch.optim import _muon
 
 from .. import sharding
 from .._optimizer_surface import init_hook_registries, needs_closure
+from .base import BaseGP, evaluate
 from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
 
-class Muon(torch.optim.Muon):
+class Muon(BaseGP, torch.optim.Muon):
     """torch.optim.Muon with the orthogonalisation in float32 off CUDA.
 
     Same hyperparameters (``ns_coefficients`` and ``eps`` included), state (``momentum_buffer``)
@@ -35,10 +36,12 @@ class Muon(torch.optim.Muon):
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         tensors = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]
-        # torch's checks and defaults, on a 2-D stand-in for each weight (its own check wants ndim 2)
+        # torch's checks and defaults (its constructor, not BaseGP's), on a 2-D stand-in for each weight (its
+        # own check wants ndim 2)
         flat = [torch.empty(matrix_shape(p.shape), device="meta") for p in tensors]
-        super().__init__(flat, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        torch.optim.Muon.__init__(self, flat, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                  ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                                  adjust_lr_fn=adjust_lr_fn)
         bad = [tuple(p.shape) for p in tensors if p.ndim < 2]
         if bad:
             raise ValueError(f"Muon updates matrices and convolution filters; got parameters of shapes {bad}")
@@ -46,31 +49,21 @@ class Muon(torch.optim.Muon):
         for g in groups:
             self.add_param_group(dict(g))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mu)
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                # sharded (FSDP2): orthogonalise the whole matrix, keep this rank's rows
-                update = sharding.on_whole_matrix(
-                    lambda m: newton_schulz5(as_matrix(m), steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                                             eps=group["eps"]).view_as(m), update, p).to(p.dtype)
-                w = sharding.local(p)
-                w.mul_(1 - lr * wd)
-                w.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], matrix_shape(p.shape)))
-        return loss
+    def update(self, p, grad, group):
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - mu)
+        direction = grad.lerp(buf, mu) if group["nesterov"] else buf
+        # sharded (FSDP2): orthogonalise the whole matrix, keep this rank's rows
+        direction = sharding.on_whole_matrix(
+            lambda m: newton_schulz5(as_matrix(m), steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                                     eps=group["eps"]).view_as(m), direction, p).to(p.dtype)
+        w = sharding.local(p)
+        w.mul_(1 - lr * wd)
+        w.add_(direction, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], matrix_shape(p.shape)))
 
 
 def _lr_ratio(adjust_lr_fn, shape) -> float:
@@ -288,10 +281,7 @@ class HybridOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Evaluate ``closure`` once (if given), then step every member."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for opt in self.optimizers.values():
             opt.step()
         return loss

@@ -1,10 +1,9 @@
 """SGD with heavy-ball (or Nesterov) momentum and decoupled weight decay."""
 
-import torch
-from torch.optim import Optimizer
+from .base import BaseGP
 
 
-class SGD(Optimizer):
+class SGD(BaseGP):
     r"""Stochastic gradient descent with momentum and decoupled weight decay.
 
     For a parameter p with gradient g_t at step t, momentum mu, learning rate lr and
@@ -21,49 +20,26 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0):
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and momentum == 0.0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform a single optimization step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self, p, grad, group):
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        d = grad
+        if mu != 0.0:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                # b_1 = g_1
+                buf = state["momentum_buffer"] = grad.detach().clone()
+            else:
+                # b_t = mu b_{t-1} + g_t
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(grad)
+            # d_t = g_t + mu b_t (Nesterov) or b_t (heavy ball)
+            d = grad.add(buf, alpha=mu) if group["nesterov"] else buf
 
-        for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("SGD does not support sparse gradients")
-
-                d = grad
-                if mu != 0.0:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        # b_1 = g_1
-                        buf = state["momentum_buffer"] = grad.detach().clone()
-                    else:
-                        # b_t = mu b_{t-1} + g_t
-                        buf = state["momentum_buffer"]
-                        buf.mul_(mu).add_(grad)
-                    # d_t = g_t + mu b_t (Nesterov) or b_t (heavy ball)
-                    d = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-
-                # p <- (1 - lr wd) p - lr d
-                p.mul_(1.0 - lr * wd)
-                p.add_(d, alpha=-lr)
-
-        return loss
+        # p <- (1 - lr wd) p - lr d
+        p.mul_(1.0 - lr * wd)
+        p.add_(d, alpha=-lr)
