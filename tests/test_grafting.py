@@ -53,7 +53,7 @@ def _cross_entropy(logits: np.ndarray, y: torch.Tensor) -> float:
     return float(np.mean(np.log(np.exp(z).sum(1)) - z[np.arange(len(z)), y.numpy()]))
 
 
-def test_maps_on_reading_is_the_appendix_map_fed_the_transformed_models_validation_moments():
+def _three_networks_and_validation():
     torch.manual_seed(0)
     transformed, grafted, original = (mlp(5, 7, 3).double() for _ in range(3))   # three different networks
     graft = Graft(transformed, grafted)
@@ -62,19 +62,41 @@ def test_maps_on_reading_is_the_appendix_map_fed_the_transformed_models_validati
     grafted(x_train)
     xv, xtv = _batch(64, 5, 3, 0.5), torch.tanh(_batch(64, 5, 4, 2.0))
     yv = torch.arange(64) % 3
-    got = evaluate({"transformed": transformed, "grafted": grafted, "original": original}, graft, xv, xtv, yv)
-    expected = _grafted_logits_by_the_formula(grafted, transformed, xv, xtv)
+    models = {"transformed": transformed, "grafted": grafted, "original": original}
+    return models, graft, xv, xtv, yv, evaluate(models, graft, xv, xtv, yv)
+
+
+def test_the_papers_reading_feeds_the_grafted_network_the_transformed_images_through_its_maps():
+    models, graft, xv, xtv, yv, got = _three_networks_and_validation()
+    # the appendix validates every model on the transformed data: the Grafted network, maps on, reads xtv
+    expected = _grafted_logits_by_the_formula(models["grafted"], models["transformed"], xtv, xtv)
     # float64 throughout; the damped matrices have condition numbers < 1e4 here, so the two
     # square-root algorithms agree to ~1e-12 relative
-    assert got["val_loss_grafted_on"] == pytest.approx(_cross_entropy(expected, yv), rel=1e-9)
-    assert got["val_acc_grafted_on"] == pytest.approx(float(np.mean(expected.argmax(1) == yv.numpy())))
+    assert got["val_loss_grafted_on_transformed"] == pytest.approx(_cross_entropy(expected, yv), rel=1e-9)
+    assert got["val_acc_grafted_on_transformed"] == pytest.approx(float(np.mean(expected.argmax(1) == yv.numpy())))
+    # a different number from the in-distribution scoring (the same maps fed the original images)
+    assert abs(got["val_loss_grafted_on_transformed"] - got["val_loss_grafted_on_original"]) > 1e-3
+    # the in-distribution control: the Original network on its own original images
+    with torch.no_grad():
+        own = models["original"](xv)
+    assert got["val_loss_original_on_original"] == pytest.approx(nn.functional.cross_entropy(own, yv).item(), rel=1e-12)
+    assert got["val_acc_original_on_original"] == pytest.approx((own.argmax(1) == yv).double().mean().item())
+    assert abs(got["val_loss_original_on_original"] - got["val_loss_original"]) > 1e-3
+
+
+def test_in_distribution_scoring_is_the_appendix_map_fed_the_original_images_and_the_transformed_models_moments():
+    models, graft, xv, xtv, yv, got = _three_networks_and_validation()
+    expected = _grafted_logits_by_the_formula(models["grafted"], models["transformed"], xv, xtv)
+    assert got["val_loss_grafted_on_original"] == pytest.approx(_cross_entropy(expected, yv), rel=1e-9)
+    assert got["val_acc_grafted_on_original"] == pytest.approx(float(np.mean(expected.argmax(1) == yv.numpy())))
     graft.enabled = False
     with torch.no_grad():
-        bare = {name: m(xtv) for name, m in (("grafted_off", grafted), ("original", original), ("transformed", transformed))}
+        bare = {name: models[model](xtv) for name, model in
+                (("grafted_off", "grafted"), ("original", "original"), ("transformed", "transformed"))}
     graft.enabled = True
     for name, logits in bare.items():   # the maps-off reading and the other two: the bare networks on xtv
         assert got[f"val_loss_{name}"] == pytest.approx(nn.functional.cross_entropy(logits, yv).item(), rel=1e-12)
-    assert abs(got["val_loss_grafted_on"] - got["val_loss_grafted_off"]) > 1e-3   # two different readings
+    assert abs(got["val_loss_grafted_on_original"] - got["val_loss_grafted_off"]) > 1e-3   # two different readings
     assert graft.enabled   # training resumes with the maps on
 
 
@@ -129,16 +151,20 @@ def test_a_grafting_job_records_both_readings_and_the_report_tables_them(tmp_pat
         assert s["rates"]["hidden"]["lr"] == pytest.approx(lr if opt == "muon" else lr / width)
         rows = [json.loads(l) for l in (tmp_path / "sweep" / opt / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [3, 6]
-        for reading in ("grafted_on", "grafted_off"):
+        for reading in ("grafted_on_transformed", "grafted_on_original", "grafted_off", "original_on_original"):
             assert 0 <= s[f"val_acc_{reading}"] <= 1
             assert all(r[f"gap_{reading}"] == pytest.approx(abs(r[f"val_loss_{reading}"] - r["val_loss_transformed"]))
                        for r in rows)
             assert s[f"mean_gap_{reading}"] == pytest.approx(sum(r[f"gap_{reading}"] for r in rows) / 2)
-        assert s["gap_ratio_on"] == pytest.approx(s["mean_gap_grafted_on"] / s["mean_gap_original"])
+            assert s[f"gap_ratio_{reading}"] == pytest.approx(s[f"mean_gap_{reading}"] / s["mean_gap_original"])
     report_main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
     md = next((tmp_path / "out").rglob("grafting.md")).read_text()
     for opt in ("adamw", "muon"):
-        assert f"| {opt} | maps on | 1 |" in md and f"| {opt} | maps off | 1 |" in md
+        for reading, scores in (("paper's reading", "Grafted, maps on, transformed images"),
+                                ("in-distribution scoring", "Grafted, maps on, original images"),
+                                ("maps off", "Grafted, maps off, transformed images"),
+                                ("in-distribution control", "Original, original images")):
+            assert f"| {opt} | {reading} | {scores} | 1 |" in md
     assert next((tmp_path / "out").rglob("grafting.png")).stat().st_size > 0
 
 
@@ -148,3 +174,25 @@ def test_the_report_refuses_runs_without_the_two_readings(tmp_path):
     old = {"summary": {"optim": "adamw", "seed": 0, "val_loss_grafted": 2.3}, "dir": tmp_path / "0", "metrics": []}
     with pytest.raises(ValueError, match="predate the two readings"):
         grafting([old], tmp_path, "stamp")
+
+
+def test_the_report_reads_runs_made_before_the_papers_reading_by_what_they_scored(tmp_path):
+    from experiments.appendix.report import grafting
+
+    def run(seed, on, off, original):
+        s = {"optim": "muon", "seed": seed, "lr": 1e-4, "parameterization": "mup", "batch": 1438, "steps": 50,
+             "val_loss_transformed": 1.8, "val_acc_transformed": 0.85, "val_loss_original": 2.3, "val_acc_original": 0.1,
+             "val_loss_grafted_on": 1.9, "val_acc_grafted_on": 0.6, "val_loss_grafted_off": 2.25, "val_acc_grafted_off": 0.2,
+             "mean_gap_grafted_on": on, "mean_gap_grafted_off": off, "mean_gap_original": original,
+             "gap_ratio_on": on / original, "gap_ratio_off": off / original}
+        metrics = [{"step": step, **{k: v for k, v in s.items() if k.startswith("val_loss_")}} for step in (25, 50)]
+        return {"summary": s, "dir": tmp_path / str(seed), "metrics": metrics}
+
+    grafting([run(0, 0.08, 0.19, 0.22), run(1, 0.07, 0.2, 0.21)], tmp_path, "stamp")
+    md = (tmp_path / "grafting.md").read_text()
+    # their "maps on" fed the original images: tabled as in-distribution scoring, with no verdict
+    assert "| muon | in-distribution scoring | Grafted, maps on, original images | 2 | 0.075 [0.07, 0.08] |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| muon |")]
+    assert len(rows) == 3 and not any("paper's reading" in r or "reproduced" in r for r in rows)
+    runs = (tmp_path / "grafting_runs.csv").read_text().splitlines()[0].split(",")
+    assert "mean_gap_grafted_on_original" in runs and "val_loss_grafted_on_transformed" not in runs

@@ -9,14 +9,17 @@ covariance that the Transformed model's same layer saw on the transformed batch:
 
 (square roots by a symmetric eigendecomposition, each matrix damped by 1e-6 tr(A), as the appendix).
 The map's matrices and means are computed from detached activations, so the gradient flows through X
-alone. All three are validated on the transformed validation set; the Grafted model in two readings
-(`evaluate`):
+alone. Every reading's loss is compared to the Transformed model's on the transformed validation images
+(`evaluate`, `READINGS`); in each the Transformed model's layer-input moments on those images are the
+maps' targets:
 
-- maps on: the network that was trained. The Transformed model runs on the transformed validation
-  batch and its layer inputs' moments become the targets; the Grafted model runs on the matching
-  original validation batch (the data it sees in training) with each layer input mapped to them, the
-  same X_new as in training, with mu, Sigma the Grafted input's own moments on that batch;
-- maps off: the bare weights on the transformed validation images (the reading of the earlier runs).
+- grafted_on_transformed, the paper's reading: the trained Grafted network, maps on, fed the
+  transformed validation images (what every model is validated on in the appendix);
+- grafted_on_original, in-distribution scoring: the Grafted network, maps on, fed the matching
+  original validation images (the data it sees in training);
+- grafted_off: the bare Grafted weights on the transformed images (the reading of the earliest runs);
+- original: the Original model on the transformed images (the claim's baseline);
+- original_on_original, the in-distribution control: the Original model on its own original images.
 
 The claim: the Grafted model's validation loss tracks the Transformed model's far more closely than
 the Original model's does.
@@ -122,17 +125,19 @@ def parameterize(models: dict, opts: dict, parameterization, width: int) -> dict
 
 
 def evaluate(models: dict, graft: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) -> dict:
-    """Validation on the transformed data, one full-batch pass per reading (a flat dict):
-    val_loss_/val_acc_ of `transformed` and `original` (on xtv), `grafted_on` (maps on: the Transformed
-    model's layer-input moments on xtv are the targets, the Grafted model reads the matching original
-    images xv through its maps) and `grafted_off` (maps off, on xtv). Leaves the maps enabled."""
+    """Validation, one full-batch pass per reading of `READINGS` (a flat dict of val_loss_<reading>,
+    val_acc_<reading>): the Transformed model on xtv records the maps' targets (its layer-input moments);
+    the Grafted model reads xtv (the paper's reading) and the matching original images xv through its
+    maps, and xtv with the maps off; the Original model reads xtv and xv. Leaves the maps enabled."""
     loss_fn = nn.CrossEntropyLoss()
     out = {}
     with torch.no_grad():
         graft.enabled = True
-        logits = {"transformed": models["transformed"](xtv), "grafted_on": models["grafted"](xv)}
+        logits = {"transformed": models["transformed"](xtv), "grafted_on_transformed": models["grafted"](xtv),
+                  "grafted_on_original": models["grafted"](xv)}
         graft.enabled = False
-        logits.update(grafted_off=models["grafted"](xtv), original=models["original"](xtv))
+        logits.update(grafted_off=models["grafted"](xtv), original=models["original"](xtv),
+                      original_on_original=models["original"](xv))
         graft.enabled = True
     for name in READINGS:
         out[f"val_loss_{name}"] = loss_fn(logits[name], yv).item()
@@ -140,9 +145,10 @@ def evaluate(models: dict, graft: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) ->
     return out
 
 
-#: what `evaluate` scores; the gaps are to the Transformed model's validation loss
-READINGS = ("transformed", "grafted_on", "grafted_off", "original")
-GAPPED = ("grafted_on", "grafted_off", "original")
+#: what `evaluate` scores (model, maps, validation images); the gaps are to the Transformed model's loss
+READINGS = ("transformed", "grafted_on_transformed", "grafted_on_original", "grafted_off", "original",
+            "original_on_original")
+GAPPED = READINGS[1:]
 
 
 def run(cfg, run) -> dict:
@@ -184,7 +190,7 @@ def run(cfg, run) -> dict:
     mean_gap = {k: sum(v) / len(v) for k, v in gaps.items()}
     ratio = lambda a, b: a / b if b > 0 else float("nan")
     return {**val, **{f"mean_gap_{k}": v for k, v in mean_gap.items()},
-            **{f"gap_ratio_{r}": ratio(mean_gap[f"grafted_{r}"], mean_gap["original"]) for r in ("on", "off")},
+            **{f"gap_ratio_{k}": ratio(v, mean_gap["original"]) for k, v in mean_gap.items() if k != "original"},
             "lr": float(cfg.optim.lr), "parameterization": t.parameterization or "pytorch default",
             "batch": batch, "steps": int(t.steps),
             "rates": {k: {"lr": v[0], "weight_decay": v[1]} for k, v in rates.items()}}

@@ -10,9 +10,26 @@ from experiments.common.report import write_table
 
 matplotlib.use("Agg")
 
-#: the validated models: the Grafted one in its two readings (maps on, maps off: experiments/appendix/grafting.py)
-MODELS = ("transformed", "grafted_on", "grafted_off", "original")
-READING = {"grafted_on": "maps on", "grafted_off": "maps off"}
+#: each reading of experiments/appendix/grafting.py's `evaluate`: (its role, the model, maps and images it scores);
+#: the verdict follows the paper's reading, the others are labelled as what they are
+READING = {"transformed": ("reference", "Transformed, transformed images"),
+           "grafted_on_transformed": ("paper's reading", "Grafted, maps on, transformed images"),
+           "grafted_on_original": ("in-distribution scoring", "Grafted, maps on, original images"),
+           "grafted_off": ("maps off", "Grafted, maps off, transformed images"),
+           "original": ("baseline", "Original, transformed images"),
+           "original_on_original": ("in-distribution control", "Original, original images")}
+#: the keys of runs made before the paper's reading was scored: their "maps on" fed the original images
+OLD_KEYS = {"gap_ratio_on": "gap_ratio_grafted_on_original", "gap_ratio_off": "gap_ratio_grafted_off"}
+
+
+def upgraded(values: dict) -> dict:
+    """A run's summary or metrics row with the keys of the earlier two-reading runs renamed to what they
+    score (`..._grafted_on` -> `..._grafted_on_original`, `OLD_KEYS`); newer keys pass unchanged."""
+    out = {}
+    for k, v in values.items():
+        new = OLD_KEYS.get(k, k + "_original" if k.endswith("_grafted_on") else k)
+        out[new if new not in values else k] = v
+    return out
 
 
 def spread(values) -> str:
@@ -33,61 +50,65 @@ def graft_verdict(gap_grafted: list, gap_original: list) -> str:
 
 
 def grafting(records, out_dir, stamp) -> None:
-    """Per run: final validation losses and accuracies on the transformed data (the Grafted model in
-    both readings), the mean |gap| to the Transformed model's loss over training and its ratio to
-    Original's; per optimizer and reading the median [min, max] over seeds of the gap and accuracy and
-    the verdict (`graft_verdict`); the figure: the four validation curves per optimizer, median over
-    seeds with the min-max band."""
+    """Per run: final validation losses and accuracies of each reading (`READING`), and the mean |gap| of
+    its loss to the Transformed model's over training; per optimizer and reading the median [min, max]
+    over seeds of the gap and accuracy, how many seeds' gaps lie below Original's, and the verdict
+    (`graft_verdict`) of the paper's reading; the figure: every reading's validation curve per
+    optimizer, median over seeds with the min-max band. Runs made before the paper's reading was
+    scored are read with their keys renamed (`upgraded`) and tabled with the readings they have."""
     import matplotlib.pyplot as plt
 
     from experiments.common.report import save_figure, seed_band
 
     records = sorted(records, key=lambda r: (r["summary"]["optim"], r["summary"]["seed"]))
-    missing = [str(r.get("dir", "?")) for r in records if "val_loss_grafted_on" not in r["summary"]]
+    missing = [str(r.get("dir", "?")) for r in records
+               if not {"val_loss_grafted_on", "val_loss_grafted_on_original"} & set(r["summary"])]
     if missing:
         raise ValueError(f"grafting report: {len(missing)} run(s) predate the two readings (no val_loss_grafted_on), "
                          f"e.g. {missing[0]}: rerun them")
+    records = [{**r, "summary": upgraded(r["summary"]), "metrics": [upgraded(x) for x in r["metrics"]]} for r in records]
+    # the readings every run scored (runs before the paper's reading lack it and the control)
+    readings = [m for m in READING if all(f"val_loss_{m}" in r["summary"] for r in records)]
+    gapped = readings[1:]
     rows = [{"optimizer": r["summary"]["optim"], "seed": r["summary"]["seed"], "lr": r["summary"]["lr"],
              "parameterization": r["summary"]["parameterization"], "batch": r["summary"]["batch"],
              "steps": r["summary"]["steps"],
-             **{f"val_loss_{m}": r["summary"][f"val_loss_{m}"] for m in MODELS},
-             **{f"val_acc_{m}": r["summary"][f"val_acc_{m}"] for m in MODELS},
-             **{f"mean_gap_{m}": r["summary"][f"mean_gap_{m}"] for m in MODELS[1:]},
-             "gap_ratio_on": r["summary"]["gap_ratio_on"], "gap_ratio_off": r["summary"]["gap_ratio_off"]}
+             **{f"val_loss_{m}": r["summary"][f"val_loss_{m}"] for m in readings},
+             **{f"val_acc_{m}": r["summary"][f"val_acc_{m}"] for m in readings},
+             **{f"mean_gap_{m}": r["summary"][f"mean_gap_{m}"] for m in gapped}}
             for r in records]
     write_table(rows, list(rows[0]), out_dir / "grafting_runs", stamp,
-                "Moment grafting: validation on the transformed data (final values; mean |gap| to Transformed over "
-                "training); grafted_on: maps on (fed the Transformed model's validation moments), grafted_off: maps off")
+                "Moment grafting: validation losses and accuracies (final values) and the mean |gap| of each "
+                "reading's loss to Transformed's on the transformed images over training; readings: "
+                + "; ".join(f"{m}: {READING[m][1]}" for m in readings))
     by_opt = {}
     for row in rows:
         by_opt.setdefault(row["optimizer"], []).append(row)
     summary = []
     for opt, rs in sorted(by_opt.items()):
         original = [r["mean_gap_original"] for r in rs]
-        for m in ("grafted_on", "grafted_off"):
+        for m in gapped:
             gaps = [r[f"mean_gap_{m}"] for r in rs]
-            summary.append({"optimizer": opt, "reading": READING[m], "seeds": len(rs),
-                            "gap_grafted": spread(gaps), "gap_original": spread(original),
-                            "acc_grafted": spread(r[f"val_acc_{m}"] for r in rs),
+            summary.append({"optimizer": opt, "reading": READING[m][0], "scores": READING[m][1], "seeds": len(rs),
+                            "gap_to_transformed": spread(gaps), "accuracy": spread(r[f"val_acc_{m}"] for r in rs),
                             "acc_transformed": spread(r["val_acc_transformed"] for r in rs),
-                            "acc_original": spread(r["val_acc_original"] for r in rs),
-                            "grafted_closer": f"{sum(g < o for g, o in zip(gaps, original))}/{len(rs)} seeds",
-                            "verdict": graft_verdict(gaps, original)})
+                            "closer_than_original": "" if m == "original" else
+                            f"{sum(g < o for g, o in zip(gaps, original))}/{len(rs)} seeds",
+                            "verdict": graft_verdict(gaps, original) if m == "grafted_on_transformed" else ""})
     write_table(summary, list(summary[0]), out_dir / "grafting", stamp,
                 "Moment grafting: is the Grafted model closer to the Transformed one than the Original? Mean |gap| of "
-                "the validation loss to Transformed's over training and final accuracy, median [min, max] over seeds; "
-                "verdict: beyond the seed spread (reproduced / not reproduced) or not (inconclusive)")
+                "each reading's validation loss to Transformed's (on the transformed images) over training and final "
+                "accuracy, median [min, max] over seeds; verdict (the paper's reading only): beyond the seed spread "
+                "(reproduced / not reproduced) or not (inconclusive)")
     optimizers = sorted(by_opt)
     fig, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
-    labels = {"transformed": "Transformed", "grafted_on": "Grafted, maps on", "grafted_off": "Grafted, maps off",
-              "original": "Original"}
     for ax, opt in zip(axes[0], optimizers):
         runs = [r for r in records if r["summary"]["optim"] == opt]
-        for i, m in enumerate(MODELS):
-            seed_band(ax, [{x["step"]: x[f"val_loss_{m}"] for x in r["metrics"]} for r in runs], labels[m], f"C{i}")
-        ax.set(yscale="log", xlabel="step", ylabel="validation loss (transformed data)",
+        for i, m in enumerate(readings):
+            seed_band(ax, [{x["step"]: x[f"val_loss_{m}"] for x in r["metrics"]} for r in runs], READING[m][1], f"C{i}")
+        ax.set(yscale="log", xlabel="step", ylabel="validation loss",
                title=f"{opt}: median, min-max over {len(runs)} seeds")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     save_figure(fig, out_dir / "grafting.png", stamp)
 
