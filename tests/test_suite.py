@@ -214,7 +214,10 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               **{f"feature_learning_span_cap{c}": "feature_learning" for c in (3, 10, 100)},
               **{f"feature_learning_weak{b}": "feature_learning" for b in ("50", "25", "50_every10", "50_ema99")},
               **{f"feature_learning_filter{b}": "feature_learning" for b in ("25",)},
-              "sft_arith_weak50": "sft_arith", "sft_arith_weak25": "sft_arith"}
+              "sft_arith_weak50": "sft_arith", "sft_arith_weak25": "sft_arith",
+              # the convolutional approximation schemes (results/conv_digits/)
+              **{g: "conv_digits" for g in ("conv_digits", "conv_digits_full_protocol", "conv_digits_sua_protocol",
+                                             "conv_digits_rank1_diag_protocol")}}
 
 
 def _values(spec, key: str = "") -> list:

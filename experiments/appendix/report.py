@@ -1,6 +1,7 @@
 """Reports of the appendix family: moment grafting (`grafting`), the table and the paper's figure."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 
@@ -250,6 +251,39 @@ def mup(records, out_dir, stamp, kept_rows=()) -> None:
             ax.legend(fontsize=6)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_update_ratio.png", stamp)
+
+
+def ap_variant(summary: dict) -> str:
+    """The AP variant of a conv_digits run, read from the routing the optimizer built: none (the GP
+    alone), full (im2col, Cholesky), sua or rank1_diag."""
+    route = summary.get("ap_routing") or {}
+    if not route:
+        return "none"
+    if any(m.startswith("conv2d-sua") for m in route["layers"].values()):
+        return "sua" if route["solver"] == "cholesky" else f"sua+{route['solver']}"
+    return "full" if route["solver"] == "cholesky" else route["solver"]
+
+
+def conv(records, out_dir, stamp) -> None:
+    """conv_digits (experiments/appendix/conv.py): per run the final validation loss and accuracy; per arm
+    (optimizer, AP variant, rate, dropout) the median [min, max] over seeds."""
+    rows = [{"optimizer": r["summary"]["optim"], "ap": ap_variant(r["summary"]), "lr": r["summary"]["lr"],
+             "dropout": r["summary"]["dropout"], "seed": r["summary"]["seed"],
+             **{k: r["summary"][k] for k in ("val_loss", "val_accuracy", "train_loss", "diverged_at")}}
+            for r in sorted(records, key=lambda r: (r["summary"]["optim"], ap_variant(r["summary"]),
+                                                    r["summary"]["lr"], r["summary"]["dropout"], r["summary"]["seed"]))]
+    write_table(rows, list(rows[0]), out_dir / "conv_runs", stamp,
+                "conv_digits: final validation loss and accuracy per run (ap: the AP variant the optimizer built)")
+    arms = {}
+    for row in rows:
+        arms.setdefault(tuple(row[k] for k in ("optimizer", "ap", "lr", "dropout")), []).append(row)
+    worst = lambda v: math.inf if v is None else v   # a diverged run has no loss: the worst
+    summary = [{"optimizer": o, "ap": a, "lr": lr, "dropout": d, "seeds": " ".join(str(r["seed"]) for r in rs),
+                "val_loss": spread(worst(r["val_loss"]) for r in rs),
+                "val_accuracy": spread(r["val_accuracy"] or 0.0 for r in rs)}
+               for (o, a, lr, d), rs in arms.items()]
+    write_table(summary, list(summary[0]), out_dir / "conv", stamp,
+                "conv_digits per arm: median [min, max] over seeds of the final validation loss and accuracy")
 
 
 def main(argv=None) -> None:
