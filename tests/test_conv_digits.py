@@ -80,3 +80,19 @@ def test_each_arm_changes_the_update_of_the_convolutions():
 def test_dropout_puts_a_dropout_after_every_relu_and_none_at_zero():
     assert sum(isinstance(m, torch.nn.Dropout) for m in conv.convnet(4, 10, dropout=0.3)) == 3
     assert not any(isinstance(m, torch.nn.Dropout) for m in conv.convnet(4, 10))
+
+
+def test_the_dropout_table_pairs_each_seed_with_its_run_without_dropout():
+    from experiments.appendix.report import dropout_changes
+
+    row = lambda o, p, s, loss, acc: {"optimizer": o, "ap": "none", "lr": 0.03, "dropout": p, "seed": s,
+                                      "val_loss": loss, "val_accuracy": acc}
+    rows = [row("adamw", 0.0, 3, 0.10, 0.90), row("adamw", 0.3, 3, 0.25, 0.80),
+            row("adamw", 0.0, 4, 0.20, 0.95), row("adamw", 0.3, 4, 0.10, 0.97),
+            row("adamw", 0.3, 5, 0.50, 0.50)]   # seed 5 has no run without dropout: left out
+    (only,) = dropout_changes(rows)
+    assert only["seeds"] == "3 4" and only["dropout"] == 0.3
+    # changes +0.15 and -0.10: median 0.025, range [-0.1, 0.15]; accuracy -0.10 and +0.02
+    assert only["val_loss_change"] == "0.025 [-0.1, 0.15]"
+    assert only["val_accuracy_change"] == "-0.04 [-0.1, 0.02]"
+    assert dropout_changes([r for r in rows if r["dropout"] == 0.0]) == []

@@ -284,6 +284,30 @@ def conv(records, out_dir, stamp) -> None:
                for (o, a, lr, d), rs in arms.items()]
     write_table(summary, list(summary[0]), out_dir / "conv", stamp,
                 "conv_digits per arm: median [min, max] over seeds of the final validation loss and accuracy")
+    changes = dropout_changes(rows)
+    if changes:
+        write_table(changes, list(changes[0]), out_dir / "dropout", stamp,
+                    "conv_digits, dropout: per optimizer, the change of the final validation loss and accuracy that "
+                    "dropout makes on each seed (with minus without, same seed and rate), median [min, max] over seeds")
+
+
+def dropout_changes(rows: list) -> list:
+    """Per (optimizer, AP variant, rate) and dropout rate p > 0: the per-seed change of the validation loss and
+    accuracy from dropout 0 to p (paired by seed), as median [min, max]; [] without such pairs."""
+    by = {(r["optimizer"], r["ap"], r["lr"], r["dropout"], r["seed"]): r for r in rows}
+    out = []
+    for o, a, lr, p in sorted({k[:4] for k in by if k[3] > 0}):
+        seeds = sorted(k[4] for k in by if k[:4] == (o, a, lr, p) and (o, a, lr, 0.0, k[4]) in by)
+        if not seeds:
+            continue
+        pairs = [(by[(o, a, lr, 0.0, s)], by[(o, a, lr, p, s)]) for s in seeds]
+        loss = [(d["val_loss"] if d["val_loss"] is not None else math.inf) - n["val_loss"] for n, d in pairs]
+        acc = [(d["val_accuracy"] or 0.0) - n["val_accuracy"] for n, d in pairs]
+        out.append({"optimizer": o, "ap": a, "lr": lr, "dropout": p, "seeds": " ".join(map(str, seeds)),
+                    "val_loss_change": spread(loss), "val_accuracy_change": spread(acc),
+                    "val_loss_without": spread(n["val_loss"] for n, _ in pairs),
+                    "val_loss_with": spread(d["val_loss"] if d["val_loss"] is not None else math.inf for _, d in pairs)})
+    return out
 
 
 def main(argv=None) -> None:
