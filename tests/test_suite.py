@@ -218,7 +218,10 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               # issue 64's comparison with the peers (results/peers/)
               **{f"{family}_peers_protocol": task for family, task in
                  (("feature_learning", "feature_learning"), ("humanoid", "humanoid"),
-                  ("sit_digits", "sit_digits"), ("sft_arith", "sft_arith"))}}
+                  ("sit_digits", "sit_digits"), ("sft_arith", "sft_arith"))},
+              # the convolutional approximation schemes (results/conv_digits/)
+              **{g: "conv_digits" for g in ("conv_digits", "conv_digits_full_protocol", "conv_digits_sua_protocol",
+                                             "conv_digits_rank1_diag_protocol")}}
 
 
 def _values(spec, key: str = "") -> list:

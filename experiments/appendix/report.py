@@ -1,6 +1,7 @@
 """Reports of the appendix family: moment grafting (`grafting`), the table and the paper's figure."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 
@@ -271,6 +272,63 @@ def mup(records, out_dir, stamp, kept_rows=()) -> None:
             ax.legend(fontsize=6)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         save_figure(fig, out_dir / "mup_update_ratio.png", stamp)
+
+
+def ap_variant(summary: dict) -> str:
+    """The AP variant of a conv_digits run, read from the routing the optimizer built: none (the GP
+    alone), full (im2col, Cholesky), sua or rank1_diag."""
+    route = summary.get("ap_routing") or {}
+    if not route:
+        return "none"
+    if any(m.startswith("conv2d-sua") for m in route["layers"].values()):
+        return "sua" if route["solver"] == "cholesky" else f"sua+{route['solver']}"
+    return "full" if route["solver"] == "cholesky" else route["solver"]
+
+
+def conv(records, out_dir, stamp) -> None:
+    """conv_digits (experiments/appendix/conv.py): per run the final validation loss and accuracy; per arm
+    (optimizer, AP variant, rate, dropout) the median [min, max] over seeds."""
+    rows = [{"optimizer": r["summary"]["optim"], "ap": ap_variant(r["summary"]), "lr": r["summary"]["lr"],
+             "dropout": r["summary"]["dropout"], "seed": r["summary"]["seed"],
+             **{k: r["summary"][k] for k in ("val_loss", "val_accuracy", "train_loss", "diverged_at")}}
+            for r in sorted(records, key=lambda r: (r["summary"]["optim"], ap_variant(r["summary"]),
+                                                    r["summary"]["lr"], r["summary"]["dropout"], r["summary"]["seed"]))]
+    write_table(rows, list(rows[0]), out_dir / "conv_runs", stamp,
+                "conv_digits: final validation loss and accuracy per run (ap: the AP variant the optimizer built)")
+    arms = {}
+    for row in rows:
+        arms.setdefault(tuple(row[k] for k in ("optimizer", "ap", "lr", "dropout")), []).append(row)
+    worst = lambda v: math.inf if v is None else v   # a diverged run has no loss: the worst
+    summary = [{"optimizer": o, "ap": a, "lr": lr, "dropout": d, "seeds": " ".join(str(r["seed"]) for r in rs),
+                "val_loss": spread(worst(r["val_loss"]) for r in rs),
+                "val_accuracy": spread(r["val_accuracy"] or 0.0 for r in rs)}
+               for (o, a, lr, d), rs in arms.items()]
+    write_table(summary, list(summary[0]), out_dir / "conv", stamp,
+                "conv_digits per arm: median [min, max] over seeds of the final validation loss and accuracy")
+    changes = dropout_changes(rows)
+    if changes:
+        write_table(changes, list(changes[0]), out_dir / "dropout", stamp,
+                    "conv_digits, dropout: per optimizer, the change of the final validation loss and accuracy that "
+                    "dropout makes on each seed (with minus without, same seed and rate), median [min, max] over seeds")
+
+
+def dropout_changes(rows: list) -> list:
+    """Per (optimizer, AP variant, rate) and dropout rate p > 0: the per-seed change of the validation loss and
+    accuracy from dropout 0 to p (paired by seed), as median [min, max]; [] without such pairs."""
+    by = {(r["optimizer"], r["ap"], r["lr"], r["dropout"], r["seed"]): r for r in rows}
+    out = []
+    for o, a, lr, p in sorted({k[:4] for k in by if k[3] > 0}):
+        seeds = sorted(k[4] for k in by if k[:4] == (o, a, lr, p) and (o, a, lr, 0.0, k[4]) in by)
+        if not seeds:
+            continue
+        pairs = [(by[(o, a, lr, 0.0, s)], by[(o, a, lr, p, s)]) for s in seeds]
+        loss = [(d["val_loss"] if d["val_loss"] is not None else math.inf) - n["val_loss"] for n, d in pairs]
+        acc = [(d["val_accuracy"] or 0.0) - n["val_accuracy"] for n, d in pairs]
+        out.append({"optimizer": o, "ap": a, "lr": lr, "dropout": p, "seeds": " ".join(map(str, seeds)),
+                    "val_loss_change": spread(loss), "val_accuracy_change": spread(acc),
+                    "val_loss_without": spread(n["val_loss"] for n, _ in pairs),
+                    "val_loss_with": spread(d["val_loss"] if d["val_loss"] is not None else math.inf for _, d in pairs)})
+    return out
 
 
 def main(argv=None) -> None:
