@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from . import sharding, solvers
+from . import damping, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .checkpoint import KEY
 from .buckets import GradientBucket
@@ -38,7 +38,7 @@ from .capture import ActivationCapture, remove_inert_hooks
 from .compiled import hook_guards_skipped
 from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
 from .ema import CovarianceEMA, GradientEMA
-from .health import HealthReports, damping_scale, direction_energy, filtered_damping_scale, spectrum
+from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
 from .sample_space import SampleRows, gather_rows, row_statistic
@@ -68,6 +68,16 @@ def _phase(what: str, layers: int, shape) -> str:
     """The name of a step phase's profiler span: ``dopr.factor 3 x (385, 385)`` (``dopr.profiling`` sums
     each span's device time, so a GPU profile says which sizes the step's time goes to)."""
     return f"dopr.{what} {layers} x {tuple(shape)}"
+
+
+def _means(kind, items: list, report: bool) -> tuple:
+    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
+    (the items then carry each member's, when a report reads them)."""
+    keys, stats, means = zip(*items)
+    if means[0] is not None:
+        return list(means), items
+    means = kind.stacked_mean(list(stats))
+    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
 
 
 class DoPr(WrapsBase, torch.optim.Optimizer):
@@ -136,8 +146,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
-        self._damping_scale: dict = {}   # weak_share_bound: {group key: the factor on its lambda} (dopr/health.py)
-        self._filter_tally: Optional[Tensor] = None   # weak_share_estimate="filter": [choices, raises], on the device
+        self._damping = damping.build(self.options)   # lambda per group, its state and counters (dopr/damping.py)
         self._no_forward: list = []
         self._empty: set = set()
         self._warned: set = set()
@@ -199,19 +208,19 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @contextlib.contextmanager
     def _undone_on_raise(self):
         """on_nonfinite="raise": a step that raises leaves no trace, as if its batch had not been seen
-        (counters, damping scales and their tally, health reports, EMA buffers and cached factors as
+        (counters, the damping rule's state, health reports, EMA buffers and cached factors as
         before it). A few dict copies per step, in that mode only; the others have nothing to undo."""
         if self.options.on_nonfinite != "raise":
             yield
             return
         emas = (self._grad_ema, self._precond_ema)
-        saved = (defaultdict(int, self._counts), dict(self._damping_scale), self._filter_tally, self._cache,
+        saved = (defaultdict(int, self._counts), self._damping.copy(), self._cache,
                  {k: dict(v) for k, v in self._health.reports.items()}, [dict(e.buffers) for e in emas],
                  self._empty, self._no_forward)
         try:
             yield
         except BaseException:
-            (self._counts, self._damping_scale, self._filter_tally, self._cache, self._health.reports,
+            (self._counts, self._damping, self._cache, self._health.reports,
              buffers, self._empty, self._no_forward) = saved
             for ema, b in zip(emas, buffers):
                 ema.buffers, ema.pending = b, {}
@@ -363,9 +372,33 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
         """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
-        (damping_mode's scale), factored in one call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
-        solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read. Not a
-        ``refresh``: factors between refreshes for layers without one (no health report, not counted)."""
+        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
+        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
+        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
+        refreshes for layers without one (no health report, not counted)."""
+        report = refresh and self._health.due(self._counts["refreshes"])
+        collective, out = self._sharded and is_distributed(), []
+        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
+                 if self.options.damping_mode == "trace_activations" else None)
+        for (kind, shape, _, _), items in self._batches(groups).items():
+            keys = tuple(key for key, _, _ in items)
+            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
+            with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
+                means, items = _means(kind, items, report)
+                batch, floor, finite = kind.prepare(means, gamma, self.options.damping_mode,   # one stack per size
+                                                    self._solver.finite_inputs, homogeneous)
+                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, collective)
+                lam = self._damping.lam(b)
+                for warning in self._health.record_batch(b, lam) if report else ():    # on request (syncs)
+                    self._warn_once("health", warning)
+                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
+        self._counts["refreshes"] += int(refresh)
+        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
+        return out
+
+    def _batches(self, groups: dict) -> dict:
+        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
+        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
         groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
         lazy = not self._precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
@@ -375,102 +408,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 continue
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
             batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
-        health = refresh and self._health.due(self._counts["refreshes"])
-        filtering = self.options.weak_share_bound is not None and self.options.weak_share_estimate == "filter"
-        out = []
-        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
-                 if self.options.damping_mode == "trace_activations" else None)
-        for (kind, shape, _, _), items in batches.items():
-            keys, stats, means = zip(*items)
-            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
-            with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
-                means = list(means)
-                if means[0] is None:                        # no statistics EMA: Sigma = sums / counts, batched
-                    means = kind.stacked_mean(list(stats))
-                    if health:                              # the report reads each member's
-                        items = [(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))]
-                batch, lam, finite = kind.prepare(means, gamma, self.options.damping_mode,   # lambda, one
-                                                  self._solver.finite_inputs, homogeneous)  # stack per size
-                filtered = None
-                if filtering and kind.kind == "dense":          # every refresh, batched, no host sync
-                    filtered = self._filter_damping(keys, batch, lam, finite, grads)
-                    lam = lam * filtered
-                if health:                                                             # on request (syncs)
-                    gm = {n: h.grad_matrix() for n, h in grads.items()}
-                    spectra = {}                   # {group: (spectrum, g2)}: one eigh per group, rule and report
-                    if self.options.weak_share_bound is not None and not filtering:
-                        spectra = self._choose_damping(items, finite, lam, gm)
-                if self._damping_scale:
-                    lam = lam * torch.tensor([self._damping_scale.get(key, 1.0) for key in keys],
-                                             dtype=lam.dtype).to(lam.device, non_blocking=True)
-                if health:
-                    scales = ({key: float(f) for key, f in zip(keys, filtered.tolist())} if filtered is not None
-                              else self._damping_scale)
-                    for i, (key, stat, mean) in enumerate(items):
-                        spec, g2 = spectra.get(key, (None, None))
-                        if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm, spec, g2)):
-                            self._warn_once("health", warning)
-                        if key in scales and "|".join(key) in self._health.reports:
-                            self._health.reports["|".join(key)]["damping_scale"] = scales[key]
-                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
-        self._counts["refreshes"] += int(refresh)
-        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
-        return out
-
-    def _choose_damping(self, items: list, finite: Tensor, lam: Tensor, gm: dict) -> dict:
-        """weak_share_bound: each finite dense group's factor on its lambda (dopr.health.damping_scale), from
-        Sigmabar's eigen-directions and the members' raw gradients (under row sharding the ranks' energies
-        per direction are summed: every rank chooses the same factor). Returns {group: (Sigmabar's spectrum,
-        the energies g2)} for the health report, which then needs no eigendecomposition of its own."""
-        collective = self._sharded and is_distributed()
-        out = {}
-        for i, (key, stat, mean) in enumerate(items):
-            gs = [gm[n] for n in key if gm.get(n) is not None]
-            if stat.kind != "dense" or not bool(finite[i]) or not (gs or collective):   # finite: agreed by all ranks
-                continue
-            # a rank holding no rows of the group still joins the all-reduce, with zero energy
-            spec = spectrum(mean[0])
-            e, p, g2 = direction_energy(mean[0], torch.cat(gs) if gs else mean[0].new_zeros(0, mean[0].shape[-1]), spec)
-            if collective:
-                torch.distributed.all_reduce(g2)
-            self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
-            self._counts["damping_choices"] += 1                        # did the bound ever bind: raises / choices
-            self._counts["damping_raises"] += int(self._damping_scale[key] > 1.0)
-            out[key] = (spec, g2)
-        return out
-
-    def _filter_damping(self, keys: tuple, sigma: Tensor, lam: Tensor, finite: Tensor, grads: dict) -> Tensor:
-        """weak_share_estimate="filter": the factors (B,) on a batch's lambda (dopr.health.filtered_damping_scale),
-        from the stacked Sigmabar and the members' raw gradients, zero rows padding each group to the longest;
-        1 for a non-finite member. Under row sharding the ranks' energies are summed. Tallies choices and raises
-        on the device (read back by stats() and the state dict)."""
-        collective = self._sharded and is_distributed()
-        blocks = [[g for n in key if (g := grads[n].grad_matrix() if n in grads else None) is not None] for key in keys]
-        rows = max((sum(g.shape[0] for g in gs) for gs in blocks), default=0)
-        stacked = sigma.new_zeros(len(keys), rows, sigma.shape[-1], dtype=torch.float64)
-        for i, gs in enumerate(blocks):
-            if gs:
-                g = torch.cat(gs) if len(gs) > 1 else gs[0]
-                stacked[i, :g.shape[0]] = g
-
-        def reduce(energy):
-            torch.distributed.all_reduce(energy)
-            return energy
-
-        f = filtered_damping_scale(sigma, stacked, lam, self.options.weak_share_bound,
-                                   reduce=reduce if collective else None)
-        f = torch.where(finite, f, torch.ones_like(f)).to(lam.dtype)
-        tally = torch.stack([finite.sum(), (finite & (f > 1)).sum()])
-        self._filter_tally = tally if self._filter_tally is None else self._filter_tally + tally
-        return f
-
-    def _flush_tally(self) -> None:
-        """Adds the filter rule's device tally of choices and raises to the counters (one read-back)."""
-        if self._filter_tally is not None:
-            choices, raises = self._filter_tally.tolist()
-            self._counts["damping_choices"] += int(choices)
-            self._counts["damping_raises"] += int(raises)
-            self._filter_tally = None
+        return batches
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
@@ -592,9 +530,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def stats(self) -> dict:
         """The :attr:`COUNTERS`, and the layers with no forward / no samples on the last step (and the
         health reports, once made)."""
-        self._flush_tally()
         out = {k: 0 for k in self.COUNTERS}
-        out.update(self._counts, steps=self._step)
+        out.update(self._counts, **self._damping.counters(), steps=self._step)
         out["no_forward"] = list(self._no_forward)
         out["no_samples"] = sorted(self._empty)
         if self._health.reports:
@@ -632,15 +569,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
         add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
         both)."""
-        self._flush_tally()
+        rule = self._damping.state_dict()
         return {
             "step": self._step,
             "warmed": self._warmed,
             "grad_ema": self._grad_ema.state_dict(self._helpers(), whole=True),
             "precond_ema": self._precond_ema.state_dict(),
             "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
-            "counts": dict(self._counts),
-            "damping_scale": {"|".join(k): f for k, f in self._damping_scale.items()},
+            "counts": {**self._counts, **rule["counts"]},
+            "damping_scale": rule["damping_scale"],
             "unfactored": sorted(self._unfactored),
             "idle": sorted(self._idle),
             "options": self.options.describe(),
@@ -673,8 +610,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                                                            s["tensors"].items()}})
                        for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
         # checkpoints written before the step counter was kept once also hold it as counts["steps"]
-        self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
-        self._damping_scale = {tuple(k.split("|")): f for k, f in ours.get("damping_scale", {}).items()}
+        self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items()
+                                         if k != "steps" and k not in self._damping.COUNTERS})
+        self._damping.load_state_dict(ours)
         self._unfactored, self._idle = set(ours.get("unfactored", ())), set(ours.get("idle", ()))
         self._capture.collecting = self.collecting
 
@@ -699,8 +637,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.update(state)
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("_health", HealthReports(0))
-        self.__dict__.setdefault("_damping_scale", {})
-        self.__dict__.setdefault("_filter_tally", None)
+        self.__dict__.setdefault("_damping", None)
         self.__dict__.setdefault("_empty", set())
         self.__dict__.setdefault("_unfactored", set())
         self.__dict__.setdefault("_idle", set())
@@ -709,6 +646,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
+        if self._damping is None:   # a copy pickled before the damping rules were objects
+            self._damping = damping.build(self.options)
+            self._damping.load_state_dict({"damping_scale": {"|".join(k): f for k, f in state.get("_damping_scale", {}).items()},
+                                           "counts": state.get("_counts", {})})
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()
