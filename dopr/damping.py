@@ -191,8 +191,12 @@ def rule_name(options) -> str:
     return "trace" if options.weak_share_bound is None else options.weak_share_estimate
 
 
-def build(options) -> "DampingRule":
-    return RULES[rule_name(options)](options)
+def build(options, state: Optional[dict] = None) -> "DampingRule":
+    """The rule `options` choose, with `state` (:meth:`DampingRule.state_dict`'s) loaded where given."""
+    rule = RULES[rule_name(options)](options)
+    if state is not None:
+        rule.load_state_dict(state)
+    return rule
 
 
 def estimates() -> tuple:
@@ -226,7 +230,8 @@ class DampingRule:
         return {"damping_scale": {"|".join(k): f for k, f in self.scale.items()}, "counts": self.counters()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = {tuple(k.split("|")): f for k, f in state.get("damping_scale", {}).items()}
+        self.scale = {k if isinstance(k, tuple) else tuple(k.split("|")): f
+                      for k, f in state.get("damping_scale", {}).items()}
         self.counts = defaultdict(int, {k: v for k, v in state.get("counts", {}).items() if k in self.COUNTERS})
 
     def copy(self) -> "DampingRule":

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -166,6 +166,19 @@ class DoPrOptions:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def of(cls, options=None, **overrides) -> "DoPrOptions":
+        """DoPr's ``options`` argument (a DoPrOptions, a mapping of some fields or None: the defaults) with
+        ``overrides`` applied; anything else is a TypeError naming it."""
+        if options is None:
+            options = cls()
+        elif isinstance(options, Mapping):
+            options = cls.from_dict(options)
+        elif not isinstance(options, cls):
+            raise TypeError(f"Invalid options: {options!r} (a DoPrOptions, a dict or None; the options by name "
+                            "are keywords, e.g. DoPr(model, base, damping=1e-3))")
+        return options.replace(**overrides) if overrides else options
+
     @classmethod
     def names(cls) -> tuple:
         """The options' names, in declaration order."""
