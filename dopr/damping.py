@@ -34,6 +34,8 @@ from .health import WEAK_VARIANCE, spectrum
 
 #: damping_mode's values: the trace rule's scales (:func:`trace_damping`)
 TRACE_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
+#: the modes that read whether a statistic's last coordinate is the homogeneous 1
+HOMOGENEOUS_MODES = ("trace_activations",)
 
 
 def trace_damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
@@ -199,6 +201,12 @@ def build(options, state: Optional[dict] = None) -> "DampingRule":
     return rule
 
 
+def from_pickled(options, state: dict) -> "DampingRule":
+    """The rule of a DoPr copied or pickled before this module: its ``__dict__`` held the held factors
+    (``_damping_scale``, {group key tuple: factor}) and the counters among its own (``_counts``)."""
+    return build(options, {"damping_scale": state.get("_damping_scale", {}), "counts": state.get("_counts", {})})
+
+
 def estimates() -> tuple:
     """``weak_share_estimate``'s values: the registered weak-share rules."""
     return tuple(n for n, cls in RULES.items() if issubclass(cls, WeakShareRule))
@@ -207,13 +215,14 @@ def estimates() -> tuple:
 class DampingRule:
     """lambda per group. ``COUNTERS``: what the rule counts (in ``DoPr.stats()`` and the checkpoint's
     counts); ``scale``: {group key: the factor on its floor} held between choices (the checkpoint's
-    ``damping_scale``)."""
+    ``damping_scale``); ``reads_homogeneous``: the floor's mode needs each group's homogeneous flags."""
 
     name = "?"
     COUNTERS: tuple = ()
 
     def __init__(self, options) -> None:
         self.options = options
+        self.reads_homogeneous = options.damping_mode in HOMOGENEOUS_MODES
         self.counts = defaultdict(int)
         self.scale: dict = {}
 

@@ -350,7 +350,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         report = refresh and self._health.due(self._counts["refreshes"])
         collective, out = self._sharded and is_distributed(), []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
-                 if self.options.damping_mode == "trace_activations" else None)
+                 if self._damping.reads_homogeneous else None)
         for (kind, shape, _, _), items in self._batches(groups).items():
             keys = tuple(key for key, _, _ in items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
@@ -510,9 +510,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
-        if self._damping is None:   # a copy pickled before dopr/damping.py: DoPr held the rule's scales and counts
-            self._damping = damping.build(self.options, {"damping_scale": state.get("_damping_scale", {}),
-                                                         "counts": state.get("_counts", {})})
+        if self._damping is None:   # a copy pickled before dopr/damping.py
+            self._damping = damping.from_pickled(self.options, state)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()
