@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from . import sharding
 from .sample_space import accumulate
-from .compiled import Probes
+from .compiled import Probes, hook_guards_skipped
 from .statistics import ActivationStatistics
 
 
@@ -402,10 +402,33 @@ class ActivationCapture:
                 by_sig.setdefault(tuple(layer.sig), []).append(layer)
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
 
-    def no_forward_cause(self, names) -> str:
+    def take_over(self, old: "ActivationCapture") -> tuple:
+        """(added, changed): this capture replaces `old` (a rebuild, DoPr._attach); its layers that `old`
+        had keep the statistics they gathered, but those whose bias was frozen or thawed have another dim
+        (homogeneous coordinates): what they gathered, and their EMA histories (restarted by their shape),
+        no longer fit. Returns the layer names new here and those whose dim changed."""
+        before = {l.helper.name: l for l in old.layers}
+        changed = sorted(l.helper.name for l in self.layers if l.helper.name in before
+                         and before[l.helper.name].helper.dim != l.helper.dim)
+        for layer in self.layers:
+            prev = before.get(layer.helper.name)
+            if prev is not None and prev.stat is not None and layer.helper.name not in changed:
+                layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
+        return sorted(set(l.helper.name for l in self.layers) - set(before)), changed
+
+    def no_forward_cause(self, names, training: bool = True) -> str:
         """Why the layers `names`, which have a gradient, gathered no statistics since the last step, from
-        what is true of them: in eval() mode, forwards under no_grad only, or no forward at all (then their
-        gradient is left from an earlier step: all zero after ``zero_grad(set_to_none=False)``)."""
+        what is true of them: forwards under a torch.func transform, a compiled graph traced without the
+        hooks (the model in train() mode, ``training``), in eval() mode, forwards under no_grad only, or no
+        forward at all (then their gradient is left from an earlier step: all zero after
+        ``zero_grad(set_to_none=False)``)."""
+        if self.transformed:
+            return ("forwards under a torch.func transform (vmap, grad, jacrev, functional_call inside them), "
+                    "which gather no statistics: DoPr preconditions gradients of plain forward and backward passes")
+        if training and hook_guards_skipped():
+            return ("a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
+                    "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
+                    "before compiling")
         names = set(names)
         layers = [l for l in self.layers if l.helper.name in names]
         in_eval = [l.helper.name for l in layers if l.missed == "eval" or not l.helper.module.training]

@@ -8,10 +8,14 @@ whole matrices, cached inverses, counters) is added beside it; loading splits th
 must call both under FSDP2 (they are collectives)."""
 from __future__ import annotations
 
+import warnings
+from collections import defaultdict
+
 from torch import nn
 from torch.optim import Optimizer
 
-from . import sharding
+from . import sharding, solvers
+from .statistics import statistics_dtype
 
 #: the entry of an optimizer state dict that holds DoPr's own state
 KEY = "dopr"
@@ -52,3 +56,52 @@ def load_optimizer_state_dict(model: nn.Module, opt: Optimizer, state: dict) -> 
                              options=StateDictOptions(full_state_dict=True, strict=False))
     if is_dopr:
         opt.load_ap_state_dict(ap)
+
+
+def ap_state(opt) -> dict:
+    """DoPr.ap_state_dict: the entry ``"dopr"`` of a DoPr's state dict (its damping rule's state as
+    ``damping_scale`` and its counters among ``counts``, the layout of checkpoints before dopr/damping.py)."""
+    rule = opt._damping.state_dict()
+    return {
+        "step": opt._step,
+        "warmed": opt._warmed,
+        "grad_ema": opt._grad_ema.state_dict(opt._helpers(), whole=True),
+        "precond_ema": opt._precond_ema.state_dict(),
+        "cache": {"|".join(k): solvers.operator_state(op) for k, op in opt._cache.items()},
+        "counts": {**opt._counts, **rule["counts"]},
+        "damping_scale": rule["damping_scale"],
+        "unfactored": sorted(opt._unfactored),
+        "idle": sorted(opt._idle),
+        "options": opt.options.describe(),
+    }
+
+
+def load_ap_state(opt, ours: dict) -> None:
+    """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry into `opt`, warning about other options."""
+    mine = opt.options.describe()
+    differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
+              if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
+    if differ:
+        warnings.warn("DoPr.load_state_dict: the checkpoint was saved with other AP options: "
+                      + ", ".join(f"{k}={a!r} (this optimizer: {b!r})" for k, (a, b) in sorted(differ.items()))
+                      + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
+                      stacklevel=4)
+    opt._step = ours["step"]
+    opt._warmed = ours.get("warmed", opt.options.warmup_steps)  # older checkpoints: past any warm-up
+    helpers = opt._helpers()
+
+    def to(names: tuple) -> dict:   # the dtype and device of the layers' statistics, as saved elsewhere
+        w = next((helpers[n].module.weight for n in names if n in helpers), None)
+        return {} if w is None else {"dtype": statistics_dtype(w.dtype), "device": w.device}
+
+    opt._grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
+    opt._precond_ema.load_state_dict(ours["precond_ema"], to)
+    opt._cache = {key: solvers.operator_from_state({**s, "tensors": {n: t.to(**to(key)) for n, t in
+                                                                      s["tensors"].items()}})
+                  for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
+    # checkpoints written before the step counter was kept once also hold it as counts["steps"]
+    opt._counts = defaultdict(int, {k: v for k, v in ours["counts"].items()
+                                    if k != "steps" and k not in opt._damping.COUNTERS})
+    opt._damping.load_state_dict(ours)
+    opt._unfactored, opt._idle = set(ours.get("unfactored", ())), set(ours.get("idle", ()))
+    opt._capture.collecting = opt.collecting

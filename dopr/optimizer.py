@@ -17,32 +17,32 @@ EMAs start at zero and are bias-corrected (divided by 1 - beta^t), as Adam's mom
 The pieces, one module each: dopr/capture.py gathers Sigma's statistics from the forwards that a
 step's gradients come from; dopr/statistics.py holds the statistic kinds (dense covariance, rank-1
 moments, diagonal), each knowing its diagonal and how to factor itself; dopr/solvers.py the solvers
-by name; dopr/ema.py the two EMAs; dopr/distributed.py the one all-reduce of the statistics.
+by name; dopr/damping.py the damping rules (lambda per group); dopr/apply.py the batched solve, the
+step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
+all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 from collections import defaultdict
-from typing import Mapping, Optional, Union
+from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from . import sharding, solvers
+from . import apply, damping, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
-from .checkpoint import KEY
-from .buckets import GradientBucket
 from .capture import ActivationCapture, remove_inert_hooks
-from .compiled import hook_guards_skipped
-from .distributed import agree_groups, all_reduce_statistics, is_distributed, nonfinite_keys
+from .checkpoint import KEY, ap_state, load_ap_state
+from .distributed import agree_groups, all_reduce_statistics, is_distributed
 from .ema import CovarianceEMA, GradientEMA
-from .health import HealthReports, damping_scale, direction_energy, filtered_damping_scale, spectrum
+from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
 from .sample_space import SampleRows, gather_rows, row_statistic
-from .statistics import STATISTICS, statistics_dtype
+from .statistics import STATISTICS
 
 
 
@@ -64,10 +64,14 @@ def _without(cache: dict, names) -> dict:
     return out
 
 
-def _phase(what: str, layers: int, shape) -> str:
-    """The name of a step phase's profiler span: ``dopr.factor 3 x (385, 385)`` (``dopr.profiling`` sums
-    each span's device time, so a GPU profile says which sizes the step's time goes to)."""
-    return f"dopr.{what} {layers} x {tuple(shape)}"
+def _means(kind, items: list, report: bool) -> tuple:
+    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
+    (the items then carry each member's, when a report reads them)."""
+    keys, stats, means = zip(*items)
+    if means[0] is not None:
+        return list(means), items
+    means = kind.stacked_mean(list(stats))
+    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
 
 
 class DoPr(WrapsBase, torch.optim.Optimizer):
@@ -98,14 +102,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if not isinstance(model, nn.Module):   # torch.optim's order, DoPr(model.parameters(), base): the hooks need layers
             raise TypeError(f"DoPr takes the model, not its parameters (got {type(model).__name__}): DoPr(model, base), "
                             "e.g. DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-3))")
-        if options is None:
-            options = DoPrOptions()
-        elif isinstance(options, Mapping):
-            options = DoPrOptions.from_dict(options)
-        elif not isinstance(options, DoPrOptions):
-            raise TypeError(f"Invalid options: {options!r} (a DoPrOptions, a dict or None; the options by name "
-                            "are keywords, e.g. DoPr(model, base, damping=1e-3))")
-        self.options = options.replace(**overrides) if overrides else options
+        self.options = DoPrOptions.of(options, **overrides)
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
         # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
@@ -119,8 +116,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         refuse_foreign(module, [p for g in base.param_groups for p in g["params"]],
                        "the base optimizer holds {n} parameter(s) that are not in the model (shapes {shapes}); "
                        "build it from model.parameters()")
-        self.base = base
-        self.model = module
+        self.base, self.model = base, module
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
@@ -136,8 +132,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
-        self._damping_scale: dict = {}   # weak_share_bound: {group key: the factor on its lambda} (dopr/health.py)
-        self._filter_tally: Optional[Tensor] = None   # weak_share_estimate="filter": [choices, raises], on the device
+        self._damping = damping.build(self.options)   # lambda per group, its state and counters (dopr/damping.py)
         self._no_forward: list = []
         self._empty: set = set()
         self._warned: set = set()
@@ -199,19 +194,19 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @contextlib.contextmanager
     def _undone_on_raise(self):
         """on_nonfinite="raise": a step that raises leaves no trace, as if its batch had not been seen
-        (counters, damping scales and their tally, health reports, EMA buffers and cached factors as
+        (counters, the damping rule's state, health reports, EMA buffers and cached factors as
         before it). A few dict copies per step, in that mode only; the others have nothing to undo."""
         if self.options.on_nonfinite != "raise":
             yield
             return
         emas = (self._grad_ema, self._precond_ema)
-        saved = (defaultdict(int, self._counts), dict(self._damping_scale), self._filter_tally, self._cache,
+        saved = (defaultdict(int, self._counts), self._damping.copy(), self._cache,
                  {k: dict(v) for k, v in self._health.reports.items()}, [dict(e.buffers) for e in emas],
                  self._empty, self._no_forward)
         try:
             yield
         except BaseException:
-            (self._counts, self._damping_scale, self._filter_tally, self._cache, self._health.reports,
+            (self._counts, self._damping, self._cache, self._health.reports,
              buffers, self._empty, self._no_forward) = saved
             for ema, b in zip(emas, buffers):
                 ema.buffers, ema.pending = b, {}
@@ -234,16 +229,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
-            before = {l.helper.name: l for l in old.layers}
-            # a layer whose bias was frozen or thawed has another dim (homogeneous coordinates): what it
-            # gathered this step, and its EMA histories (restarted by their shape), no longer fit
-            changed = sorted(l.helper.name for l in self._capture.layers if l.helper.name in before
-                             and before[l.helper.name].helper.dim != l.helper.dim)
-            for layer in self._capture.layers:
-                prev = before.get(layer.helper.name)
-                if prev is not None and prev.stat is not None and layer.helper.name not in changed:
-                    layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
-            added = sorted(set(l.helper.name for l in self._capture.layers) - set(before))
+            added, changed = self._capture.take_over(old)
             self._attached_now = set(added) | set(changed)
             self._cache = _without(self._cache, changed)   # a factor of the old dimension no longer fits
             self._unfactored &= set(l.helper.name for l in self._capture.layers)
@@ -321,25 +307,19 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 self._warn_once("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
                                 "on a refresh step so far): raw this step, factored from the statistics of their "
                                 "next forward (see docs/library.md, precond_every)")
-        members = self._members(ops, grads, raw)
-        solved, gflags = self._solve(members, grads)     # Gbar, M = Gbar A^-1 for every layer, speculatively
-        flags = [f for _, finite, res in batches for f in
-                 ([~finite] + ([res.trouble] if isinstance(res, solvers.Deferred) else []))] + gflags
-        if flags and self._any(flags):                        # the one read-back of the step
-            ops, skipped = self._repair(batches, ops, grads)
+        members = self._members(ops, grads, raw)     # Gbar, M = Gbar A^-1 for every layer, speculatively:
+        solved, gflags, self._buckets = apply.solve(members, grads, self._grad_ema, self._buckets)
+        flags = apply.step_flags(batches, gflags)
+        if flags and apply.any_set(flags, self._sharded):     # the one read-back of the step
+            ops, skipped = apply.repair(batches, ops, grads, self._skip, self._counts, self._sharded)
             members = self._members(ops, grads, skipped | raw)
-            solved, _ = self._solve(members, grads)
+            solved, _, self._buckets = apply.solve(members, grads, self._grad_ema, self._buckets)
             self._precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
             self._grad_ema.commit(skip=skipped)
         else:
             self._precond_ema.commit()
             self._grad_ema.commit()
-        for names, ms, bucket, parts in solved:               # written back as each layer's grad
-            if bucket is not None:
-                bucket.write(parts, ms)                       # a few ops for the bucket (dopr/buckets.py)
-            else:
-                for name, m in zip(names, ms.unbind(0)):
-                    self._helpers_now[name].set_grad(m)
+        apply.write_back(solved, self._helpers_now)           # each layer's M as its grad
         if collected and self.options.precond_every > 1:   # new factors replace their layers' old ones only
             fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
             self._cache = {**_without(self._cache, {n for key in fresh for n in key}), **fresh}
@@ -363,9 +343,33 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
         """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
-        (damping_mode's scale), factored in one call: ``finite`` flags (on the device) the groups whose Sigma is finite, ``factors`` are the
-        solver's operators or a dopr.solvers.Deferred whose trouble flags are still to be read. Not a
-        ``refresh``: factors between refreshes for layers without one (no health report, not counted)."""
+        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
+        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
+        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
+        refreshes for layers without one (no health report, not counted)."""
+        report = refresh and self._health.due(self._counts["refreshes"])
+        collective, out = self._sharded and is_distributed(), []
+        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
+                 if self._damping.reads_homogeneous else None)
+        for (kind, shape, _, _), items in self._batches(groups).items():
+            keys = tuple(key for key, _, _ in items)
+            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
+            with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
+                means, items = _means(kind, items, report)
+                batch, floor, finite = kind.prepare(means, gamma, self.options.damping_mode,   # one stack per size
+                                                    self._solver.finite_inputs, homogeneous)
+                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, collective)
+                lam = self._damping.lam(b)
+                for warning in self._health.record_batch(b, lam) if report else ():    # on request (syncs)
+                    self._warn_once("health", warning)
+                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
+        self._counts["refreshes"] += int(refresh)
+        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
+        return out
+
+    def _batches(self, groups: dict) -> dict:
+        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
+        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
         groups = self._precond_ema.shared_history(groups)
         batches = defaultdict(list)
         lazy = not self._precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
@@ -375,102 +379,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 continue
             mean = self._precond_ema.propose(key, stat)                            # Sigmabar
             batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
-        health = refresh and self._health.due(self._counts["refreshes"])
-        filtering = self.options.weak_share_bound is not None and self.options.weak_share_estimate == "filter"
-        out = []
-        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
-                 if self.options.damping_mode == "trace_activations" else None)
-        for (kind, shape, _, _), items in batches.items():
-            keys, stats, means = zip(*items)
-            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
-            with record_function(_phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
-                means = list(means)
-                if means[0] is None:                        # no statistics EMA: Sigma = sums / counts, batched
-                    means = kind.stacked_mean(list(stats))
-                    if health:                              # the report reads each member's
-                        items = [(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))]
-                batch, lam, finite = kind.prepare(means, gamma, self.options.damping_mode,   # lambda, one
-                                                  self._solver.finite_inputs, homogeneous)  # stack per size
-                filtered = None
-                if filtering and kind.kind == "dense":          # every refresh, batched, no host sync
-                    filtered = self._filter_damping(keys, batch, lam, finite, grads)
-                    lam = lam * filtered
-                if health:                                                             # on request (syncs)
-                    gm = {n: h.grad_matrix() for n, h in grads.items()}
-                    spectra = {}                   # {group: (spectrum, g2)}: one eigh per group, rule and report
-                    if self.options.weak_share_bound is not None and not filtering:
-                        spectra = self._choose_damping(items, finite, lam, gm)
-                if self._damping_scale:
-                    lam = lam * torch.tensor([self._damping_scale.get(key, 1.0) for key in keys],
-                                             dtype=lam.dtype).to(lam.device, non_blocking=True)
-                if health:
-                    scales = ({key: float(f) for key, f in zip(keys, filtered.tolist())} if filtered is not None
-                              else self._damping_scale)
-                    for i, (key, stat, mean) in enumerate(items):
-                        spec, g2 = spectra.get(key, (None, None))
-                        if bool(finite[i]) and (warning := self._health.record(key, stat, mean, lam[i], gm, spec, g2)):
-                            self._warn_once("health", warning)
-                        if key in scales and "|".join(key) in self._health.reports:
-                            self._health.reports["|".join(key)]["damping_scale"] = scales[key]
-                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
-        self._counts["refreshes"] += int(refresh)
-        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
-        return out
-
-    def _choose_damping(self, items: list, finite: Tensor, lam: Tensor, gm: dict) -> dict:
-        """weak_share_bound: each finite dense group's factor on its lambda (dopr.health.damping_scale), from
-        Sigmabar's eigen-directions and the members' raw gradients (under row sharding the ranks' energies
-        per direction are summed: every rank chooses the same factor). Returns {group: (Sigmabar's spectrum,
-        the energies g2)} for the health report, which then needs no eigendecomposition of its own."""
-        collective = self._sharded and is_distributed()
-        out = {}
-        for i, (key, stat, mean) in enumerate(items):
-            gs = [gm[n] for n in key if gm.get(n) is not None]
-            if stat.kind != "dense" or not bool(finite[i]) or not (gs or collective):   # finite: agreed by all ranks
-                continue
-            # a rank holding no rows of the group still joins the all-reduce, with zero energy
-            spec = spectrum(mean[0])
-            e, p, g2 = direction_energy(mean[0], torch.cat(gs) if gs else mean[0].new_zeros(0, mean[0].shape[-1]), spec)
-            if collective:
-                torch.distributed.all_reduce(g2)
-            self._damping_scale[key] = damping_scale(e, p, g2, lam[i], self.options.weak_share_bound)
-            self._counts["damping_choices"] += 1                        # did the bound ever bind: raises / choices
-            self._counts["damping_raises"] += int(self._damping_scale[key] > 1.0)
-            out[key] = (spec, g2)
-        return out
-
-    def _filter_damping(self, keys: tuple, sigma: Tensor, lam: Tensor, finite: Tensor, grads: dict) -> Tensor:
-        """weak_share_estimate="filter": the factors (B,) on a batch's lambda (dopr.health.filtered_damping_scale),
-        from the stacked Sigmabar and the members' raw gradients, zero rows padding each group to the longest;
-        1 for a non-finite member. Under row sharding the ranks' energies are summed. Tallies choices and raises
-        on the device (read back by stats() and the state dict)."""
-        collective = self._sharded and is_distributed()
-        blocks = [[g for n in key if (g := grads[n].grad_matrix() if n in grads else None) is not None] for key in keys]
-        rows = max((sum(g.shape[0] for g in gs) for gs in blocks), default=0)
-        stacked = sigma.new_zeros(len(keys), rows, sigma.shape[-1], dtype=torch.float64)
-        for i, gs in enumerate(blocks):
-            if gs:
-                g = torch.cat(gs) if len(gs) > 1 else gs[0]
-                stacked[i, :g.shape[0]] = g
-
-        def reduce(energy):
-            torch.distributed.all_reduce(energy)
-            return energy
-
-        f = filtered_damping_scale(sigma, stacked, lam, self.options.weak_share_bound,
-                                   reduce=reduce if collective else None)
-        f = torch.where(finite, f, torch.ones_like(f)).to(lam.dtype)
-        tally = torch.stack([finite.sum(), (finite & (f > 1)).sum()])
-        self._filter_tally = tally if self._filter_tally is None else self._filter_tally + tally
-        return f
-
-    def _flush_tally(self) -> None:
-        """Adds the filter rule's device tally of choices and raises to the counters (one read-back)."""
-        if self._filter_tally is not None:
-            choices, raises = self._filter_tally.tolist()
-            self._counts["damping_choices"] += int(choices)
-            self._counts["damping_raises"] += int(raises)
-            self._filter_tally = None
+        return batches
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
@@ -480,13 +389,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
         missing = sorted(set(self._no_forward) - self._attached_now)   # the attach warning named the others
         if missing and "no_forward" not in self._warned:
-            cause = ("forwards under a torch.func transform (vmap, grad, jacrev, functional_call inside them), "
-                     "which gather no statistics: DoPr preconditions gradients of plain forward and backward "
-                     "passes" if self._capture.transformed else
-                     "a torch.compile'd graph traced without DoPr's hooks (compiled before they were attached, "
-                     "for another instance, or before a layer was unfrozen): call dopr.enable_compiled_capture() "
-                     "before compiling" if self.model.training and hook_guards_skipped() else
-                     self._capture.no_forward_cause(missing))
+            cause = self._capture.no_forward_cause(missing, self.model.training)
             self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
                             "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
                             + cause)
@@ -497,66 +400,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 op, cols = ops[group_of[name]], self._helpers_now[name].local_columns()
                 out[name] = op.restrict(cols) if cols is not None else op
         return out
-
-    def _solve(self, members: dict, grads: dict) -> tuple:
-        """([(layer names, M stacked, their GradientBucket or None, its gradient parts)], [per-bucket
-        non-finite flags of G]): the layers bucketed by operator type and gradient shape, each bucket read
-        into one stack (dopr/buckets.py: a few ops for the bucket; other layer types ``read_grad``, a
-        layer's G and bias column copied once), one batched solve, no host sync."""
-        buckets = defaultdict(list)
-        for name, op in members.items():
-            h = grads[name]
-            buckets[(type(op), h.grad_shape(), h.grad_dtype(), h.module.weight.device)].append(name)
-        solved, flags, kept = [], [], {}
-        for (kind, shape, dtype, device), names in buckets.items():
-            with record_function(_phase("apply", len(names), shape)):
-                helpers = [grads[n] for n in names]
-                parts, bucket = GradientBucket.parts(helpers), None
-                if parts is not None:                       # the bucket's buffers are kept while it is the same
-                    key = (tuple(names), kind, shape, dtype, device)
-                    bucket = kept[key] = self._buckets.get(key) or GradientBucket(
-                        helpers, shape, statistics_dtype(dtype), device)
-                    g = bucket.read(parts)
-                else:
-                    g = torch.empty((len(names), *shape), dtype=statistics_dtype(dtype), device=device)
-                    for i, h in enumerate(helpers):
-                        h.read_grad(g[i])
-                flags.append(~g.sum((-2, -1)).isfinite())    # finite unless an entry is (or the sum overflows)
-                if self._grad_ema.on:
-                    g = torch.stack([self._grad_ema.propose(n, x) for n, x in zip(names, g.unbind(0))])
-                solved.append((names, solvers.apply_stack([members[n] for n in names], g), bucket, parts))
-        self._buckets = kept
-        return solved, flags
-
-    def _any(self, flags: list) -> bool:
-        """Whether any flag is set: the step's one host sync (under sharding, agreed by all ranks)."""
-        flag = torch.cat([f.reshape(-1) for f in flags]).any()
-        if self._sharded and is_distributed():
-            flag = flag.float()
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag)
-
-    def _repair(self, batches: list, ops: dict, grads: dict) -> tuple:
-        """The rare path, layer by layer: groups with a non-finite Sigma and layers with a non-finite G
-        get their raw gradient (counted, warned once, or raised), Cholesky factors in trouble are retried
-        (dopr.solvers.CholeskyBatch.finish). Returns (operators, skipped group keys and layer names)."""
-        bad = self._skip({k for keys, fin, _ in batches for k, f in zip(keys, fin.tolist()) if not f},
-                         "activation covariance")
-        self._counts["factorizations"] -= len(bad)
-        ops = dict(ops)
-        for keys, finite, res in batches:
-            if isinstance(res, solvers.Deferred):
-                ops.update(zip(keys, res.finish(self._counts, finite)))
-        for k in bad:
-            ops.pop(k, None)
-        group_of = {name: key for key in ops for name in key}
-        bad_g = self._nonfinite({n: h.grad_matrix() for n, h in grads.items() if n in group_of})
-        return ops, frozenset(bad) | frozenset(bad_g) | frozenset(n for k in bad for n in k)
-
-    def _nonfinite(self, tensors: dict, what: str = "gradient", replicated: bool = False) -> set:
-        """Keys whose tensor has a non-finite entry (one device sync for all of them). Under sharding a
-        gradient's rows are spread over ranks: unless `replicated`, the ranks agree by one all-reduce."""
-        return self._skip(nonfinite_keys(tensors, across_ranks=self._sharded and not replicated), what)
 
     def _skip(self, bad: set, what: str) -> set:
         """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and
@@ -592,9 +435,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def stats(self) -> dict:
         """The :attr:`COUNTERS`, and the layers with no forward / no samples on the last step (and the
         health reports, once made)."""
-        self._flush_tally()
         out = {k: 0 for k in self.COUNTERS}
-        out.update(self._counts, steps=self._step)
+        out.update(self._counts, **self._damping.counters(), steps=self._step)
         out["no_forward"] = list(self._no_forward)
         out["no_samples"] = sorted(self._empty)
         if self._health.reports:
@@ -632,51 +474,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
         add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
         both)."""
-        self._flush_tally()
-        return {
-            "step": self._step,
-            "warmed": self._warmed,
-            "grad_ema": self._grad_ema.state_dict(self._helpers(), whole=True),
-            "precond_ema": self._precond_ema.state_dict(),
-            "cache": {"|".join(k): solvers.operator_state(op) for k, op in self._cache.items()},
-            "counts": dict(self._counts),
-            "damping_scale": {"|".join(k): f for k, f in self._damping_scale.items()},
-            "unfactored": sorted(self._unfactored),
-            "idle": sorted(self._idle),
-            "options": self.options.describe(),
-        }
+        return ap_state(self)
 
     def load_ap_state_dict(self, ours: dict) -> None:
         """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs). As
         torch.optim does with its state, the EMA buffers and cached inverses are cast to the dtype and
         device of their layer's weight (statistics_dtype: float32 for half precision): a checkpoint
         loaded with map_location="cpu", or saved from a float32 model, fits a CUDA or float64 one."""
-        mine = self.options.describe()
-        differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
-                  if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
-        if differ:
-            warnings.warn("DoPr.load_state_dict: the checkpoint was saved with other AP options: "
-                          + ", ".join(f"{k}={a!r} (this optimizer: {b!r})" for k, (a, b) in sorted(differ.items()))
-                          + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
-                          stacklevel=3)
-        self._step = ours["step"]
-        self._warmed = ours.get("warmed", self.options.warmup_steps)  # older checkpoints: past any warm-up
-        helpers = self._helpers()
-
-        def to(names: tuple) -> dict:   # the dtype and device of the layers' statistics, as saved elsewhere
-            w = next((helpers[n].module.weight for n in names if n in helpers), None)
-            return {} if w is None else {"dtype": statistics_dtype(w.dtype), "device": w.device}
-
-        self._grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
-        self._precond_ema.load_state_dict(ours["precond_ema"], to)
-        self._cache = {key: solvers.operator_from_state({**s, "tensors": {n: t.to(**to(key)) for n, t in
-                                                                           s["tensors"].items()}})
-                       for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
-        # checkpoints written before the step counter was kept once also hold it as counts["steps"]
-        self._counts = defaultdict(int, {k: v for k, v in ours["counts"].items() if k != "steps"})
-        self._damping_scale = {tuple(k.split("|")): f for k, f in ours.get("damping_scale", {}).items()}
-        self._unfactored, self._idle = set(ours.get("unfactored", ())), set(ours.get("idle", ()))
-        self._capture.collecting = self.collecting
+        load_ap_state(self, ours)
 
     def _helpers(self) -> dict:
         return {l.helper.name: l.helper for l in self._capture.layers}
@@ -697,18 +502,16 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_sharded", False)
-        self.__dict__.setdefault("_health", HealthReports(0))
-        self.__dict__.setdefault("_damping_scale", {})
-        self.__dict__.setdefault("_filter_tally", None)
-        self.__dict__.setdefault("_empty", set())
-        self.__dict__.setdefault("_unfactored", set())
-        self.__dict__.setdefault("_idle", set())
+        for name, default in (("_sharded", False), ("_health", HealthReports(0)), ("_damping", None),
+                              ("_empty", set()), ("_unfactored", set()), ("_idle", set())):   # older copies
+            self.__dict__.setdefault(name, default)
         self._buckets = {}
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
+        if self._damping is None:   # a copy pickled before dopr/damping.py
+            self._damping = damping.from_pickled(self.options, state)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()

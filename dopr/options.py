@@ -13,19 +13,15 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Mapping, Optional, Tuple, Union
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from . import solvers
+from . import damping, solvers
 
-DAMPING_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
+DAMPING_MODES = damping.TRACE_MODES
 CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
-#: how weak_share_bound measures the weak share (dopr/health.py)
-WEAK_SHARE_ESTIMATES = ("spectrum", "filter")
 #: where the cholesky solve runs (dopr/sample_space.py)
 SOLVE_SPACES = ("auto", "features", "samples")
 
@@ -136,15 +132,15 @@ class DoPrOptions:
     weak_share_bound: Optional[float] = _option(
         None, "damping set by the health report (issue 48): on each health refresh (health_every), each dense "
         "layer's lambda is raised by the smallest power of 2 (up to 2^20) that keeps at most this share of ||M||^2 "
-        "in directions carrying under 1e-4 of its input variance (dopr.health.damping_scale), held until the "
+        "in directions carrying under 1e-4 of its input variance (dopr.damping.damping_scale), held until the "
         "next; damping then sets the floor; None: off",
         lambda v: v is None or (_number(v) and 0.0 < v < 1.0), "must be in (0, 1) or None")
     weak_share_estimate: str = _option(
         "spectrum", "how weak_share_bound measures the share: spectrum (one float64 eigendecomposition per layer, on "
         "the health report's refreshes) or filter (batched Cholesky solves with the soft indicator "
         "tau^2 / (e^2 + tau^2), no eigendecomposition and no host sync, on every refresh; "
-        "dopr.health.filtered_damping_scale)",
-        lambda v: v in WEAK_SHARE_ESTIMATES, f"choose from {WEAK_SHARE_ESTIMATES}", show=repr)
+        "dopr.damping.filtered_damping_scale)",
+        lambda v: v in damping.estimates(), lambda: f"choose from {damping.estimates()}", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
@@ -170,6 +166,19 @@ class DoPrOptions:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def of(cls, options=None, **overrides) -> "DoPrOptions":
+        """DoPr's ``options`` argument (a DoPrOptions, a mapping of some fields or None: the defaults) with
+        ``overrides`` applied; anything else is a TypeError naming it."""
+        if options is None:
+            options = cls()
+        elif isinstance(options, Mapping):
+            options = cls.from_dict(options)
+        elif not isinstance(options, cls):
+            raise TypeError(f"Invalid options: {options!r} (a DoPrOptions, a dict or None; the options by name "
+                            "are keywords, e.g. DoPr(model, base, damping=1e-3))")
+        return options.replace(**overrides) if overrides else options
+
     @classmethod
     def names(cls) -> tuple:
         """The options' names, in declaration order."""
@@ -255,45 +264,3 @@ def sample_space_blocker(options: DoPrOptions) -> Optional[str]:
     if not callable(options.damping) and options.damping == 0:
         return "damping 0: the Woodbury identity needs lambda > 0"
     return None
-
-
-def damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
-    """The absolute damping lambda added to Sigma's diagonal (``diag``, or a batch of diagonals on its
-    last axis): gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim"), gamma ("absolute")
-    or gamma * (tr(Sigma) - Sigma_hh) ("trace_activations").
-
-    ``homogeneous`` (a bool, or a bool per member of the batch): the statistic carries the homogeneous
-    coordinate, the constant 1 a layer with a bias appends to its input, as its LAST coordinate
-    (DenseCovariance.from_activations, Moments.from_activations). Only "trace_activations" reads it: it
-    leaves that entry (E[1 * 1] = 1) out of the trace, so lambda is the activations' own scale; without the
-    coordinate it is "trace". Why (issue 48): on SiT-S/2's attn.proj inputs the constant 1 dominated
-    tr(Sigma), so "trace" set lambda by the 1, not by the activations.
-
-    What Prop. PrecondInvariance requires of the bias coordinate: the proposition is for the undamped
-    Sigma^-1. With homogeneous coordinates an affine input map z -> Q z + c is the linear map
-    A = [[Q, c], [0, 1]] of [z; 1]: A must keep the last coordinate (the constant stays 1), and the
-    proof then goes through unchanged (A Sigma A^T, G A^T), shifts included. Any damping D changes the
-    update by (A Sigma A^T + D')^-1 versus A^-T (Sigma + D)^-1 A^-1: invariant exactly when D' = A D A^T.
-    With D = lambda I that holds only for orthogonal Q, c = 0 (then both traces are unchanged), for
-    "trace" and "trace_activations" alike: neither restores the full invariance, only lambda = 0 (or the
-    "span" solver, dopr/solvers.py, where its cap and floor do not bind) does. What "trace_activations" keeps and "trace" does not is the scale
-    part: under z -> a z (A = diag(a I, 1)) its lambda scales as a^2, like the activation block's
-    eigenvalues: A^-1 (A Sigma A^T + a^2 lambda I) A^-T = Sigma + diag(lambda I, a^2 lambda), so the
-    scaled model's update is the unscaled one's except that the bias coordinate is damped by a^2 lambda
-    instead of lambda (against its unscaled E[1 * 1] = 1). Under
-    "trace", lambda = gamma (a^2 tr(Sigma_zz) + 1): for small activations it is set by the 1 and the
-    activations' shrinkage depends on their scale. (Exact invariance under scaled rotations would need a
-    block damping diag(gamma tr(Sigma_zz) I, gamma Sigma_hh): D' = A D A^T; not built.)"""
-    if mode == "trace":
-        return gamma * diag.sum(-1)
-    if mode == "trace_per_dim":
-        return gamma * diag.sum(-1) / diag.shape[-1]
-    if mode == "trace_activations":
-        trace = diag.sum(-1)
-        if homogeneous is None or homogeneous is False:
-            return gamma * trace
-        if homogeneous is True:
-            return gamma * (trace - diag[..., -1])
-        h = torch.as_tensor(homogeneous, dtype=torch.bool, device=diag.device)
-        return gamma * (trace - torch.where(h, diag[..., -1], torch.zeros_like(trace)))
-    return torch.full(diag.shape[:-1], gamma, dtype=diag.dtype, device=diag.device)

@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import solvers
+from .damping import trace_damping
 from .distributed import is_distributed
-from .options import damping, sample_space_blocker
+from .options import sample_space_blocker
 from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, statistics_dtype
 
 #: the precision of the n x n side (K, its Cholesky factor, the solve against it)
@@ -108,7 +109,7 @@ class SampleRows(ActivationStatistics):
         else:
             xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = cls.diagonal((xs,))
-        return xs, damping(gamma, damping_mode, diag, homogeneous), diag.isfinite().all(-1)
+        return xs, trace_damping(gamma, damping_mode, diag, homogeneous), diag.isfinite().all(-1)
 
     @classmethod
     def factor(cls, xs: Tensor, lam: Tensor, factor, counts: dict) -> "SampleSpaceBatch":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .options import damping
+from .damping import trace_damping
 from .solvers import factor_diagonal, factor_rank1
 
 
@@ -63,12 +63,12 @@ class ActivationStatistics:
                 homogeneous=None) -> tuple:
         """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
         :meth:`factor` takes, the damping of each member (a (B,) tensor, from ``gamma`` and
-        ``damping_mode``, see dopr.options.damping) and whether its Sigma is finite
+        ``damping_mode``, see dopr.damping.trace_damping) and whether its Sigma is finite
         (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
         every entry: O(d) to check). ``homogeneous``: per member, whether its last coordinate is the
         homogeneous 1 (only damping_mode "trace_activations" reads it). No host sync."""
         diags = torch.stack([cls.diagonal(m) for m in means])
-        return means, damping(gamma, damping_mode, diags, homogeneous), diags.isfinite().all(-1)
+        return means, trace_damping(gamma, damping_mode, diags, homogeneous), diags.isfinite().all(-1)
 
     @classmethod
     def factor(cls, batch, lam: Tensor, factor, counts: dict):
@@ -144,7 +144,7 @@ class DenseCovariance(ActivationStatistics):
             sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
-        lam = damping(gamma, damping_mode, diag, homogeneous)
+        lam = trace_damping(gamma, damping_mode, diag, homogeneous)
         if finite_inputs and not bool(finite.all()):
             bad = ~finite
             sigma.masked_fill_(bad[:, None, None], 0.0)

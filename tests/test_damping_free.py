@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dopr import DoPr, DoPrOptions, solvers
-from dopr.options import damping
+from dopr.damping import trace_damping as damping
 from dopr.solvers import span_inverse
 
 EPS = torch.finfo(torch.float64).eps
@@ -313,7 +313,7 @@ def _share(e, g2, lam, weak):
 
 
 def test_damping_scale_is_the_smallest_doubling_that_brings_the_weak_share_under_the_bound():
-    from dopr.health import WEAK_VARIANCE, damping_scale
+    from dopr.damping import WEAK_VARIANCE, damping_scale
     e = torch.tensor([1e-7, 1e-5, 0.5, 1.0, 2.0], dtype=torch.float64)   # two weak directions (share < 1e-4)
     p = e / e.sum()
     weak = [bool(v < WEAK_VARIANCE) for v in p]
@@ -332,7 +332,7 @@ def test_damping_scale_is_the_smallest_doubling_that_brings_the_weak_share_under
     assert damping_scale(e[2:], e[2:] / e[2:].sum(), g2[2:], lam, 0.1) == 1.0
     assert damping_scale(e, p, torch.zeros(5, dtype=torch.float64), lam, 0.1) == 1.0
     # a rank holding no rows of a sharded layer contributes zero energy to the all-reduce (and joins it)
-    from dopr.health import direction_energy
+    from dopr.damping import direction_energy
     sigma = torch.diag(e)
     e2, p2, g2_empty = direction_energy(sigma, torch.zeros(0, 5))
     assert torch.equal(g2_empty, torch.zeros(5, dtype=torch.float64)) and torch.allclose(e2, e.sort().values)
@@ -405,14 +405,14 @@ def test_the_chosen_scale_holds_between_reports_and_survives_a_checkpoint():
         opt.zero_grad()
         ((lin(x) - y) ** 2).mean().backward()
         opt.step()
-    scale = dict(opt._damping_scale)
+    scale = dict(opt._damping.scale)
     assert len(scale) == 1 and next(iter(scale.values())) > 1        # chosen on refresh 0, held on refresh 1
     state = opt.state_dict()
     assert state["dopr"]["damping_scale"] == {"|".join(k): f for k, f in scale.items()}
     lin2, _, _ = _weak_layer()
     opt2 = DoPr(lin2, torch.optim.SGD(lin2.parameters(), lr=1e-3), damping=1e-6, health_every=3, weak_share_bound=0.5)
     opt2.load_state_dict(state)
-    assert opt2._damping_scale == scale
+    assert opt2._damping.scale == scale
     opt.close()
     opt2.close()
 
@@ -540,7 +540,7 @@ def test_the_filters_soft_share_falls_with_the_damping_and_bisection_finds_its_s
     non-increasing in f (the docstring's argument), and the factor is the smallest 2^j at or under the bound.
     The solves' relative error is about eps * cond(Sigma + lam I) <= 1e-16 * 1e7, so a bound farther than 1e-6
     from every share is decided as in exact arithmetic (checked, not assumed)."""
-    from dopr.health import filtered_damping_scale
+    from dopr.damping import filtered_damping_scale
     batch = _filter_batch()
     sigma, grads = _stack(batch)
     lam = torch.tensor([1e-6 * float(e.sum()) for _, _, e, _ in batch], dtype=torch.float64)
@@ -564,7 +564,7 @@ def test_the_filter_agrees_with_the_spectrum_rule_where_the_spectrum_has_a_gap()
     energy with weight >= 1/(1 + 1e-4) and a strong one's with <= 1e-4, so the soft share lies in
     [h (1 - 1e-4), h + 1e-4] for the hard share h, and both rules choose the same factor for a bound outside
     those intervals."""
-    from dopr.health import WEAK_VARIANCE, damping_scale, filtered_damping_scale
+    from dopr.damping import WEAK_VARIANCE, damping_scale, filtered_damping_scale
     batch = _filter_batch(seed=3, spectra=GAPPED)
     sigma, grads = _stack(batch)
     lam = torch.tensor([1e-6 * float(e.sum()) for _, _, e, _ in batch], dtype=torch.float64)
@@ -583,7 +583,7 @@ def test_the_filter_agrees_with_the_spectrum_rule_where_the_spectrum_has_a_gap()
 
 
 def test_the_filter_leaves_lambda_where_nothing_is_to_choose():
-    from dopr.health import filtered_damping_scale
+    from dopr.damping import filtered_damping_scale
     sigma, u, e = _sigma([1e-9, 1e-2, 1.0])
     lam = torch.tensor([1e-6 * float(e.sum())], dtype=torch.float64)
     assert filtered_damping_scale(sigma[None], torch.zeros(1, 2, 3, dtype=torch.float64), lam, 0.25).tolist() == [1.0]
@@ -597,7 +597,7 @@ def test_the_filter_leaves_lambda_where_nothing_is_to_choose():
 def test_dopr_with_the_filter_solves_at_its_factor_every_refresh_without_an_eigendecomposition(monkeypatch):
     """weak_share_estimate="filter" needs no health report (health_every=0), calls no eigh, and M is the
     damped solve at the filter's factor; the counters tally its choices and raises, also in the state dict."""
-    from dopr.health import filtered_damping_scale
+    from dopr.damping import filtered_damping_scale
     monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: (_ for _ in ()).throw(AssertionError("eigh called")))
     lin, x, y = _weak_layer()
     opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, weak_share_bound=0.5,
@@ -620,7 +620,7 @@ def test_dopr_with_the_filter_solves_at_its_factor_every_refresh_without_an_eige
     stats = opt.stats()
     assert stats["damping_choices"] == 3 and 1 <= stats["damping_raises"] <= 3 and "health" not in stats
     assert opt.state_dict()["dopr"]["counts"]["damping_choices"] == 3
-    assert opt._damping_scale == {}                                  # nothing held between refreshes
+    assert opt._damping.scale == {}                                  # nothing held between refreshes
     opt.close()
 
 

@@ -148,3 +148,29 @@ def test_every_gp_is_its_update_formula_on_the_one_step():
     own_step = [c.__name__ for c in gps if inspect.unwrap(c.step) is not inspect.unwrap(BaseGP.step)]
     assert [c.__name__ for c in gps if not issubclass(c, BaseGP) or "update" not in vars(c)] == own_step == []
     assert _repeated_runs(files) == []
+
+
+def test_dopr_is_small_and_names_no_damping_rule():
+    """Issue 66 item 1: the DoPr class at most 450 lines and its _factor at most 25 (as ast counts them),
+    and dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
+    rule is one class in dopr/damping.py plus the option value that chooses it."""
+    tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
+    (dopr_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DoPr"]
+    (factor,) = [n for n in dopr_class.body if isinstance(n, ast.FunctionDef) and n.name == "_factor"]
+    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 450
+    assert factor.end_lineno - factor.lineno + 1 <= 25
+    from dopr import damping
+
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    used = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings}
+    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    rule_logic = {"damping_scale", "filtered_damping_scale", "direction_energy", "MAX_DOUBLINGS"}
+    rules = {"trace", "spectrum", "filter"} | set(damping.RULES) | {c.__name__ for c in damping.RULES.values()}
+    named = rules | rule_logic | set(damping.TRACE_MODES) | {"weak_share_bound", "weak_share_estimate"}
+    assert not used & named, sorted(used & named)
+    health = ast.parse((ROOT / "dopr" / "health.py").read_text())   # the report, no damping rule in it
+    defined = {n.name for n in ast.walk(health) if isinstance(n, ast.FunctionDef)}
+    assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
