@@ -83,6 +83,11 @@ def describe(report: dict) -> str:
             f"damping, amplification x{report['amplification']:g}{share}")
 
 
+def label(key: tuple) -> str:
+    """A statistics group's layers as a warning names them: a model that is itself the layer is `<root>`."""
+    return "|".join(name or "<root>" for name in key)
+
+
 class HealthReports:
     """The latest report of each statistics group, refreshed on the refresh steps that are multiples
     of `every` (0: never)."""
@@ -104,7 +109,7 @@ class HealthReports:
         report = layer_health(mean[0], lam, torch.cat(gs) if gs and g2 is None else None, spec=spec, g2=g2)
         self.reports["|".join(key)] = report
         if in_danger(report):
-            return (f"{'|'.join(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "
+            return (f"{label(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "
                     f"directions carrying under {WEAK_VARIANCE:g} of the input variance: the regime in which the "
                     "digits SiT did not train at damping 1e-4 (dopr/health.py); consider a larger damping, "
                     "a statistics EMA or leaving this layer to the GP")

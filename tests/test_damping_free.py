@@ -640,3 +640,15 @@ def test_the_estimate_is_checked(kw, msg):
     with pytest.raises(ValueError, match=msg):
         DoPrOptions(**kw)
     assert DoPrOptions(weak_share_bound=0.25, weak_share_estimate="filter").health_every == 0
+
+
+def test_a_health_warning_names_a_layer_that_is_the_whole_model():
+    """Issue 66: a model that is itself the layer printed "DoPr: : effective rank ..."; the warning names it <root>."""
+    lin, x, y = _weak_layer()
+    opt = DoPr(lin, torch.optim.SGD(lin.parameters(), lr=0.1), damping=1e-6, health_every=1)
+    ((lin(x) - y) ** 2).mean().backward()
+    with pytest.warns(RuntimeWarning) as caught:
+        opt.step()
+    health = [str(w.message) for w in caught if "effective rank" in str(w.message)]
+    assert health and all(m.startswith("DoPr: <root>: effective rank ") for m in health), health
+    opt.close()
