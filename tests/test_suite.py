@@ -317,9 +317,15 @@ def test_every_tuned_preset_composes(tuned, compose):
 def test_ap_config_and_dopr_options_cannot_drift_apart():
     from dopr.options import DoPrOptions
 
+    from experiments.common import ap_config
+
     ap = OmegaConf.to_container(OmegaConf.load(CONF / "ap" / "default.yaml"))
     assert list(ap) == list(DoPrOptions.names())   # every option, in the dataclass's order
     assert DoPrOptions.from_dict(ap) == DoPrOptions()   # at its default
+    # the file is generated from the dataclass (issue 66): its text, comments included, is the generator's
+    assert (CONF / "ap" / "default.yaml").read_text() == ap_config.render(), \
+        "conf/ap/default.yaml differs from DoPrOptions: run python -m experiments.common.ap_config"
+    assert ap_config.main(["--check"]) == 0
 
 
 @pytest.mark.slow
