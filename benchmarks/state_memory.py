@@ -110,7 +110,7 @@ def measure(key: str) -> dict:
 
 
 def main(argv=None) -> None:
-    from experiments.common.provenance import emit_report, git_revision, portable_command
+    from experiments.common.provenance import emit_report, git_revision, markdown_table, portable_command
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -130,17 +130,14 @@ def main(argv=None) -> None:
                             for k, v in row.items()},
                          "model": f"Llama-3.1-8B LoRA r=64, all {factor} layers (the row above x {factor})"})
     command = portable_command("python -m benchmarks.state_memory " + " ".join(argv or []))
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = ["# DoPr's optimizer state with and without the statistics EMA (Limitations: ~d_in^2/2 per layer)", "",
              f"`{command}`, commit {git_revision()}, torch {torch.__version__}, CPU, float32. One DoPr-SGD step "
              f"(damping 1e-4, grad_ema 0) with precond_ema 0 and {EMA_RATE}: the bytes of every tensor in "
              "opt.state_dict()['dopr'] (dopr_state_MB_*), the floats of the statistics EMA (ema_floats_M, one "
              "buffer per statistics group, its upper triangle d(d+1)/2), against sum over preconditioned layers of "
              "d^2/2 (formula_d2_over_2_M; d: the layer's Sigma, homogeneous 1 included). M = 1e6 floats, "
-             "MB = 2^20 bytes.", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+             "MB = 2^20 bytes.", ""]
+    lines += markdown_table(rows, 4)
     emit_report(lines, args.out)
 
 

@@ -131,7 +131,7 @@ def table(steps: int = STEPS) -> list:
 
 
 def main(argv=None) -> None:
-    from experiments.common.provenance import emit_report, git_revision, portable_command
+    from experiments.common.provenance import emit_report, git_revision, markdown_table, portable_command
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the table there (markdown)")
@@ -140,15 +140,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     rows = table(args.steps)
     command = portable_command("python -m experiments.theory.contraction " + " ".join(argv or []))
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.6g}" if isinstance(v, float) else str(v)
     worst = max(r["ap_max_ratio"] - r["predicted_rate"] for r in rows)
     final = max(abs(r["ap_final_ratio"] - r["predicted_rate"]) for r in rows)
     identity = max(r["ap_ratio_vs_identity"] for r in rows)
     inside = sum(r["ap_gap_over_tolerance"] <= 1 for r in rows)
     aniso = [r for r in rows if r["cond_Sigma"] > 1]
     gd_over = sum(r["gd_max_ratio"] > r["predicted_rate"] + 1e-3 for r in aniso)
-    gd_least = min(r["gd_dist_final"] / r["ap_dist_final"] for r in aniso)
+    gd_least = min((r["gd_dist_final"] / r["ap_dist_final"] for r in aniso), default=float("nan"))
     lines = [f"# Proposition \"SGD and AP feature learning\": the AP's per-step contraction over {args.steps} steps", "",
              f"`{command}`, commit {git_revision()}, torch {torch.__version__}, float64. F = F_* known (frozen), "
              f"G ({N_FEATURES} x {N_IN}) trained full-batch by DoPr-SGD at damping 0 (ap) or SGD (gd) from the same G_0 "
@@ -156,9 +154,8 @@ def main(argv=None) -> None:
              "1 - eta lambda_min(F^T F), lambda_max(F^T F) = 1; Sigma_s's eigenvalues in [1/cond, 1]. A run stops at "
              f"{STEPS} steps or once the AP's distance is under {DIST_FLOOR:g}. ap_ratio_vs_identity: the largest "
              "|r_t - r_t of (I - eta F^T F)^t G_0 P_perp|; ap_gap_over_tolerance: the largest of that gap over the "
-             "step's rounding bound (ratio_tolerance; <= 1 within rounding).", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+             "step's rounding bound (ratio_tolerance; <= 1 within rounding).", ""]
+    lines += markdown_table(rows, 6)
     lines += ["", f"- AP: over {len(rows)} settings, max_t r_t - predicted_rate <= {worst:.2g}, "
                   f"|r_final - predicted_rate| <= {final:.2g} whatever cond(Sigma_s), and the ratios follow the "
                   f"identity to {identity:.2g} (within the rounding bound in {inside} of {len(rows)}).",

@@ -203,7 +203,7 @@ def table(seeds=(0, 1, 2), steps: int = STEPS) -> list:
 
 
 def main(argv=None) -> None:
-    from experiments.common.provenance import emit_report, git_revision, portable_command
+    from experiments.common.provenance import emit_report, git_revision, markdown_table, portable_command
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the table there (markdown)")
@@ -212,17 +212,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     rows = table(tuple(int(s) for s in args.seeds.split(",")))
     command = portable_command("python -m experiments.theory.invariance_layers " + " ".join(argv or []))
-    cols = list(rows[0])
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     lines = ["# Convolutional and attention affine invariance: validation loss on x vs on the transformed input", "",
              f"`{command}`, commit {git_revision()}, torch {torch.__version__}, float64; DoPr's damping is "
              "damping_mode trace (lambda = damping x tr(Sigma)); dopr_sgd takes eigh_rcond 1e-12, the others the "
              "default 1e-6 (ARMS in the module). "
              "max_relative_gap: the largest |loss(x) - loss(x_t)| over the steps over the largest loss; "
              "rounding_bound: steps x d x eps x cond(Sigma) of the transformed first layer "
-             "(experiments/theory/invariance_layers.py, rounding_bound).", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+             "(experiments/theory/invariance_layers.py, rounding_bound).", ""]
+    lines += markdown_table(rows, 3)
     for case in CASES:
         gaps = {o: [r["max_relative_gap"] for r in rows if r["case"] == case and r["optimizer"] == o] for o in ARMS}
         lines.append("")
