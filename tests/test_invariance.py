@@ -96,6 +96,7 @@ def test_worked_example_gd_raises_the_subspace_distance_and_ap_contracts_it():
     torch.testing.assert_close(g_ap, torch.tensor([[1.0, 0.0]], dtype=torch.float64))
 
 
+@pytest.mark.slow
 def test_ap_contracts_the_subspace_distance_at_the_propositions_rate_over_many_steps():
     """Prop. "SGD and AP feature learning" iterated: with F known, every AP step multiplies G P_perp by
     (I - eta F^T F), so each ratio r_t = ||G_(t+1) P_perp|| / ||G_t P_perp|| is at most 1 - eta lambda_min(F^T F),

@@ -5,7 +5,7 @@ import pytest
 
 from experiments.theory.invariance_layers import CASES, relative_gap, rounding_bound, trajectories
 
-pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile: test-kernels)
+pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # run again under other CPU kernels (Makefile: test-kernels)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -2,11 +2,14 @@
 "~d_in^2/2 additional parameters of optimizer state per layer")."""
 import math
 
+import pytest
+
 from benchmarks.state_memory import measure
 
 EXACT = 1e-15   # the table's counts are integers divided by 1e6 (M floats) or 2^20 (MB): one rounding each
 
 
+@pytest.mark.slow
 def test_the_statistics_ema_is_the_upper_triangle_of_each_sigma_and_nothing_without_it():
     row = measure("bc_mlp")   # 348 -> 256 -> 256 -> 256 -> 17, every Linear with a bias: d = 349, 257, 257, 257
     dims = [349, 257, 257, 257]
