@@ -81,14 +81,14 @@ class AttentionBlock(nn.Module):
 
 
 class ConvNet(nn.Module):
-    """Conv2d(C, 8, 3) -> SiLU -> Conv2d(8, 8, 3, padding 1) -> SiLU -> Linear: the first convolution
-    unpadded (see the module docstring)."""
+    """Conv2d(C, 8, 3) -> SiLU -> Conv2d(8, 8, 3, padding 1) -> SiLU -> 2x2 average pool -> Linear: the
+    first convolution unpadded (see the module docstring)."""
 
-    def __init__(self, channels: int, side: int, d_out: int) -> None:
+    def __init__(self, channels: int, d_out: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, 8, 3)
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.head = nn.Linear(8 * (side - 2) ** 2, d_out)
+        self.head = nn.Linear(8 * 2 * 2, d_out)
 
     @property
     def first_layers(self) -> list:
@@ -96,11 +96,11 @@ class ConvNet(nn.Module):
 
     def forward(self, x):
         h = nn.functional.silu(self.conv2(nn.functional.silu(self.conv1(x))))
-        return self.head(h.flatten(1))
+        return self.head(nn.functional.adaptive_avg_pool2d(h, 2).flatten(1))
 
 
 def _network(case: str, dim: int) -> nn.Module:
-    return (ConvNet(dim, 8, 3) if case.startswith("conv") else AttentionBlock(dim, 2, 3)).double()
+    return (ConvNet(dim, 3) if case.startswith("conv") else AttentionBlock(dim, 2, 3)).double()
 
 
 def _inputs(case: str, gen: torch.Generator, n: int) -> tuple:
