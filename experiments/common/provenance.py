@@ -68,6 +68,15 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def markdown_table(rows: list, digits: int = 4) -> list:
+    """The lines of a markdown table of ``rows`` (dicts with the same keys, the first's order): floats to
+    ``digits`` significant digits."""
+    columns = list(rows[0])
+    cell = lambda v: f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows])
+
+
 def emit_report(lines, out=None) -> str:
     """Print a plain-text report (a list of lines) and, with ``out``, write it there atomically."""
     text = "\n".join(lines) + "\n"
