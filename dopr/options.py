@@ -141,6 +141,11 @@ class DoPrOptions:
         "tau^2 / (e^2 + tau^2), no eigendecomposition and no host sync, on every refresh; "
         "dopr.damping.filtered_damping_scale)",
         lambda v: v in damping.estimates(), lambda: f"choose from {damping.estimates()}", show=repr)
+    damping_rule: str = _option(
+        "trace", "how lambda is chosen: trace (damping_mode's scale times damping, the paper's; weak_share_bound "
+        "raises it) or sample_count (lambda from each dense layer's q = d / N_eff by the Marchenko-Pastur lower "
+        "edge, damping then a floor; dopr.damping.SampleCountRule, docs/library.md 'The sample-count damping rule')",
+        lambda v: v in damping.rules(), lambda: f"choose from {damping.rules()}", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
