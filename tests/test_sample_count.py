@@ -94,6 +94,21 @@ def test_m_is_the_float64_formula_with_the_rules_lambda_and_finite_at_q_above_on
     opt.close()
 
 
+def test_micro_batches_add_their_rows():
+    """Two micro-batches of 6 rows each, d = 8: N_eff = 12 (q = 2/3, lambda = (1/4 - (1 - sqrt(2/3))^2) tr / d),
+    not 6 (q = 4/3, tr / (4 d)); M against the formula on the 12 rows and the summed gradient."""
+    layer, z, y = _layer_and_data(12, 8)
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    opt.zero_grad()
+    for part in (slice(0, 6), slice(6, 12)):
+        ((layer(z[part]) - y[part]) ** 2).sum().backward()
+    g = layer.weight.grad.clone()
+    opt.precondition()
+    share = 1 / KAPPA - (1 - math.sqrt(8 / 12)) ** 2
+    torch.testing.assert_close(layer.weight.grad, ap_reference(g, z, share, "trace_per_dim"), rtol=1e-9, atol=1e-12)
+    opt.close()
+
+
 def test_a_group_solved_in_sample_space_gets_the_same_lambda():
     """solve_space="samples" (n = 4 rows < d = 8: q = 2): the Woodbury solve with lambda = tr(Sigma) / (4 d),
     the same M as the feature-space formula (float64, cond(K + lambda I) <= 4 d + 1)."""
