@@ -166,6 +166,9 @@ class DoPrOptions:
             raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
                              "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
                              "refreshes), or weak_share_estimate='filter', which chooses on every refresh")
+        if self.weak_share_bound is not None and self.damping_rule != "trace":
+            raise ValueError(f"weak_share_bound={self.weak_share_bound} raises the trace rule's lambda, and "
+                             f"damping_rule={self.damping_rule!r} chooses another rule: set one of them")
 
         if self.solve_space == "samples" and (why := sample_space_blocker(self)) is not None:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")

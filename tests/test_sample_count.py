@@ -181,3 +181,11 @@ def test_a_bad_damping_rule_is_named():
     layer, _, _ = _layer_and_data(4, 3)
     with pytest.raises(ValueError, match=r"Invalid damping_rule: 'mp' \(choose from \('trace', 'sample_count'\)\)"):
         DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping_rule="mp")
+
+
+def test_the_rule_and_a_weak_share_bound_together_are_refused():
+    layer, _, _ = _layer_and_data(4, 3)
+    with pytest.raises(ValueError, match=r"weak_share_bound=0.25 raises the trace rule's lambda, and "
+                                         r"damping_rule='sample_count' chooses another rule: set one of them"):
+        DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping_rule="sample_count",
+             weak_share_bound=0.25, weak_share_estimate="filter")
