@@ -13,7 +13,9 @@ its options (:func:`build`) and calls it once per batch in ``DoPr._factor``. The
   the share b of ||M||^2 in the directions carrying under WEAK_VARIANCE of the variance, held until the
   next report (issue 48, direction 3);
 * ``"filter"`` (:class:`WeakShareByFilter`, ``weak_share_bound=b, weak_share_estimate="filter"``): the
-  same bound from a soft indicator, batched Cholesky solves on every refresh (:func:`filtered_damping_scale`).
+  same bound from a soft indicator, batched Cholesky solves on every refresh (:func:`filtered_damping_scale`);
+* ``"sample_count"`` (:class:`SampleCountRule`, ``damping_rule="sample_count"``): lambda from each dense
+  group's q = d / N_eff by the Marchenko-Pastur lower edge (dopr/sample_count.py; issue 67).
 
 A new rule is one class here, registered with :func:`register_rule` under the option value that chooses
 it (:func:`rule_name`): a new way to measure the weak share is a new ``weak_share_estimate`` value, which
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .health import WEAK_VARIANCE, spectrum
+from .sample_count import ema_count_factor, sample_count_damping
 
 #: damping_mode's values: the trace rule's scales (:func:`trace_damping`)
 TRACE_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
@@ -189,7 +192,10 @@ def register_rule(name: str):
 
 
 def rule_name(options) -> str:
-    """The rule DoPrOptions choose: "trace" without ``weak_share_bound``, else ``weak_share_estimate``."""
+    """The rule DoPrOptions choose: ``damping_rule`` where it is not "trace"; else "trace" without
+    ``weak_share_bound``, else ``weak_share_estimate``."""
+    if getattr(options, "damping_rule", "trace") != "trace":
+        return options.damping_rule
     return "trace" if options.weak_share_bound is None else options.weak_share_estimate
 
 
@@ -210,6 +216,11 @@ def from_pickled(options, state: dict) -> "DampingRule":
 def estimates() -> tuple:
     """``weak_share_estimate``'s values: the registered weak-share rules."""
     return tuple(n for n, cls in RULES.items() if issubclass(cls, WeakShareRule))
+
+
+def rules() -> tuple:
+    """``damping_rule``'s values: "trace" and the registered rules chosen by ``damping_rule`` itself."""
+    return ("trace",) + tuple(n for n, cls in RULES.items() if n != "trace" and not issubclass(cls, WeakShareRule))
 
 
 class DampingRule:
@@ -349,3 +360,33 @@ class WeakShareByFilter(WeakShareRule):
             self.counts["damping_raises"] += int(raises)
             self.tally = None
         return dict(self.counts)
+
+
+@register_rule("sample_count")
+class SampleCountRule(DampingRule):
+    """lambda per dense group from q = d / N_eff (:func:`dopr.sample_count.sample_count_damping`), never below
+    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``samples`` where a
+    capture sets it (its rows over :func:`dopr.sample_count.design_effect`, summed as ``count`` is), else its
+    ``count``: its rows, summed over micro-batches and data-parallel ranks as Sigma's sums are (the same on
+    every rank), each row a sample; times :func:`dopr.sample_count.ema_count_factor` under a constant
+    ``precond_ema`` (a scheduled rate counts one batch). ``scale`` holds, per group, the EMA updates its
+    Sigmabar has had (the checkpoint's ``damping_scale``). Dense groups and those solved in sample space (the
+    same lambda, from tr(Sigma) = ||Xs||^2); other statistic kinds: the floor. One (B,) tensor
+    built from host floats and a batched trace: no eigendecomposition, no host sync."""
+
+    def lam(self, groups: Groups) -> Tensor:
+        if groups.kind.kind not in ("dense", "samples"):
+            return groups.floor
+        beta = self.options.precond_ema
+        beta = 0.0 if callable(beta) else float(beta)
+        n = []
+        for key, stat, _ in groups.items:
+            t = self.scale.get(key, 0) + 1 if beta > 0 else 1
+            if beta > 0:
+                self.scale[key] = t
+            n.append(float(getattr(stat, "samples", stat.count)) * ema_count_factor(beta, t))
+        sigma = groups.sigma     # dense: Sigmabar (B, d, d); samples: Xs (B, n, d), Sigma = Xs^T Xs
+        trace = (sigma.square().sum((-2, -1)) if groups.kind.kind == "samples"
+                 else sigma.diagonal(dim1=-2, dim2=-1).sum(-1))
+        n_eff = torch.tensor(n, dtype=trace.dtype).to(trace.device, non_blocking=True)
+        return torch.maximum(groups.floor.to(trace.dtype), sample_count_damping(trace, sigma.shape[-1], n_eff))

@@ -141,6 +141,11 @@ class DoPrOptions:
         "tau^2 / (e^2 + tau^2), no eigendecomposition and no host sync, on every refresh; "
         "dopr.damping.filtered_damping_scale)",
         lambda v: v in damping.estimates(), lambda: f"choose from {damping.estimates()}", show=repr)
+    damping_rule: str = _option(
+        "trace", "how lambda is chosen: trace (damping_mode's scale times damping, the paper's; weak_share_bound "
+        "raises it) or sample_count (lambda from each dense layer's q = d / N_eff by the Marchenko-Pastur lower "
+        "edge, damping then a floor; dopr.damping.SampleCountRule, docs/library.md 'The sample-count damping rule')",
+        lambda v: v in damping.rules(), lambda: f"choose from {damping.rules()}", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
@@ -161,6 +166,9 @@ class DoPrOptions:
             raise ValueError(f"weak_share_bound={self.weak_share_bound} sets the damping from the health report, "
                              "which health_every=0 never makes: set health_every >= 1 (the report's cadence, in "
                              "refreshes), or weak_share_estimate='filter', which chooses on every refresh")
+        if self.weak_share_bound is not None and self.damping_rule != "trace":
+            raise ValueError(f"weak_share_bound={self.weak_share_bound} raises the trace rule's lambda, and "
+                             f"damping_rule={self.damping_rule!r} chooses another rule: set one of them")
 
         if self.solve_space == "samples" and (why := sample_space_blocker(self)) is not None:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")

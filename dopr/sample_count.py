@@ -1,0 +1,63 @@
+"""The sample-count damping rule's arithmetic (issue 67): how many independent rows a layer's Sigma
+rests on (N_eff), and lambda from q = d / N_eff by the Marchenko-Pastur lower edge. The rule itself is
+:class:`dopr.damping.SampleCountRule` (``damping_rule="sample_count"``); the derivation is in
+docs/library.md ("The sample-count damping rule").
+
+* :func:`design_effect`: rows per independent row of a layer input (N, T, ..., d): 1 for one row per
+  sample, T for rows constant within a sample, in between for correlated tokens (Kish's design effect of
+  the mean, from the traces of the per-sample means' and the rows' covariances: no GEMM, no host sync);
+* :func:`ema_count_factor`: how many batches' worth of rows a bias-corrected EMA of rate beta holds after
+  t updates, (1 + beta)(1 - beta^t) / ((1 - beta)(1 + beta^t)), towards (1 + beta) / (1 - beta);
+* :func:`sample_count_damping`: lambda = (tr(Sigma) / d) * max(1 / KAPPA - (1 - sqrt(min(q, 1)))^2, d eps).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: the amplification of the inverse the rule tolerates in its weakest direction: lambda stays 0 while the
+#: MP lower edge (1 - sqrt q)^2 is above 1 / KAPPA (q <= 1/4), and reaches tr(Sigma) / (KAPPA d) at q >= 1.
+#: The rule's one constant, chosen once (not per family).
+KAPPA = 4.0
+
+
+def design_effect(x: Tensor) -> Tensor:
+    """Rows per independent row of ``x`` (N, T..., d): N samples, each with T rows (positions, patches) of
+    dimension d; a 0-d tensor in [1, T], on x's device (no host sync). 1.0 for a 2-D x (one row per sample).
+
+    With rows z_nt = a_n + e_nt (a per-sample part and an independent one), Kish's design effect of the mean
+    is 1 + (T - 1) rho, rho = tr(Cov a) / tr(Cov z) (the intra-sample correlation). The centred traces give
+    it at once: the per-sample means m_n have tr(Cov m) = tr(Cov a) + tr(Cov e) / T, the rows
+    tr(Cov z) = tr(Cov a) + tr(Cov e), so 1 + (T - 1) rho = T tr(Cov m) / tr(Cov z). It bounds the covariance's
+    own design effect, 1 + (T - 1) rho^2 per direction, from above (rho^2 <= rho): N_eff errs towards more damping."""
+    if x.dim() <= 2:
+        return torch.ones((), dtype=torch.float32, device=x.device)
+    x = x.detach().reshape(x.shape[0], -1, x.shape[-1]).float()
+    t = x.shape[1]
+    mu = x.mean((0, 1))
+    rows = (x - mu).square().sum(-1).mean()                        # tr(Cov z)
+    means = (x.mean(1) - mu).square().sum(-1).mean()               # tr(Cov m)
+    deff = t * means / rows.clamp_min(torch.finfo(rows.dtype).tiny)
+    return torch.where(rows > 0, deff.clamp(1.0, float(t)), torch.full_like(deff, float(t)))
+
+
+def ema_count_factor(beta: float, t: int) -> float:
+    """N_eff of a bias-corrected EMA of t batch covariances (rate beta, each of N independent rows) over N:
+    the EMA's weights w_k = (1 - beta) beta^k / (1 - beta^t), k < t, sum to 1, and its variance is
+    sum_k w_k^2 = (1 - beta)(1 + beta^t) / ((1 + beta)(1 - beta^t)) times one batch's; the factor is its
+    inverse. 1 at t = 1 or beta = 0, (1 + beta) / (1 - beta) as t grows."""
+    if beta <= 0.0 or t <= 1:
+        return 1.0
+    bt = beta ** t
+    return (1.0 + beta) * (1.0 - bt) / ((1.0 - beta) * (1.0 + bt))
+
+
+def sample_count_damping(trace: Tensor, d: int, n_eff: Tensor) -> Tensor:
+    """lambda per group (B,) from tr(Sigma) (B,), Sigma's dimension d and N_eff (B,): the mean eigenvalue
+    tr(Sigma) / d times max(1 / KAPPA - (1 - sqrt(min(q, 1)))^2, d eps), q = d / N_eff (eps: trace's dtype;
+    the d eps floor keeps the Cholesky factor of a singular Sigma finite). At q >= 1 (Sigma rank-deficient,
+    the lower edge at 0): tr(Sigma) / (KAPPA d)."""
+    q = (d / n_eff.to(trace.dtype).clamp_min(1.0)).clamp_max(1.0)
+    edge = (1.0 - q.sqrt()).square()
+    share = (1.0 / KAPPA - edge).clamp_min(d * torch.finfo(trace.dtype).eps)
+    return trace / d * share
