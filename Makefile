@@ -50,7 +50,7 @@ demo: setup
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
 	$(PY) -m experiments.common.tuning report $(DEMO)/feature_learning \
 		--selection results/feature_learning/protocol/selection.json --out results/feature_learning/protocol
-	$(PY) scripts/results_changes.py --since $$(cat $(DEMO)/started)   # one line: what moved against HEAD
+	$(PY) -m experiments.common.results_changes --since $$(cat $(DEMO)/started)   # one line: what moved against HEAD
 
 bench: setup
 	$(PY) -m benchmarks.bench --out results/bench/cpu.md
@@ -58,7 +58,7 @@ bench: setup
 # The GPU check (docs/gpu.md): DoPr's cost and numerics on one GPU, under 9 minutes, into
 # results/bench/gpu_<device>.md. No virtual environment: the machine's python3 with a CUDA torch, the
 # repository and the pure-Python dependencies carried in .gpu/deps (`make gpu-deps` where .venv is, then
-# carry .gpu/ with the checkout). GPU_CHECK_ARGS go to scripts/gpu_check.py (e.g. --smoke --device cpu).
+# carry .gpu/ with the checkout). GPU_CHECK_ARGS go to benchmarks/gpu_check.py (e.g. --smoke --device cpu).
 gpu-check:
 	scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 

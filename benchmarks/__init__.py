@@ -1,10 +1,15 @@
-"""The step benchmarks of the suite, outside the optimizer library (``pip install dopr``'s ``dopr``
-package is the optimizer alone; this package imports it, never the reverse).
+"""The benchmarks of the suite, outside the optimizer library (``pip install dopr``'s wheel is the ``dopr``
+package alone; this package imports it, never the reverse). Run from the checkout's root:
+``python -m benchmarks.<name>``.
 
-    bench.py     ``python -m benchmarks.bench``: the per-step cost of DoPr against its base optimizer
-                 and the paper's cost model; a family's benchmark adds its model with
-                 ``bench.register_task`` and calls ``bench.main`` (experiments/sit/bench.py,
-                 experiments/robomimic/bench.py)
-    peers.py     DoPr's published peers (SOAP, Shampoo, PSGD-Kron) against AdamW on a bench task, timed
-                 as bench.py times DoPr (the GPU check's peers parts)
+    bench.py               the per-step cost of DoPr against its base optimizer and the paper's cost model;
+                           a family's benchmark adds its model with ``bench.register_task`` and calls
+                           ``bench.main`` (experiments/sit/bench.py, experiments/robomimic/bench.py)
+    peers.py               DoPr's published peers (SOAP, Shampoo, PSGD-Kron) against AdamW on a bench task,
+                           timed as bench.py times DoPr (the GPU check's peers parts)
+    gpu_check.py           the GPU check (docs/gpu.md; scripts/gpu_check.sh runs it without a venv)
+    bench_solvers.py       the factorisations per size and device (dopr.solvers' route table)
+    bench_sample_space.py  DoPr's sample-space solve against the feature-space one
+    bench_bc.py            one real BC job per optimizer, timed
+    bench_before_after.py  the CPU step benchmarks of two commits side by side
 """

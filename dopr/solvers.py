@@ -309,7 +309,7 @@ CHOLESKY_ROUTES = ("cholesky_solve", "cholesky_inverse", "blocked_inverse")
 #: The route per device type, measured on that device: {(d, rows): route} at the measured points (the
 #: nearest one in log d, log rows is taken), or one route name for every size (to force a route:
 #: ``dopr.solvers.CHOLESKY_ROUTE_TABLE["cuda"] = "blocked_inverse"``). A device type without an entry gets
-#: :func:`flop_route`. The CPU's: ``python scripts/bench_solvers.py --routes`` (results/bench/solvers_cpu_routes.md,
+#: :func:`flop_route`. The CPU's: ``python -m benchmarks.bench_solvers --routes`` (results/bench/solvers_cpu_routes.md,
 #: 1 thread; a route other than cholesky_solve only where it was >10% faster).
 CHOLESKY_ROUTE_TABLE: dict = {"cpu": {
     (64, 16): "cholesky_solve", (64, 64): "cholesky_inverse", (64, 256): "cholesky_inverse",

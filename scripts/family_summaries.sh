@@ -2,7 +2,7 @@
 # One debug job per family (debug=default: seconds to minutes each), for checking that a refactor leaves
 # every family's summary.json numbers unchanged:
 #   scripts/family_summaries.sh <checkout> <out>          (once per commit, each in its own checkout)
-#   python scripts/compare_summaries.py <out of the old> <out of the new> --out <table.md>
+#   python -m experiments.common.compare_summaries <out of the old> <out of the new> --out <table.md>
 # The checkout needs the data the tasks read (data/robomimic/lift/image_abs.hdf5: a symlink to yours).
 set -u
 checkout=$(cd "$1" && pwd); out=$2; mkdir -p "$out"; out=$(cd "$out" && pwd)

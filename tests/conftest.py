@@ -1,11 +1,9 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 ROOT = Path(__file__).resolve().parents[1]

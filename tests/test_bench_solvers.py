@@ -1,23 +1,12 @@
-"""scripts/bench_solvers.py runs end to end and its table says what it should: one row per method and d,
+"""benchmarks/bench_solvers.py runs end to end and its table says what it should: one row per method and d,
 and float32 Cholesky solves as accurate as the conditioning allows."""
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_solvers.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_solvers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import bench_solvers as bench
 
 
 def test_the_solver_benchmark_writes_a_row_per_method_and_dim(tmp_path):
-    bench = _load()
     out = tmp_path / "solvers.md"
     text = bench.main(["--dims", "16,32", "--repeats", "1", "--threads", "1", "--out", str(out)])
-    assert out.read_text() == text and "bench_solvers.py --dims 16,32" in text and "torch " in text
+    assert out.read_text() == text and "python -m benchmarks.bench_solvers --dims 16,32" in text and "torch " in text
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines() if ln[:3] in ("| 1", "| 3")]
     assert [(r[0], r[2]) for r in rows] == [(d, m) for d in ("16", "32") for m in bench.METHODS]
     for d, cond, method, steps, *_, err in rows:

@@ -1,5 +1,5 @@
 """bf16 autocast drift: DoPr-AdamW's parameters drift about 11x further from their float32 run than
-AdamW's after 10 steps of a small convnet (the protocol and its decomposition: scripts/bf16_drift.py,
+AdamW's after 10 steps of a small convnet (the protocol and its decomposition: experiments/studies/bf16_drift.py,
 results/numerics/bf16_drift.md). DoPr computes nothing in bf16; the excess is the AP amplifying, by
 1 / lambda, the part of the bf16-rounded gradient outside the span of the layer's activations.
 
@@ -11,15 +11,11 @@ The band of the ratio, [7, 16] around the measured 11.5 (torch 2.13 CPU):
   Sigma's sums rounded to bf16 2.9 (its Cholesky fails and is retried at 10x the damping), and on
   a change of the mechanism: G without its out-of-span part, damping 1e-2 or the eigh solver give 1.1-1.2.
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bf16_drift as bd  # noqa: E402
+from experiments.studies import bf16_drift as bd
 
 # numerics: run again under other CPU kernels (Makefile: test-kernels); slow: 2-3 s of setup
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]

@@ -1,12 +1,9 @@
-"""scripts/bf16_outcome.py: the table of the bf16-against-float32 sweep and its verdict per optimizer."""
+"""experiments/studies/bf16_outcome.py: the table of the bf16-against-float32 sweep and its verdict per optimizer."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bf16_outcome  # noqa: E402
+from experiments.studies import bf16_outcome
 
 
 def _job(root, i, optim, seed, bf16, quality, loss):

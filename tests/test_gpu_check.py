@@ -1,7 +1,6 @@
-"""scripts/gpu_check.py, the GPU check, tested on the CPU: its smoke mode writes every section with numbers
+"""benchmarks/gpu_check.py, the GPU check, tested on the CPU: its smoke mode writes every section with numbers
 in it, a part that raises or hangs is reported FAIL while the others still run, the targets give one
 verdict per DoPr row, and the real-size rehearsal overrides resolve to the tasks' real batches."""
-import importlib.util
 import json
 import os
 import re
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import gpu_check
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
+GPU_CHECK = [sys.executable, "-m", "benchmarks.gpu_check"]
 
 
 def test_a_part_that_raises_or_runs_out_of_time_is_a_fail_with_its_one_line(tmp_path):
@@ -69,7 +68,7 @@ def test_the_paper_step_part_writes_measured_and_extrapolated_rows_that_add_up(t
     # --smoke on the CPU: the tiny Llama at the task's micro-batch (2 sequences), measured whole at 4 micro-batches
     # and extrapolated to the task's 32 from the printed parts: first + (a - 1) later + the optimizer step
     out, work = tmp_path / "g.md", tmp_path / "w"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+    proc = subprocess.run([*GPU_CHECK, "--device", "cpu", "--smoke",
                            "--parts", "bench_llama_step", "--out", str(out), "--workdir", str(work)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -139,7 +138,7 @@ def _table(text: str, header_start: str) -> list:
 @pytest.mark.slow
 def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_stops_nothing(tmp_path):
     out = tmp_path / "gpu_cpu.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+    proc = subprocess.run([*GPU_CHECK, "--device", "cpu", "--smoke",
                            "--out", str(out), "--workdir", str(tmp_path / "work"), "--fail", "rehearse_paper_sit"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -150,7 +149,7 @@ def test_the_smoke_check_writes_every_section_with_numbers_and_a_failing_part_st
     assert list(status) == list(gpu_check.PARTS)
     failed = status.pop("rehearse_paper_sit")
     assert failed == "FAIL: RuntimeError: --fail rehearse_paper_sit: made to fail (a check of the report)"
-    assert status.pop("solvers").split(":")[0] in ("ok", "SKIPPED")   # scripts/bench_solvers.py may be absent
+    assert status.pop("solvers").split(":")[0] in ("ok", "SKIPPED")   # benchmarks/bench_solvers.py may be absent
     assert all(s.startswith("ok") for s in status.values()), status
     for section in ("## Environment", "## Bench rows and profiles", "## Agreement", "## Rehearsals", "## Solver benchmark", "## Targets"):
         assert section in text
@@ -183,7 +182,7 @@ def test_the_smoke_check_s_peer_rows_have_ratios_and_name_their_package_and_an_a
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['pytorch_optimizer'] = None\n")
-    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke",
+    script = [*GPU_CHECK, "--device", "cpu", "--smoke",
               "--parts", "peers_sit"]
     texts = {}
     for case, path in (("installed", ""), ("hidden", str(hide))):
@@ -213,7 +212,7 @@ def test_the_smoke_check_s_peer_rows_have_ratios_and_name_their_package_and_an_a
 
 
 def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refused(tmp_path):
-    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke", "--parts", "env"]
+    script = [*GPU_CHECK, "--device", "cpu", "--smoke", "--parts", "env"]
     out = tmp_path / "g.md"
     proc = subprocess.run([*script, "--limit-scale", "0.5", "--out", str(out), "--workdir", str(tmp_path / "w")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -229,7 +228,7 @@ def test_limit_scale_multiplies_each_parts_limit_and_a_non_positive_one_is_refus
 def test_a_dopr_option_reaches_every_dopr_row_of_the_bench_parts_and_a_bad_one_is_refused(tmp_path):
     # --dopr-option solver=span: the DoPr rows eigendecompose (the profiles' ops say so) and the header says
     # which rule ran; without it the same rows factor by Cholesky and run no eigh
-    script = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--smoke", "--parts", "bench_sit"]
+    script = [*GPU_CHECK, "--device", "cpu", "--smoke", "--parts", "bench_sit"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for extra, eigh in ((["--dopr-option", "solver=span", "--dopr-option", "span_cap=3"], True), ([], False)):
         out = tmp_path / f"g{len(extra)}.md"

@@ -174,3 +174,66 @@ def test_dopr_is_small_and_names_no_damping_rule():
     health = ast.parse((ROOT / "dopr" / "health.py").read_text())   # the report, no damping rule in it
     defined = {n.name for n in ast.walk(health) if isinstance(n, ast.FunctionDef)}
     assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
+
+
+def _sources(*tops: str) -> list:
+    """The .py files under ROOT / each of `tops` ("." the whole checkout), hidden folders and run outputs
+    (a virtual environment, multirun/, outputs/, data/) left out."""
+    import os
+
+    skip = {"multirun", "outputs", "data", "runs", "results", "wandb", "__pycache__"}
+    out = []
+    for top in tops:
+        for folder, dirs, files in os.walk(ROOT / top):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
+            out += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(set(out))
+
+
+def _sys_path_changes(tree) -> list:
+    """The lines of `tree` that change sys.path: sys.path.insert / append / extend, an assignment to sys.path
+    or a slice of it, site.addsitedir."""
+    def is_path(n):
+        return isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
+                is_path(n.func.value) and n.func.attr in ("insert", "append", "extend") or n.func.attr == "addsitedir"):
+            lines.append(n.lineno)
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+        lines += [n.lineno for t in targets if is_path(t) or isinstance(t, ast.Subscript) and is_path(t.value)]
+    return sorted(lines)
+
+
+def test_the_tools_are_sorted_by_kind_and_the_wheel_is_dopr_alone():
+    """Issue 66 item 5: no .py file of the checkout changes sys.path (the suite, the benchmarks and the studies
+    run from the root as `python -m ...`; pytest gets tests/ and the root from pyproject's pythonpath);
+    scripts/ holds the shell tools only; no module imports a private name of another package; and the
+    packages that pyproject's find configuration selects among the checkout's are dopr and its subpackages."""
+    import fnmatch
+    import re
+
+    patched = [f"{p.relative_to(ROOT)}:{line}" for p in _sources(".") for line in _sys_path_changes(ast.parse(p.read_text()))]
+    assert not patched, f"sys.path changed at {patched}"
+    assert _sys_path_changes(ast.parse("import sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']")) == [2, 3]
+    not_shell = [p.name for p in (ROOT / "scripts").iterdir() if p.is_file() and p.suffix != ".sh"]
+    assert not not_shell, f"scripts/ is for the shell tools: {not_shell} (a benchmark goes to benchmarks/, a study to experiments/)"
+    private = []
+    for p in _sources(*PACKAGES):
+        name = _module_name(p)
+        own = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] in PACKAGES:
+                owner = n.module if (ROOT / n.module.replace(".", "/") / "__init__.py").exists() else n.module.rsplit(".", 1)[0]
+                private += [f"{name}: {n.module}.{a.name}" for a in n.names
+                            if a.name.startswith("_") and not a.name.startswith("__") and owner != own]
+    assert not private, f"private names imported from another package: {private}"
+    found = re.search(r"^\[tool\.setuptools\.packages\.find\]\n(?:#.*\n)*include = (\[.*\])$",
+                      (ROOT / "pyproject.toml").read_text(), re.M)
+    assert found, "pyproject.toml: [tool.setuptools.packages.find] include = [...]"
+    include = ast.literal_eval(found.group(1))
+    packages = {_module_name(p.parent / "__init__.py") for p in _sources(".") if p.name == "__init__.py"}
+    shipped = {n for n in packages if any(fnmatch.fnmatchcase(n, pattern) for pattern in include)}
+    assert "dopr" in shipped and "dopr.gp" in shipped
+    assert sorted(n for n in shipped if n.split(".")[0] != "dopr") == []

@@ -48,8 +48,8 @@ def test_full_runs_need_the_flag_to_replace_the_committed_tables(debug_sweep, tm
 
 
 def test_the_stamp_names_paths_inside_the_repository():
-    assert report._in_repo(str(ROOT / "multirun" / "x")) == "multirun/x"
-    assert report._in_repo("/elsewhere/sweep") == "/elsewhere/sweep"
+    assert report.in_repo(str(ROOT / "multirun" / "x")) == "multirun/x"
+    assert report.in_repo("/elsewhere/sweep") == "/elsewhere/sweep"
 
 
 def test_a_long_stamp_sits_under_the_axes_and_is_saved_whole(tmp_path):

@@ -1,11 +1,8 @@
-"""scripts/results_changes.py: the last line of `make demo`, what a regenerated results/ changed against
+"""experiments/common/results_changes.py: the last line of `make demo`, what a regenerated results/ changed against
 HEAD: rounding (every number within its last printed digit), the stamp alone, or a move."""
 import subprocess
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import results_changes  # noqa: E402
+from experiments.common import results_changes
 
 CSV = "optimizer,lr,dist\ndopr_muon,1.0,0.2551898\nmuon,0.01,0.3183369\n"
 MD = ("Runs made by `python run.py -m sweep=x` (1 run). Tables by `python -m experiments.report x` at commit "

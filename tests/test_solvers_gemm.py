@@ -213,15 +213,11 @@ def test_dopr_on_a_forced_route_takes_the_same_step(monkeypatch):
 
 def test_the_route_benchmark_writes_the_table_it_measured(tmp_path):
     import ast
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("bench_solvers", Path(__file__).parents[1] / "scripts" / "bench_solvers.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import bench_solvers as bench
     out = tmp_path / "routes.md"
     text = bench.main(["--routes", "--dims", "16,40", "--row-factors", "0.5,2", "--repeats", "1", "--threads", "1",
                        "--batch", "2", "--out", str(out)])
-    assert out.read_text() == text and "bench_solvers.py --routes" in text
+    assert out.read_text() == text and "python -m benchmarks.bench_solvers --routes" in text
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines() if ln[:4] in ("| 16", "| 40")]
     table = ast.literal_eval(text.split("CHOLESKY_ROUTE_TABLE['cpu']): `")[1].split("`")[0])
     kept = [r for r in rows if len(r) == 11]

@@ -340,7 +340,7 @@ def main(argv=None) -> None:
     import sys
     from pathlib import Path
 
-    from experiments.common.report import _in_repo, load_records, make_stamp, output_root
+    from experiments.common.report import in_repo, load_records, make_stamp, output_root
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("sweeps", nargs="+", help="width-sweep (multirun) directories")
@@ -364,12 +364,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
     out = output_root(args.out, args.sweeps, records, args.replace_results)
     command = "python -m experiments.appendix.report " + " ".join(
-        shlex.quote(_in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
+        shlex.quote(in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
     condition = ", ".join(f"{c} = {v}" for c, v in where.items()) or "all rows"
     earlier = args.keep.with_suffix(".md")
     origin = next((line.split(" Tables by ")[0] for line in earlier.read_text().splitlines()
                    if line.startswith("Runs made by ")), "") if earlier.is_file() else ""
-    stamp = make_stamp(records, command) + (f" Beside them {len(kept)} rows kept from `{_in_repo(str(args.keep))}` "
+    stamp = make_stamp(records, command) + (f" Beside them {len(kept)} rows kept from `{in_repo(str(args.keep))}` "
                                              f"({condition}){'; earlier r' + origin[1:].rstrip('.') if origin else ''}.")
     out.mkdir(parents=True, exist_ok=True)
     mup(records, out, stamp, kept_rows=kept)  # `kept` was read before anything is written: --out may be its folder

@@ -292,7 +292,7 @@ def _unfinished(sweep_dirs) -> int:
                if h.is_dir() and not (h.parent / "summary.json").exists())
 
 
-def _in_repo(arg: str) -> str:
+def in_repo(arg: str) -> str:
     """A path argument as the repository sees it (results/x, not /home/me/clone/results/x): `repo_path`."""
     return repo_path(arg)
 
@@ -364,7 +364,7 @@ def main(argv=None) -> None:
         by_sweep[(r["summary"]["task"], r["config"].sweep_name, bool(r["summary"].get("rehearsal")))].append(r)
     out_root = output_root(args.out, args.sweeps, records, args.replace_results)
     command = "python -m experiments.report " + " ".join(
-        shlex.quote(_in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
+        shlex.quote(in_repo(a)) for a in (argv if argv is not None else sys.argv[1:]))
     for (task, sweep, rehearsals), recs in sorted(by_sweep.items()):
         out = out_root / task / ("" if sweep == task else sweep)
         out.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,11 @@ class _LossModule(torch.nn.Module):
         return self.policy.loss(batch, gen)
 
 
+def loss_module(policy) -> torch.nn.Module:
+    """The bench's module of `policy`: module(batch) -> the flow loss, the same randomness every call."""
+    return _LossModule(policy)
+
+
 def paper_policy(t):
     """The task's paper-size policy, its shapes from the task config (experiments/robomimic/rehearse.py)."""
     return rehearse.paper_policy(t, *rehearse.shapes(t))
@@ -58,7 +63,7 @@ def step(argv) -> None:
 
     def make():
         low_dim, action_dim = rehearse.shapes(t)
-        return (_LossModule(paper_policy(t)), rehearse.synthetic_batch(t, args.batch, low_dim, action_dim), None,
+        return (loss_module(paper_policy(t)), rehearse.synthetic_batch(t, args.batch, low_dim, action_dim), None,
                 lambda loss, _: loss)
 
     name = f"{args.task}_policy_b{args.batch}"

@@ -42,6 +42,11 @@ class _LossModule(torch.nn.Module):
             return Transport("linear").loss(self.model, x1, y, gen)
 
 
+def loss_module(model, bf16: bool) -> torch.nn.Module:
+    """The bench's module of `model`: module(batch) -> the transport loss (bf16 autocast on CUDA if `bf16`)."""
+    return _LossModule(model, bf16)
+
+
 def step(argv) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=256)
@@ -53,7 +58,7 @@ def step(argv) -> None:
         torch.manual_seed(0)
         model = SiT_models[args.model](input_size=32)
         batch = {"x1": torch.randn(args.batch, 4, 32, 32), "y": torch.randint(1000, (args.batch,))}
-        return _LossModule(model, cuda), batch, None, lambda loss, _: loss
+        return loss_module(model, cuda), batch, None, lambda loss, _: loss
 
     name = f"{args.model.replace('/', '_')}_b{args.batch}" + ("_bf16" if cuda else "")
     step_bench.register_task(name, make, {})

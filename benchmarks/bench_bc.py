@@ -1,6 +1,6 @@
 """Time one real BC job (1000 training steps + 100 evaluation episodes of the EMA policy) per optimizer.
 
-    python scripts/bench_bc.py --task humanoid --threads 2 --out results/bench/bc_humanoid.md
+    python -m benchmarks.bench_bc --task humanoid --threads 2 --out results/bench/bc_humanoid.md
 
 Each job is the suite's own (`run.py task=<task> optim=<optim>` with the paper's settings and the
 committed expert's demonstrations), run in this process one after another; the table gives its
@@ -45,7 +45,7 @@ def main() -> None:
             rows.append((name, s["train_time_s"], s["eval_time_s"], s["wall_time_s"], s["return_mean"]))
     load1 = os.getloadavg()[0]
     rev = git_revision()
-    cmd = (f"python scripts/bench_bc.py --task {a.task} --threads {a.threads} --num-trajectories {a.num_trajectories}"
+    cmd = (f"python -m benchmarks.bench_bc --task {a.task} --threads {a.threads} --num-trajectories {a.num_trajectories}"
            + (f" --optims {a.optims}" if a.optims != ",".join(OPTIMS) else "") + (f" --out {a.out}" if a.out else ""))
     lines = [f"# One BC job ({a.task}, {a.num_trajectories} trajectories): 1000 training steps + 100 evaluation episodes", "",
              f"Made by `{cmd}` at commit `{rev}`; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -17,7 +17,7 @@ Every variant below runs in float32 and injects one bf16 effect at a time:
   span{z}, is removed. A Sigma and a G from different forwards come from two forwards of the same
   weights per step (the G forward gathers no statistics).
 
-    python scripts/bf16_drift.py [--out results/numerics/bf16_drift.md]
+    python -m experiments.studies.bf16_drift [--out results/numerics/bf16_drift.md]
 
 About 30 s on one core. ``tests/test_bf16_drift.py`` pins the ratio drift(DoPr) / drift(AdamW).
 """
@@ -25,18 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dopr  # noqa: E402
+import dopr
 
 STEPS = 10
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -417,7 +413,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     body = analyse()
     head = ["# bf16 autocast drift of DoPr-AdamW vs AdamW: a decomposition", "",
-            f"`python scripts/bf16_drift.py --out {args.out or '<out>'}`, commit {git_revision()}, "
+            f"`python -m experiments.studies.bf16_drift --out {args.out or '<out>'}`, commit {git_revision()}, "
             f"torch {torch.__version__}, {args.threads} thread(s), {time.time() - t0:.0f} s.", ""]
     emit_report(head + body, args.out)
 

@@ -1,6 +1,6 @@
 """Do two sets of runs give the same results? Compares the numbers of each run's summary.json.
 
-    python scripts/compare_summaries.py BEFORE_DIR AFTER_DIR [--out FILE.md]
+    python -m experiments.common.compare_summaries BEFORE_DIR AFTER_DIR [--out FILE.md]
 
 Each DIR holds one run folder per job (same names in both). Every numeric leaf of summary.json is
 compared but timings and provenance (keys ending in ``time_s``, ``git_revision``, ``packages``,

@@ -1,7 +1,7 @@
 """The step cost of DoPr's sample-space solve (dopr/sample_space.py) against the feature-space solve, where a
 layer sees fewer rows n than its dimension d.
 
-    python scripts/bench_sample_space.py [--cases mlp4096,lora4096] [--repeats 3] [--threads 2] [--out FILE.md]
+    python -m benchmarks.bench_sample_space [--cases mlp4096,lora4096] [--repeats 3] [--threads 2] [--out FILE.md]
 
 Cases (float32, CPU):
   mlp4096   Linear(4096, 4096) - tanh - Linear(4096, 4096), batch 256: n = 256 rows for d = 4097
@@ -29,9 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's dopr
-
-from dopr import DoPr  # noqa: E402
+from dopr import DoPr
 
 WIDTH, ROWS, RANK = 4096, 256, 64
 
@@ -113,7 +111,7 @@ def main() -> None:
                             cwd=Path(__file__).parent).stdout.strip()
     load0 = os.getloadavg()[0]
     results = [run_case(c, args.repeats) for c in args.cases.split(",")]
-    lines = [f"`python scripts/bench_sample_space.py {shlex.join(sys.argv[1:])}`", "",
+    lines = [f"`python -m benchmarks.bench_sample_space {shlex.join(sys.argv[1:])}`", "",
              f"commit {commit}, torch {torch.__version__}, CPU, {args.threads} threads, repeats {args.repeats} "
              f"(median), load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end", "",
              "One step (zero_grad, forward, backward, optimizer step), float32; R = step time / AdamW's. "

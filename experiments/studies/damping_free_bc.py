@@ -3,7 +3,7 @@ solver's ap.span_cap, or over ap.weak_share_bound, and seeds) beside the committ
 its tuned damping. The BC report groups runs by optimizer and trajectory count, which would pool the
 settings; this table keeps them apart (:func:`rule`).
 
-    python scripts/damping_free_bc.py multirun/damping_free/humanoid_span [more sweeps] \
+    python -m experiments.studies.damping_free_bc multirun/damping_free/humanoid_span [more sweeps] \
         --base results/humanoid/paper_humanoid/humanoid.csv [--out results/damping_free/humanoid.md]
 """
 from __future__ import annotations
@@ -12,13 +12,10 @@ import argparse
 import csv
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common.provenance import emit_report, git_revision  # noqa: E402
+from experiments.common.provenance import emit_report, git_revision
 
 
 def rule(overrides) -> tuple:
@@ -53,7 +50,7 @@ def main(argv=None) -> None:
         s = json.loads(summary.read_text())
         cells[(s["optim"], s["num_trajectories"], rule(s["overrides"]))].append((s["seed"], s["return_mean"], s["val_loss"]))
     base = {(r["optimizer"], int(r["num_trajectories"])): r for r in csv.DictReader(open(args.base))}
-    lines = [f"`python scripts/damping_free_bc.py {' '.join(args.sweeps)} --base {args.base}`", "",
+    lines = [f"`python -m experiments.studies.damping_free_bc {' '.join(args.sweeps)} --base {args.base}`", "",
              f"commit {git_revision()}; per-seed mean return over its evaluation episodes, median [min-max] over "
              "seeds; validation MSE, mean over seeds. The damped rows are the paper grid's cells (its table, "
              "same seeds 0-2, the tuned damping); the other rows replace the damping by the rule they name "

@@ -19,7 +19,7 @@ commit, the device and the torch / CUDA versions, and a table of the parts with 
               bf16 autocast's drift from float32 against the GP's own drift
   rehearse_*  `python run.py -m sweep=<paper sweep> rehearse=true` at the real per-GPU batch (paper_sit,
               paper_toolhang, sft_llama31_8b: its micro-batch of 2 x 4096 tokens) and their table
-  solvers     scripts/bench_solvers.py, when the checkout has it (its own report solvers_<device>.md)
+  solvers     python -m benchmarks.bench_solvers, when the checkout has it (its own report solvers_<device>.md)
   peers_*     benchmarks.peers: AdamW, DoPr-AdamW (k=1) and the published SOAP (f=10), Shampoo and PSGD-Kron
               (pytorch-optimizer, carried by scripts/gpu_deps.sh) round-robin on SiT-S/2 and Tool Hang at batch
               256: R vs AdamW, and whether DoPr-AdamW costs less than SOAP
@@ -57,13 +57,13 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the repository and the carried pure-Python dependencies (scripts/gpu_deps.sh), for this process, the
-#: parts and what they start (run.py): the check needs no virtual environment
+#: the repository and the carried pure-Python dependencies (scripts/gpu_deps.sh) on the PYTHONPATH of the
+#: parts and what they start (run.py): the check needs no virtual environment (scripts/gpu_check.sh sets it
+#: for this process; `python -m benchmarks.gpu_check` from the root needs none for its own imports)
 PATHS = [str(ROOT)] + [str(ROOT / ".gpu" / "deps")] * (ROOT / ".gpu" / "deps").is_dir()
 
 
 def setup_paths() -> None:
-    sys.path[:0] = [d for d in PATHS if d not in sys.path]
     os.environ["PYTHONPATH"] = os.pathsep.join(PATHS + [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                         if d and d not in PATHS])
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -86,7 +86,7 @@ PARTS = {
     "rehearse_paper_toolhang": (35, 120, "rehearse=true, sweep=paper_toolhang, batch 256"),
     "rehearse_sft_llama31_8b": (100, 120, "rehearse=true, sweep=sft_llama31_8b, 2 x 4096 tokens, bf16"),
     "rehearsal_table": (15, 60, "python -m experiments.common.rehearsal over the three sweeps"),
-    "solvers": (40, 120, "scripts/bench_solvers.py, if present"),
+    "solvers": (40, 120, "python -m benchmarks.bench_solvers, if present"),
     "peers_sit": (30, 120, "SiT-S/2 b256: SOAP f=10, Shampoo, PSGD-Kron vs AdamW (benchmarks.peers)"),
     "peers_toolhang": (40, 120, "Tool Hang policy b256: SOAP f=10, Shampoo, PSGD-Kron vs AdamW (benchmarks.peers)"),
 }
@@ -220,7 +220,7 @@ def task_sit(ctx):
     smoke: a 2-block SiT of width 64 on 8x8 latents, batch 2."""
     import torch
 
-    from experiments.sit.bench import _LossModule
+    from experiments.sit.bench import loss_module
     from experiments.sit.model import SiT, SiT_models
 
     size, n = (8, 2) if ctx.smoke else (32, 256)
@@ -229,7 +229,7 @@ def task_sit(ctx):
         model = (SiT(input_size=8, depth=2, hidden_size=64, num_heads=2, patch_size=2) if ctx.smoke
                  else SiT_models["SiT-S/2"](input_size=32))
         batch = {"x1": torch.randn(n, 4, size, size), "y": torch.randint(1000, (n,))}
-        return _LossModule(model, ctx.cuda), batch, None, lambda loss, _: loss
+        return loss_module(model, ctx.cuda), batch, None, lambda loss, _: loss
 
     name = ("SiT_tiny" if ctx.smoke else "SiT-S_2") + f"_b{n}" + ("_bf16" if ctx.cuda else "")
     return name, make, {}
@@ -240,14 +240,14 @@ def task_toolhang(ctx):
     by SUA (experiments/robomimic/bench.py); smoke: the test suite's tiny policy at batch 2."""
     ctx.need("hydra", "omegaconf")
     from experiments.robomimic import rehearse
-    from experiments.robomimic.bench import _LossModule, paper_policy
+    from experiments.robomimic.bench import loss_module, paper_policy
 
     t = _task_config("robomimic_toolhang", TINY_TOOLHANG if ctx.smoke else ())
     n = 2 if ctx.smoke else int(t.batch_size)
 
     def make():
         low_dim, action_dim = rehearse.shapes(t)
-        return _LossModule(paper_policy(t)), rehearse.synthetic_batch(t, n, low_dim, action_dim), None, lambda l, _: l
+        return loss_module(paper_policy(t)), rehearse.synthetic_batch(t, n, low_dim, action_dim), None, lambda l, _: l
 
     return f"toolhang_policy_b{n}", make, {"conv2d": "sua"}
 
@@ -602,15 +602,15 @@ def part_rehearsal_table(ctx) -> str:
 
 
 def part_solvers(ctx) -> str:
-    script = ROOT / "scripts" / "bench_solvers.py"
-    if not script.exists():
-        raise Skipped("scripts/bench_solvers.py is not in this checkout")
+    if not (ROOT / "benchmarks" / "bench_solvers.py").exists():
+        raise Skipped("benchmarks/bench_solvers.py is not in this checkout")
     out = ctx.out_dir / f"solvers_{slug(device_name(ctx))}{'_smoke' * ctx.smoke}.md"
-    cmd = [sys.executable, str(script), "--device", ctx.device, "--out", str(out)]
+    script = [sys.executable, "-m", "benchmarks.bench_solvers"]
+    cmd = [*script, "--device", ctx.device, "--out", str(out)]
     if ctx.smoke:
-        usage = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        usage = subprocess.run([*script, "--help"], cwd=ROOT, capture_output=True, text=True).stdout
         if "--smoke" not in usage:
-            raise Skipped("scripts/bench_solvers.py has no --smoke mode (its full run is for the GPU)")
+            raise Skipped("benchmarks/bench_solvers.py has no --smoke mode (its full run is for the GPU)")
         cmd.append("--smoke")
     ctx.write(f"`{shlex.join(['python3', *cmd[1:]])}`")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -838,13 +838,13 @@ def main(argv=None) -> int:
     out_dir = out.parent if out else (ROOT / (".gpu" if args.smoke else "results/bench"))
     out_dir.mkdir(parents=True, exist_ok=True)
     command = (os.environ.get("GPU_CHECK_COMMAND")   # set by scripts/gpu_check.sh
-               or shlex.join(["python3", "scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]))
+               or shlex.join(["python3", "-m", "benchmarks.gpu_check", *(sys.argv[1:] if argv is None else argv)]))
     if args.smoke and args.device == "cpu":   # tiny shapes: one thread each, no oversubscribed shared CPU
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = []
     for name in parts:
         limit = PARTS[name][1 if args.smoke else 0] * args.limit_scale
-        child = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--workdir", str(workdir),
+        child = [sys.executable, "-m", "benchmarks.gpu_check", "--part", name, "--workdir", str(workdir),
                  "--device", args.device, "--out-dir", str(out_dir)]
         child += ["--smoke"] * args.smoke + (["--fail", args.fail] if args.fail else [])
         child += ["--dopr-options-json", json.dumps(options)] if options else []

@@ -7,8 +7,8 @@ the keys of the GP's winning setting it failed to copy. The GP's and DoPr's winn
 composed with Hydra from the protocol sweep and each arm's recorded overrides, which stands in for
 the tuning jobs' .hydra/config.yaml.
 
-    python scripts/rederive_selections.py            # list edges and at-GP mismatches
-    python scripts/rederive_selections.py --write    # also rewrite selection.json/.md and the presets
+    python -m experiments.common.rederive_selections            # list edges and at-GP mismatches
+    python -m experiments.common.rederive_selections --write    # also rewrite selection.json/.md and the presets
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import yaml
 
 from experiments.common import tuning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
-ACCEPTED = ("re-derived from the committed selection.json by scripts/rederive_selections.py, which runs nothing: "
+ACCEPTED = ("re-derived from the committed selection.json by experiments/common/rederive_selections.py, which runs nothing: "
             "the grids were not widened and the committed results ran these winners; widen the flagged axes "
             "before the next protocol run")
 
@@ -68,7 +68,7 @@ def rederive(path: Path, group: Path) -> dict:
             a["dopr_knobs_fixed"], a["dopr_knobs_tuned"] = tuning.dopr_knobs(a)
     edges = [{"arm": arm, **e} for arm, a in sel["arms"].items() for e in a["at_grid_edge"]]
     sel["fresh_seeds"], sel["fresh_seeds_from"] = seeds, f"{Path(source).relative_to(ROOT)} (recorded afterwards by " \
-                                                         "scripts/rederive_selections.py)"
+                                                         "experiments/common/rederive_selections.py)"
     sel["accept_edge"] = {"reason": ACCEPTED, "edges": edges} if edges else None
     return sel
 

@@ -4,7 +4,7 @@ grid, tuning seed and fresh seeds). The protocol's own `tuning select` pairs eac
 tune; the GP's tune is committed (`results/sit_digits/protocol/selection.json`) and its code is untouched
 by the rule, so this table reads it from there rather than re-running it.
 
-    python scripts/damping_free_sit_digits.py --rule "span cap 3" \
+    python -m experiments.studies.damping_free_sit_digits --rule "span cap 3" \
         --tune multirun/damping_free/sit_digits_tune_span_cap3 \
         --fresh multirun/damping_free/sit_digits_protocol_span_cap3 \
         --committed results/sit_digits/protocol [--out results/damping_free/sit_digits_cap3.md]
@@ -20,12 +20,9 @@ import csv
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common.provenance import emit_report, git_revision  # noqa: E402
+from experiments.common.provenance import emit_report, git_revision
 
 METRICS = ("quality", "best_quality", "train_loss")
 
@@ -94,7 +91,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"fresh seeds {seeds} overlap the tuning seeds {selection['seeds']}")
     tune_args = (f"--tune {' '.join(args.tune)}" if tune else
                  f"--tuned-lr {args.tuned_lr:g} --tune-source '{args.tune_source}'")
-    lines = [f"`python scripts/damping_free_sit_digits.py --rule '{args.rule}' {tune_args} "
+    lines = [f"`python -m experiments.studies.damping_free_sit_digits --rule '{args.rule}' {tune_args} "
              f"--fresh {' '.join(args.fresh)} "
              f"--committed {args.committed}`", "",
              f"commit {git_revision()}; {metric} ({mode}) on tuning seeds {selection['seeds']}, the rule's rate chosen "

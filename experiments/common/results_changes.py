@@ -1,6 +1,6 @@
 """What a regeneration of results/ changed against the commit, in one line (the last step of `make demo`).
 
-    python scripts/results_changes.py [--since EPOCH_SECONDS] [FOLDER=results]
+    python -m experiments.common.results_changes [--since EPOCH_SECONDS] [FOLDER=results]
 
 Compares each file under FOLDER that differs from git HEAD with HEAD's version. A table (CSV, markdown,
 JSON) whose numbers all agree to their last printed digit (never finer than the tables' rounding,
@@ -15,13 +15,12 @@ import argparse
 import math
 import re
 import subprocess
-import sys
 from decimal import Decimal
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from experiments.common.report import SIGNIFICANT_DIGITS  # noqa: E402
+from experiments.common.report import SIGNIFICANT_DIGITS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?(?![\w.])")
 STAMP = re.compile(r"^(?:Runs made by |Made by ).*$", re.M)   # experiments/common/report.py make_stamp's line

@@ -1,7 +1,7 @@
 """The CPU step benchmarks of two commits side by side, in one run: each benchmark runs on the old
 commit (a temporary git worktree) and then on this checkout, with the same command.
 
-    python scripts/bench_before_after.py --before 705145b --out results/bench/before_after_cpu.md
+    python -m benchmarks.bench_before_after --before 705145b --out results/bench/before_after_cpu.md
         [--only dopr,sit,robomimic]
 
 The benchmarks are the committed ones (results/bench/cpu.md, results/sit/bench_step_cpu.md,
@@ -60,7 +60,7 @@ def main(argv=None):
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = "-dirty" if subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip() else ""
-    lines = [f"`python scripts/bench_before_after.py --before {args.before} --out {args.out}"
+    lines = [f"`python -m benchmarks.bench_before_after --before {args.before} --out {args.out}"
              + (f" --only {args.only}" if args.only != ",".join(BENCHES) else "") + "`", "",
              f"before: {args.before}; after: {head}{dirty}. Each benchmark ran on the old commit, then on this one.", ""]
     with tempfile.TemporaryDirectory() as tmp:

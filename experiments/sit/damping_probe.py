@@ -3,13 +3,13 @@ timestep MLP): an ablation of the suite's default (damping 1e-4 tr(Sigma), no EM
 layer; the paper prints no damping for SiT, 1e-4 is its value for the robot and muP LM runs). 600 steps of the analogue's model and data (batch 64, lr 1e-3, no weight EMA, no evaluation)
 per variant and seed; the mean training loss per 150-step window.
 
-    python scripts/sit_damping_probe.py [--steps 600] [--seeds 0 1] [--out results/sit_digits/damping_probe.md]
+    python -m experiments.sit.damping_probe [--steps 600] [--seeds 0 1] [--out results/sit_digits/damping_probe.md]
 
 `--model s2` confirms on SiT-S/2 at its real size (input 32x32x4, 1000 classes, 33M parameters; the
 same timestep embedder) on the digits brought to that shape (upsampled, the channel repeated), at the
 ImageNet preset's lr 1e-4 and a small batch:
 
-    python scripts/sit_damping_probe.py --model s2 --steps 200 --batch 4 --lr 1e-4 --window 50 --seeds 0 \
+    python -m experiments.sit.damping_probe --model s2 --steps 200 --batch 4 --lr 1e-4 --window 50 --seeds 0 \
         --variants adamw "dopr 1e-4 (the suite's default)" "dopr 1e-4, timestep layer on the GP" "dopr 1e-3" \
         --out results/sit/s2_confirmation.md
 
@@ -26,13 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dopr  # noqa: E402
-from experiments.common.provenance import atomic_write, emit_report, git_revision  # noqa: E402
-from experiments.sit.data import digits, mnist  # noqa: E402
-from experiments.sit.model import build_model  # noqa: E402
-from experiments.sit.transport import Transport  # noqa: E402
+import dopr
+from experiments.common.provenance import atomic_write, emit_report, git_revision
+from experiments.sit.data import digits, mnist
+from experiments.sit.model import build_model
+from experiments.sit.transport import Transport
 
 TIME_LAYER = "t_embedder.mlp.0"   # reads the 256-d sinusoid of t
 #: name -> DoPr options (None: AdamW alone) and the clip of G before the step
@@ -126,7 +124,7 @@ def main(argv=None) -> None:
     windows = [str(s) for s in range(args.window, args.steps + 1, args.window)]
     shape = ("task=sit_digits' model (depth 4, width 96, patch 2) and data" if args.model == "digits" else
              "SiT-S/2 (depth 12, width 384, patch 2, input 32x32x4, 1000 classes) on the digits upsampled to 32x32x4")
-    lines = [f"`python scripts/sit_damping_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+    lines = [f"`python -m experiments.sit.damping_probe {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"commit {git_revision()}, torch {torch.__version__}, {args.threads} thread(s); {shape}, batch "
              f"{args.batch}, lr {args.lr:g}, no weight EMA, seeds {args.seeds}. "
              "Mean training loss per window (median over seeds), and the last window's range over seeds.", "",

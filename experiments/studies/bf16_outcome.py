@@ -4,7 +4,7 @@ DoPr-AdamW, two seeds:
 
     python run.py -m task=sit_digits '+tuned/sit_digits=adamw,dopr_adamw' seed=0,1 \
         task.bf16=false,any_device task.steps=1000 hydra.sweep.dir=multirun/bf16_outcome
-    python scripts/bf16_outcome.py multirun/bf16_outcome --out results/numerics/bf16_outcome.md
+    python -m experiments.studies.bf16_outcome multirun/bf16_outcome --out results/numerics/bf16_outcome.md
 
 Per optimizer and precision: the final FD-digits and training loss of each seed. The verdict: bf16 is worse
 "beyond the seed spread" when every bf16 seed is worse than every float32 seed (the two ranges do not
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     revisions = sorted({s.get("git_revision", "?") for *_, s in rows})
     text = (f"# bf16 autocast against float32: the SiT digits task, 1000 steps\n\n"
             f"Runs at {', '.join(revisions)}: `python run.py -m task=sit_digits '+tuned/sit_digits=adamw,dopr_adamw' "
-            f"seed=0,1 task.bf16=false,any_device task.steps=1000`; table by `python scripts/bf16_outcome.py`.\n\n"
+            f"seed=0,1 task.bf16=false,any_device task.steps=1000`; table by `python -m experiments.studies.bf16_outcome`.\n\n"
             + table(rows) + "\n")
     if args.out:
         args.out.write_text(text)

@@ -1,5 +1,5 @@
 """Issue 48's first probe: the damping-free AP rules against the tuned damping on the digits SiT
-(task=sit_digits' model and data, the setting of scripts/sit_damping_probe.py, whose ``probe`` trains
+(task=sit_digits' model and data, the setting of experiments/sit/damping_probe.py, whose ``probe`` trains
 each variant: batch 64, lr 1e-3, no weight EMA), DoPr-AdamW under
 
 * damping 1e-3 tr(Sigma) (the setting that trains), 1e-4 tr(Sigma) (the one that does not:
@@ -9,7 +9,7 @@ each variant: batch 64, lr 1e-3, no weight EMA), DoPr-AdamW under
 and AdamW alone. Prints a Markdown table: the mean training loss of the last window (median over seeds,
 and the seeds' range) and the wall time per step.
 
-    python scripts/damping_free_probe.py [--steps 600] [--seeds 0] [--threads 1] [--model digits] [--out FILE]
+    python -m experiments.studies.damping_free_probe [--steps 600] [--seeds 0] [--threads 1] [--model digits] [--out FILE]
 
 ``--model mnist`` probes task=sit_mnist's model and data instead (the 5000 28x28 digits, patch 4: 49 tokens an
 image), the same batch and rate.
@@ -28,11 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sit_damping_probe import probe  # noqa: E402
-from experiments.common.provenance import atomic_write, emit_report, git_revision  # noqa: E402
+from experiments.common.provenance import atomic_write, emit_report, git_revision
+from experiments.sit.damping_probe import probe
 
 #: name -> DoPr options (None: AdamW alone)
 VARIANTS = {
@@ -108,7 +105,7 @@ def main(argv=None) -> None:
                   file=sys.stderr, flush=True)
             if cache_path:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
-    lines = [f"`python scripts/damping_free_probe.py {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
+    lines = [f"`python -m experiments.studies.damping_free_probe {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"commit {git_revision()}, torch {torch.__version__}, device {args.device}, {args.threads} thread(s); task=sit_{args.model}' model "
              f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
              f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "

@@ -1,9 +1,9 @@
 """Which factorisation suits the device: a Cholesky solve (two triangular solves, trsm) against an explicit
 inverse applied by one GEMM, and against the GEMM-only Newton-Schulz inverse in float32 and bfloat16.
 
-    python scripts/bench_solvers.py [--device cpu|cuda] [--dims 64,256,384,1024,4096] [--rows R]
+    python -m benchmarks.bench_solvers [--device cpu|cuda] [--dims 64,256,384,1024,4096] [--rows R]
         [--batch B] [--repeats 10] [--threads 2] [--out FILE.md]
-    python scripts/bench_solvers.py --routes [--device cpu|cuda] [--dims ...] [--row-factors 0.25,1,4]
+    python -m benchmarks.bench_solvers --routes [--device cpu|cuda] [--dims ...] [--row-factors 0.25,1,4]
         [--batch B] [--repeats 5] [--threads 1] [--out FILE.md]
 
 ``--routes`` (issue 61) measures the device's table for dopr.solvers.CHOLESKY_ROUTE_TABLE: per (d, rows), a
@@ -51,10 +51,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the checkout's benchmarks/ package
-
-from benchmarks.bench import environment  # noqa: E402
-from dopr import solvers  # noqa: E402
+from benchmarks.bench import environment
+from dopr import solvers
 
 DAMPING, RCOND = 1e-4, 1e-6  # DoPr's defaults: damping (mode 'trace') and eigh_rcond
 MARGIN = 0.1                 # --routes: another route replaces cholesky_solve where it is >10% faster
@@ -234,7 +232,7 @@ def main(argv=None) -> str:
     torch.set_num_threads(args.threads)
     commit, device_name = environment(args.device)
     load0 = os.getloadavg()[0]
-    command = f"python scripts/bench_solvers.py {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+    command = f"python -m benchmarks.bench_solvers {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
     dims = [int(s) for s in args.dims.split(",")]
     if args.routes:
         factors = [float(f) for f in args.row_factors.split(",")]
