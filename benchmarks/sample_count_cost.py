@@ -1,6 +1,6 @@
 """CPU step cost of the sample-count damping rule against the trace rule (issue 67 item 2).
 
-    python scripts/sample_count_cost.py [--batch 256] [--steps 20] [--repeats 5] [--threads 1] [--out FILE.md]
+    python -m benchmarks.sample_count_cost [--batch 256] [--steps 20] [--repeats 5] [--threads 1] [--out FILE.md]
 
 DoPr-AdamW on the benchmark's residual MLP (benchmarks.bench.ResMLP), one fixed random batch, one fresh
 seeded model per rule; the rules step in turn (round-robin: each repeat times --steps steps of each, the
@@ -65,7 +65,7 @@ def main(argv=None) -> str:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     base = statistics.median(times[next(iter(times))])
-    lines = [f"`python scripts/sample_count_cost.py {shlex.join(sys.argv[1:] if argv is None else argv)}`", "",
+    lines = [f"`python -m benchmarks.sample_count_cost {shlex.join(sys.argv[1:] if argv is None else argv)}`", "",
              f"commit {commit}{'-dirty' if dirty else ''}, {datetime.datetime.now().isoformat(timespec='seconds')}, "
              f"torch {torch.__version__}, cpu, {args.threads} thread(s), ResMLP (348-256-256-256-17), batch "
              f"{args.batch}, {args.repeats} round-robin repeats of {args.steps} steps, load average {load0:.2f} at "
