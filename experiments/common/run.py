@@ -48,16 +48,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    """dopr.build from the `optim` group (name and GP arguments) and, for the dopr_* optimizers,
-    the `ap` group (the AP's options)."""
+    """dopr.build from the `optim` group (the GP and its arguments) and, when it says `ap: true`, the
+    `ap` group (the AP's options)."""
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     gp, ap = optim_identity(optim)
     kwargs = gp_arguments(optim)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if ap:
-        kwargs.update(OmegaConf.to_container(cfg.ap, resolve=True))
-    return dopr.build(model, dopr.optimizer_name(gp, ap), **kwargs)
+    return dopr.build(model, gp, ap=OmegaConf.to_container(cfg.ap, resolve=True) if ap else None, **kwargs)
 
 
 def numpy_array_globals() -> list:
