@@ -213,6 +213,6 @@ def test_no_dopr_prefix_is_parsed_outside_the_one_reader_of_names():
     assert _dopr_prefix_parsing('c = s["dopr"] if "dopr" in s else {}\nk = "dopr_knobs" in arm\n') == []   # keys
     reader = ROOT / "dopr" / "names.py"
     assert _dopr_prefix_parsing(reader.read_text())   # the reader is where the parsing is
-    found = {f"{p.relative_to(ROOT)}:{line}" for pkg in (*PACKAGES, "scripts") for p in sorted((ROOT / pkg).rglob("*.py"))
+    found = {f"{p.relative_to(ROOT)}:{line}" for pkg in (*PACKAGES, "scripts", "examples") for p in sorted((ROOT / pkg).rglob("*.py"))
              if p != reader for line in _dopr_prefix_parsing(p.read_text())}
     assert not found, f"read the name with dopr.split_name (or experiments.common.arms.Arm.read): {sorted(found)}"
