@@ -45,7 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils import flop_counter
 
 import dopr
-from dopr.factory import optimizer_name
+from dopr.names import optimizer_name, split_name
 from dopr.gp.peers import PEERS as GP_PEERS
 
 WARMUP = 2  # untimed steps per row (optimizer state allocation, first refresh)
@@ -305,7 +305,7 @@ class Row:
             dopr.enable_compiled_capture()
         self.forward = torch.compile(self.model) if compile_model else self.model
         kw = {"damping": 1e-4, "precond_every": k, **TASKS[task][1], **(options or {})} if k else {}
-        self.opt = dopr.build(self.model, optimizer_name(gp, k > 0), lr=1e-3, **kw, **(gp_kwargs or {}))
+        self.opt = dopr.build(self.model, gp, ap=kw if k else None, lr=1e-3, **(gp_kwargs or {}))
         if not k and gp in PEER_REFRESH:   # its refresh in its label; SOAP's period amortised as DoPr's k
             key, letter, _, amortised = PEER_REFRESH[gp]
             every = self.opt.defaults[key]
@@ -460,7 +460,7 @@ def target_checks(results: dict) -> list:
     """PASS / FAIL lines for the targets, from {model: {row label: row}} (AdamW rows)."""
     out = []
     for label, row in results.get("transformer", {}).items():
-        if label.startswith("dopr_adamw"):
+        if split_name(label.split(" k=")[0]) == ("adamw", True):
             r, m = row["R"], row["R_model"]
             out.append(f"transformer/{label}: R - 1 = {r - 1:.3f} vs {SLACK} (R_model - 1) = {SLACK * (m - 1):.3f} -> "
                        f"{'PASS' if r - 1 <= SLACK * (m - 1) else 'FAIL'}  ")

@@ -516,7 +516,7 @@ def part_agreement(ctx) -> str:
     for name in ("dopr_sgd", "dopr_adamw", "dopr_muon"):
         def same(name=name):
             r = rel(train(dev, torch.float64, name)[0], train("cpu", torch.float64, name)[0])
-            gp = name.removeprefix("dopr_")
+            gp = dopr.split_name(name)[0]
             r0 = rel(train(dev, torch.float64, gp)[0], train("cpu", torch.float64, gp)[0])
             bound = amplify * (r0 + 5 * torch.finfo(torch.float64).eps)
             return r <= bound, f"rel. difference {r:.1e}; {gp}'s own {r0:.1e}, bound {bound:.1e}"

@@ -1,28 +1,20 @@
 """One factory for every optimizer of the suite: each registered GP (dopr.gp.GPS: sgd, adamw, signum,
-lion, muon, adamuon, soap, shampoo, kron), plain or wrapped in DoPr. An optimizer's identity is the pair (gp, ap); its
-user-facing name is ``gp`` or ``"dopr_" + gp`` (:func:`optimizer_name`, :func:`split_name`)."""
+lion, muon, adamuon, soap, shampoo, kron), plain or wrapped in DoPr. An optimizer's identity is the pair (gp, ap):
+``build(model, gp, ap=None, **gp_kwargs)``; its name (runs, reports) is derived from it (:mod:`dopr.names`)."""
 from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from .gp import GPS, build_gp
+from .names import AP_PREFIX, optimizer_name, split_name  # noqa: F401  (the names' home is dopr.names)
 from .optimizer import DoPr
 from .options import DoPrOptions
 
 DOPR_KWARGS = DoPrOptions.names()
-AP_PREFIX = "dopr_"
-
-
-def optimizer_name(gp: str, ap: bool) -> str:
-    """The user-facing name of GP ``gp`` alone (``ap`` false) or wrapped in DoPr: "adamw", "dopr_adamw"."""
-    return AP_PREFIX + gp if ap else gp
-
-
-def split_name(name: str) -> tuple:
-    """(gp, ap) of an optimizer name: ("adamw", True) for "dopr_adamw", ("adamw", False) for "adamw".
-    Syntax only (reports read names of runs); :func:`build` checks that the GP is registered."""
-    return (name[len(AP_PREFIX):], True) if name.startswith(AP_PREFIX) else (name, False)
 
 
 def names() -> tuple:
@@ -34,18 +26,36 @@ def names() -> tuple:
 NAMES = names()
 
 
-def build(model: nn.Module, name: str, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.Optimizer:
-    """``build(model, "dopr_adamw", lr=1e-3, damping=1e-4)``: the GP over the model's trainable
-    parameters, wrapped in :class:`DoPr` when ``name`` starts with ``dopr_``.
+def build(model: nn.Module, gp: str, ap=None, **gp_kwargs) -> torch.optim.Optimizer:
+    """``build(model, "adamw", lr=1e-3)``: the GP ``gp`` (a registered name, :data:`dopr.gp.GPS`) over the
+    model's trainable parameters; ``gp_kwargs`` (lr, weight_decay and the GP's own) go to it. With ``ap``
+    (a :class:`dopr.options.DoPrOptions`, or a dict of some of its fields: ``{}`` for the defaults) it is
+    wrapped in :class:`DoPr` with those options: ``build(model, "adamw", ap={"damping": 1e-4}, lr=1e-3)``.
 
-    Keywords that name a :class:`dopr.options.DoPrOptions` field go to DoPr; the rest to the GP.
+    The old form ``build(model, "dopr_adamw", lr=1e-3, damping=1e-4)`` (the DoPr options among the
+    keywords) still works, with a DeprecationWarning.
     """
-    gp, ap = split_name(name)
+    if ap is None and gp not in GPS:
+        gp, ap, gp_kwargs = _read_old_form(gp, gp_kwargs)
     if gp not in GPS:
+        raise ValueError(f"Unknown gradient preconditioner {gp!r}; valid names: {list(GPS)}")
+    if ap is not None and not isinstance(ap, (DoPrOptions, Mapping)):
+        raise TypeError(f"ap must be None (the GP alone), a DoPrOptions or a dict of its fields ({{}}: the "
+                        f"defaults), got {type(ap).__name__} {ap!r}")
+    misplaced = sorted(set(gp_kwargs) & set(DOPR_KWARGS))
+    if misplaced:
+        raise TypeError(f"{misplaced} are DoPr options, not arguments of GP {gp!r}: pass them as ap={{...}}")
+    base = build_gp(model, gp, **gp_kwargs)
+    return base if ap is None else DoPr(model, base, ap)
+
+
+def _read_old_form(name: str, kwargs: dict) -> tuple:
+    """(gp, ap, gp_kwargs) of the deprecated ``build(model, "dopr_<gp>", **kwargs)``: the keywords that
+    name a DoPr option go to ``ap``, the rest to the GP."""
+    gp, wrapped = split_name(name)
+    if not wrapped or gp not in GPS:
         raise ValueError(f"Unknown optimizer {name!r}; valid names: {list(names())}")
-    ap_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in DOPR_KWARGS}
-    if ap_kwargs and not ap:
-        raise TypeError(f"{sorted(ap_kwargs)} are DoPr options; {name!r} is a plain GP "
-                        f"(use {optimizer_name(gp, True)!r})")
-    base = build_gp(model, gp, lr=lr, weight_decay=weight_decay, **kwargs)
-    return DoPr(model, base, **ap_kwargs) if ap else base
+    warnings.warn(f"dopr.build(model, {name!r}, ...) is deprecated: use dopr.build(model, {gp!r}, ap={{...}}, ...) "
+                  "with the DoPr options in ap", DeprecationWarning, stacklevel=3)
+    gp_kwargs = dict(kwargs)
+    return gp, {k: gp_kwargs.pop(k) for k in list(gp_kwargs) if k in DOPR_KWARGS}, gp_kwargs

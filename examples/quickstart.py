@@ -27,10 +27,11 @@ def main(steps=300):
     x, y = make_data(4096, g)
     xv, yv = x[-1024:], y[-1024:]
     x, y = x[:-1024], y[:-1024]
-    for name in ("adamw", "dopr_adamw"):
+    for ap in (None, {"damping": 1e-4}):   # AdamW alone, then DoPr over it
+        name = dopr.optimizer_name("adamw", ap)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
-        opt = dopr.build(model, name, lr=1e-3, weight_decay=0.0, **({"damping": 1e-4} if name.startswith("dopr") else {}))
+        opt = dopr.build(model, "adamw", ap=ap, lr=1e-3, weight_decay=0.0)
         if isinstance(opt, dopr.DoPr):
             print("coverage:\n  " + opt.coverage_table().replace("\n", "\n  "))
         for step in range(steps):

@@ -15,6 +15,7 @@ from experiments.bc import demos, train  # noqa: E402
 from experiments.bc import report as bc_report  # noqa: E402
 from experiments.bc.evaluate import rollout  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
+from experiments.common.optim import optim_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GPS = ["adamw", "muon", "signum", "adamuon"]
@@ -223,7 +224,7 @@ def test_observation_clip_bounds_what_the_first_layer_sees():
 ])
 def test_paper_hyperparameter_presets(task, optim, n, lr, wd, damping, compose):
     cfg = compose(f"task={task}", f"+tuned/{task}={optim}", f"task.num_trajectories={n}")
-    assert cfg.optim.name == optim and cfg.optim.lr == pytest.approx(lr) and cfg.optim.weight_decay == pytest.approx(wd)
+    assert optim_name(cfg.optim) == optim and cfg.optim.lr == pytest.approx(lr) and cfg.optim.weight_decay == pytest.approx(wd)
     if damping is not None:
         assert cfg.ap.damping == pytest.approx(damping)
     bad = compose(f"task={task}", f"+tuned/{task}={optim}", "task.num_trajectories=15")

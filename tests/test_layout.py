@@ -237,3 +237,45 @@ def test_the_tools_are_sorted_by_kind_and_the_wheel_is_dopr_alone():
     shipped = {n for n in packages if any(fnmatch.fnmatchcase(n, pattern) for pattern in include)}
     assert "dopr" in shipped and "dopr.gp" in shipped
     assert sorted(n for n in shipped if n.split(".")[0] != "dopr") == []
+
+
+# ------------------------------------------------------------------ the optimizer's identity as arguments (issue 66)
+_STRING_READERS = {"startswith", "endswith", "removeprefix", "removesuffix", "partition", "rpartition", "split",
+                   "rsplit", "replace", "find", "rfind", "index", "rindex"}
+
+
+def _dopr_prefix_parsing(source: str) -> list:
+    """The lines of `source` that read an optimizer name by its "dopr_" prefix: a string method called with a
+    "dopr..." literal (or f-string, or AP_PREFIX), `"dopr_" in name`, or a [5:] slice on a line naming dopr."""
+    def is_prefix(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value.startswith("dopr")
+        if isinstance(node, ast.JoinedStr) and node.values:
+            return is_prefix(node.values[0])
+        return isinstance(node, (ast.Name, ast.Attribute)) and getattr(node, "id", getattr(node, "attr", "")) == "AP_PREFIX"
+
+    lines, found = source.splitlines(), set()
+    for n in ast.walk(ast.parse(source)):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _STRING_READERS
+                and any(is_prefix(a) for a in n.args)):
+            found.add(n.lineno)
+        elif (isinstance(n, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops) and is_prefix(n.left)
+              and getattr(n.left, "value", "dopr_") == "dopr_"):   # not a key: "dopr" in summary, "dopr_knobs" in arm
+            found.add(n.lineno)
+        elif (isinstance(n, ast.Slice) and isinstance(n.lower, ast.Constant) and n.lower.value == 5
+              and "dopr" in lines[n.lineno - 1]):
+            found.add(n.lineno)
+    return sorted(found)
+
+
+def test_no_dopr_prefix_is_parsed_outside_the_one_reader_of_names():
+    """An optimizer is (gp, ap): dopr.build(model, gp, ap=...), the suite's `gp:` / `ap:`, tuning's Arm records.
+    Its name is derived (dopr.optimizer_name) and read back only by dopr/names.py's split_name."""
+    assert _dopr_prefix_parsing('if n.startswith("dopr_"):\n    g = n.removeprefix(f"dopr_{x}")\n'
+                                'ok = "dopr_" in n or n[5:] == "dopr"\n') == [1, 2, 3]   # the finder finds them
+    assert _dopr_prefix_parsing('c = s["dopr"] if "dopr" in s else {}\nk = "dopr_knobs" in arm\n') == []   # keys
+    reader = ROOT / "dopr" / "names.py"
+    assert _dopr_prefix_parsing(reader.read_text())   # the reader is where the parsing is
+    found = {f"{p.relative_to(ROOT)}:{line}" for pkg in (*PACKAGES, "scripts", "examples") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if p != reader for line in _dopr_prefix_parsing(p.read_text())}
+    assert not found, f"read the name with dopr.split_name (or experiments.common.arms.Arm.read): {sorted(found)}"

@@ -226,3 +226,55 @@ def test_the_checkpoint_helpers_round_trip_dopr_and_plain_optimizers(name):
         plain = torch.optim.AdamW(model2.parameters()).state_dict()
         with pytest.raises(ValueError, match="no 'dopr' entry"):
             load_optimizer_state_dict(model2, opt2, plain)
+
+
+# ------------------------------------------------------------------------------ the factory's arguments
+def _groups_without_params(opt):
+    """Each group the members step with: its hyperparameters and its parameters' shapes, in order."""
+    return [({k: v for k, v in g.items() if k != "params"}, [tuple(p.shape) for p in g["params"]])
+            for g in _member_groups(opt)]
+
+
+@pytest.mark.parametrize("gp", ["adamw", "muon"])
+def test_the_deprecated_name_form_warns_and_builds_the_optimizer_of_the_new_form(gp):
+    """build(model, "dopr_<gp>", damping=...) is build(model, gp, ap={"damping": ...}): the same options,
+    the same param groups, the same first step bit for bit."""
+    torch.manual_seed(0)
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    new = dopr.build(model, gp, ap={"damping": 1e-3, "precond_ema": 0.9}, lr=0.01, weight_decay=0.1)
+    with pytest.warns(DeprecationWarning, match=rf"dopr.build\(model, 'dopr_{gp}', ...\) is deprecated: use "
+                                                rf"dopr.build\(model, '{gp}', ap=\{{...\}}, ...\)"):
+        old = dopr.build(twin, f"dopr_{gp}", lr=0.01, weight_decay=0.1, damping=1e-3, precond_ema=0.9)
+    assert isinstance(new, DoPr) and isinstance(old, DoPr) and new.options == old.options
+    assert new.options.damping == 1e-3 and new.options.precond_ema == 0.9
+    assert _groups_without_params(new) == _groups_without_params(old)
+    for opt, m in ((new, model), (old, twin)):
+        opt.zero_grad()
+        _loss(m, 0).backward()
+        opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_build_without_ap_is_the_gp_alone_and_with_options_is_dopr_with_them():
+    model = _mlp()
+    plain = dopr.build(model, "sgd", lr=0.1)
+    assert isinstance(plain, dopr.SGD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the new form and a plain name do not warn
+        wrapped = dopr.build(_mlp(), "sgd", ap=dopr.DoPrOptions(damping=1e-2), lr=0.1)
+        dopr.build(_mlp(), "adamw", lr=0.1)
+    assert isinstance(wrapped, DoPr) and isinstance(wrapped.base, dopr.SGD) and wrapped.options.damping == 1e-2
+    assert dopr.build(_mlp(), "sgd", ap={}, lr=0.1).options == dopr.DoPrOptions()   # {}: DoPr's defaults
+
+
+def test_build_refuses_bad_identities_with_the_reason():
+    with pytest.raises(TypeError, match=r"ap must be None \(the GP alone\), a DoPrOptions or a dict .* got bool True"):
+        dopr.build(_mlp(), "adamw", ap=True, lr=0.1)
+    with pytest.raises(TypeError, match=r"\['damping'\] are DoPr options, not arguments of GP 'adamw': pass them as ap="):
+        dopr.build(_mlp(), "adamw", lr=0.1, damping=1e-3)
+    with pytest.raises(ValueError, match=r"Unknown gradient preconditioner 'adam'; valid names: \['sgd'"):
+        dopr.build(_mlp(), "adam", ap={}, lr=0.1)
+    with pytest.raises(ValueError, match=r"Unknown optimizer 'adam'; valid names: \['sgd'"):
+        dopr.build(_mlp(), "adam", lr=0.1)

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("h5py")
 
 from experiments.common.launch import run_job  # noqa: E402
+from experiments.common.optim import optim_name  # noqa: E402
 from experiments.common.report import load_records  # noqa: E402
 from experiments.robomimic import report as robomimic_report  # noqa: E402
 from experiments.robomimic.data import RobomimicDataset, write_demo_file  # noqa: E402
@@ -214,7 +215,7 @@ def test_report_tables_and_figures(tmp_path):
 def test_paper_presets(task, optim, lr, wd, clip, steps, ema, compose):
     """Tables tab:toolhang_hparams and tab:transport_hparams, and the paper's shared settings."""
     cfg = compose(f"task={task}", f"+tuned/{task}={optim}")
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == (optim, lr, wd)
+    assert (optim_name(cfg.optim), cfg.optim.lr, cfg.optim.weight_decay) == (optim, lr, wd)
     assert (cfg.task.grad_clip_norm, cfg.task.steps, cfg.task.batch_size, cfg.task.eval_every) == (clip, steps, 256,
                                                                                                    20000)
     assert cfg.task.sample_steps[0] == 9 and cfg.task.obs_steps == 2 and cfg.task.action_steps == 8

@@ -12,6 +12,7 @@ pytest.importorskip("hydra")
 
 from experiments.common.checks import ConfigError, refuse_empty_protocol_sweep  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
+from experiments.common.optim import optim_name  # noqa: E402
 from experiments.common.tasks import task_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,7 +307,7 @@ def test_every_tuned_preset_composes(tuned, compose):
     extra = ["task.num_trajectories=30"] if group in ("humanoid", "halfcheetah") else []
     cfg = compose(f"task={TUNED_TASK[group]}", f"+tuned/{group}={name}", *extra)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["optim"]["name"] == name.removesuffix("_at_gp_setting")  # the protocol's DoPr at the GP's setting
+    assert optim_name(resolved["optim"]) == name.removesuffix("_at_gp_setting")  # the protocol's DoPr at the GP's setting
     if name.startswith("dopr_"):  # every DoPr preset names its damping form, or builds on one that does
         text = (CONF / "tuned" / f"{tuned}.yaml").read_text()
         base = next((l.split("/")[2].split("@")[0] + "/" + l.split(":")[-1].strip() for l in text.splitlines()
@@ -398,19 +399,19 @@ def test_skip_finished_resumes_a_sweep_without_rerunning_finished_jobs(tmp_path)
 # ------------------------------------------------------------------ the optim group: (gp, ap)
 def test_every_registered_gp_has_its_plain_config_and_the_generated_dopr_one(compose):
     from dopr.gp import GPS
-    from experiments.common.optim import dopr_config_text, main, optim_identity
+    from experiments.common.optim import dopr_config_text, main, optim_identity, optim_name
 
     assert main(["--check"]) == 0   # every conf/optim/dopr_<gp>.yaml is what the generator writes
     for gp in GPS:
         plain = compose(f"optim={gp}").optim
-        assert (plain.name, plain.gp, plain.ap) == (gp, gp, False)
+        assert (plain.gp, plain.ap, optim_name(plain)) == (gp, False, gp) and "name" not in plain   # derived
         wrapped = compose(f"optim=dopr_{gp}").optim
         assert (CONF / "optim" / f"dopr_{gp}.yaml").read_text() == dopr_config_text(gp)
-        assert optim_identity(wrapped) == (gp, True)
-        assert {k: v for k, v in wrapped.items() if k not in ("name", "ap")} == \
-               {k: v for k, v in plain.items() if k not in ("name", "ap")}   # the plain GP's arguments
-    wrapped_files = {p.stem.removeprefix("dopr_") for p in (CONF / "optim").glob("dopr_*.yaml")}
-    assert wrapped_files == set(GPS)   # no dopr_<gp> without its GP
+        assert optim_identity(wrapped) == (gp, True) and optim_name(wrapped) == f"dopr_{gp}"
+        assert {k: v for k, v in wrapped.items() if k != "ap"} == \
+               {k: v for k, v in plain.items() if k != "ap"}   # the plain GP's arguments
+    wrapped_files = {p.stem for p in (CONF / "optim").glob("dopr_*.yaml")}
+    assert wrapped_files == {f"dopr_{gp}" for gp in GPS}   # no dopr_<gp> without its GP
 
 
 def test_the_generator_writes_a_missing_dopr_config(tmp_path):
@@ -430,7 +431,20 @@ def test_the_identity_of_an_optim_config_is_read_through_one_helper(compose):
     from experiments.common.optim import optim_identity
 
     assert optim_identity({"name": "dopr_muon"}) == ("muon", True)   # a run's config from before the keys
+    assert optim_identity(compose("optim=adamw", "optim.ap=true").optim) == ("adamw", True)   # gp and ap say it
     with pytest.raises(ValueError, match=r"optim.name=adamw but optim.gp=adamw with optim.ap=true is dopr_adamw"):
-        optim_identity(compose("optim=adamw", "optim.ap=true").optim)
+        optim_identity({"name": "adamw", "gp": "adamw", "ap": True})   # a config carrying a name that disagrees
     with pytest.raises(ConfigError, match=r"optim.name=adamw but .* choose optim=dopr_adamw"):
-        refuse_bad_optimizer_values(compose("optim=adamw", "optim.ap=true"))
+        refuse_bad_optimizer_values(compose("optim=adamw", "+optim.name=adamw", "optim.ap=true"))
+    with pytest.raises(ValueError, match=r"the optim config names no optimizer: it needs gp: and ap: \(has \['lr'\]\)"):
+        optim_identity({"lr": 0.1})
+
+
+def test_a_runs_folder_is_named_by_its_derived_optimizer_name(compose):
+    """No optim config carries a name: the run folder's (conf/config.yaml) comes from (gp, ap)."""
+    for optim, name in (("muon", "muon"), ("dopr_muon", "dopr_muon"), ("adamw", "adamw")):
+        cfg = compose("task=feature_learning", f"optim={optim}", hydra_config=True)
+        folder = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+        resolved = OmegaConf.create({"optim": OmegaConf.to_container(cfg.optim), "task": {"name": "t"},
+                                     "dir": folder.split("/seed")[0]})
+        assert resolved.dir == f"outputs/t/{name}" and "name" not in cfg.optim

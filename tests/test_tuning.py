@@ -414,3 +414,35 @@ def test_a_later_dopr_rule_is_selected_against_the_gp_arm_of_an_earlier_selectio
         tuning.select(rule, "val", "max", accept_edge="x", gp_from=(str(path), saved))
     with pytest.raises(ValueError, match="adamw is both in the tuning sweeps and taken from"):
         tuning.select(_sft_like(), "val", accept_edge="x", gp_from=(str(path), saved))
+
+
+# ------------------------------------------------------------------ arms as records (issue 66 item 3)
+def test_an_arm_is_a_record_of_gp_ap_and_variant_read_back_from_its_names():
+    from experiments.common.arms import Arm
+
+    assert Arm.read("adamw") == Arm("adamw", False) and Arm.read("dopr_adamw") == Arm("adamw", True)
+    assert Arm.read("dopr_muon_at_gp_setting") == Arm("muon", True, "at_gp_setting")
+    for name in ("adamw", "dopr_adamw", "dopr_muon_at_gp_setting"):   # the committed selections' names round trip
+        assert Arm.read(name).name == name
+    assert Arm("muon", True, "at_gp_setting").optim == "dopr_muon" == tuning.arm_of("dopr_muon_at_gp_setting")
+    assert Arm("muon", True).but(ap=False).name == "muon"
+
+
+def test_report_finds_the_fresh_runs_of_configs_that_carry_no_name():
+    """A run's optim config says gp and ap (no name): the report matches it to its arm by the derived name."""
+    from omegaconf import OmegaConf
+
+    def fresh(name, ap, seed, value):
+        cfg = OmegaConf.create({"optim": {"gp": "sgd", "ap": ap, "lr": 1e-3, "weight_decay": 0.0}})
+        optim = "dopr_sgd" if ap else "sgd"
+        return {"summary": {"optim": optim, "seed": seed, "val": value, "overrides": [f"+tuned/p={name}", f"optim={optim}"]},
+                "config": cfg}
+
+    grid = (_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
+            + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"))
+    for r in grid:
+        r["summary"]["overrides"].append(f"optim={r['summary']['optim']}")
+    sel = tuning.select(grid, "val", accept_edge="test")
+    recs = [fresh(n, ap, s, v) for n, ap in (("sgd", False), ("dopr_sgd", True)) for s, v in ((5, 1.0), (6, 3.0))]
+    rows = {r["arm"]: r for r in tuning.report(recs, sel, ["val"])}
+    assert rows["sgd"]["seeds"] == rows["dopr_sgd"]["seeds"] == "5 6" and rows["dopr_sgd"]["val_median"] == 2.0

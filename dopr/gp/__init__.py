@@ -41,7 +41,7 @@ GPS: dict = {}
 
 def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = None,
                 needs_module: bool = False, named: bool = False) -> None:
-    """Add a GP: ``build_gp(model, name, lr=...)`` and ``dopr.build(model, name)`` / ``"dopr_" + name``
+    """Add a GP: ``build_gp(model, name, lr=...)`` and ``dopr.build(model, name, ap=None | {...})``
     then make it. ``build`` is a ``torch.optim.Optimizer`` class or a function with its constructor's
     form; ``kwargs`` defaults to its keyword parameters besides the first (the parameters), lr and
     weight_decay."""

@@ -92,7 +92,7 @@ def refuse_bad_optimizer_values(cfg: DictConfig) -> None:
     for i, beta in enumerate(optim.get("betas") or []):
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             raise ConfigError(f"optim.betas[{i}]={beta}: must be in [0, 1)")
-    if "name" not in optim:
+    if not {"name", "gp"} & set(optim):
         return
     from .optim import optim_identity
 

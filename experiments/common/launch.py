@@ -12,6 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import interrupt
+from .optim import optim_name
 from .provenance import atomic_write
 from .run import Run, command_line_overrides, seed_everything
 
@@ -97,7 +98,7 @@ def submitted() -> bool:
 
 
 def job_name(cfg: DictConfig) -> str:
-    return f"{cfg.task.name}/{cfg.task.get('folder_optim', cfg.optim.name)} seed {cfg.seed}"
+    return f"{cfg.task.name}/{cfg.task.get('folder_optim', optim_name(cfg.optim))} seed {cfg.seed}"
 
 
 def headline(cfg: DictConfig) -> list:

@@ -64,7 +64,7 @@ def rederive(path: Path, group: Path) -> dict:
         a["at_grid_edge"], a["unordered_axes"] = tuning.grid_edges(a["grid"], a["winner"])
         cfg = _compose([f"sweep={sweep}"] + [f"{k}={v}" for k, v in {**a["base"], **a["winner"]}.items()])
         a["resolved"] = tuning.resolved_setting(cfg)
-        if arm.startswith("dopr_"):
+        if tuning.Arm.read(arm).ap:
             a["dopr_knobs_fixed"], a["dopr_knobs_tuned"] = tuning.dopr_knobs(a)
     edges = [{"arm": arm, **e} for arm, a in sel["arms"].items() for e in a["at_grid_edge"]]
     sel["fresh_seeds"], sel["fresh_seeds_from"] = seeds, f"{Path(source).relative_to(ROOT)} (recorded afterwards by " \

@@ -4,8 +4,11 @@ ${paper_hparam:<table>,<key>,<field>}: one entry of a hyperparameter table keyed
 the paper's per-trajectory-count tables: ${paper_hparam:${paper_hparams},${task.num_trajectories},lr}.
 ${pow2:<base>,<k>}: base * 2**k, the appendix's learning-rate multipliers.
 ${sweep_folder:${rehearse},${sweep_name}}: a sweep's folder under multirun/ (rehearsals under rehearsal/).
+${optim_name:${optim.gp},${optim.ap}}: the optimizer's name, derived from its identity (dopr.optimizer_name).
 """
 from omegaconf import OmegaConf
+
+from dopr.names import optimizer_name
 
 
 def paper_hparam(table, key, field):
@@ -37,3 +40,7 @@ def sweep_folder(rehearse, sweep_name):
 
 if not OmegaConf.has_resolver("sweep_folder"):
     OmegaConf.register_new_resolver("sweep_folder", sweep_folder)
+
+
+if not OmegaConf.has_resolver("optim_name"):   # the run folder's name (conf/config.yaml): "adamw", "dopr_adamw"
+    OmegaConf.register_new_resolver("optim_name", lambda gp, ap: optimizer_name(str(gp), str(ap).lower() == "true"))

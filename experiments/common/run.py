@@ -31,7 +31,7 @@ import dopr
 from . import wandb_run
 from .distributed import is_main, world
 from .loop import Clock
-from .optim import gp_arguments, optim_identity
+from .optim import gp_arguments, optim_identity, optim_name
 from .provenance import atomic_write, git_revision, package_versions
 
 
@@ -48,16 +48,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    """dopr.build from the `optim` group (name and GP arguments) and, for the dopr_* optimizers,
-    the `ap` group (the AP's options)."""
+    """dopr.build from the `optim` group (the GP and its arguments) and, when it says `ap: true`, the
+    `ap` group (the AP's options)."""
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     gp, ap = optim_identity(optim)
     kwargs = gp_arguments(optim)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if ap:
-        kwargs.update(OmegaConf.to_container(cfg.ap, resolve=True))
-    return dopr.build(model, dopr.optimizer_name(gp, ap), **kwargs)
+    return dopr.build(model, gp, ap=OmegaConf.to_container(cfg.ap, resolve=True) if ap else None, **kwargs)
 
 
 def numpy_array_globals() -> list:
@@ -127,7 +125,7 @@ class Run:
         """A tqdm bar over training steps (rank 0 only; at most ~1 refresh a second in log files)."""
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, desc=desc or f"{self.cfg.task.name}/{self.cfg.optim.name}",
+        return tqdm(total=total, initial=initial, desc=desc or f"{self.cfg.task.name}/{optim_name(self.cfg.optim)}",
                     disable=not self.is_main, mininterval=1.0, dynamic_ncols=True)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -173,7 +171,7 @@ class Run:
     # ----------------------------------------------------------------------------- finish
     def finish(self, summary: dict) -> dict:
         out = {
-            "task": self.cfg.task.name, "optim": self.cfg.optim.name, "seed": int(self.cfg.seed),
+            "task": self.cfg.task.name, "optim": optim_name(self.cfg.optim), "seed": int(self.cfg.seed),
             **(ap_record(self.cfg) if self.optimizers else {}), **{k: _plain(v) for k, v in summary.items()},
             **self.clock.times(), "wall_time_s": self.clock.wall(), "git_revision": self.git_revisions[0],
             **({"git_revisions": self.git_revisions} if len(self.git_revisions) > 1 else {}),

@@ -43,6 +43,8 @@ import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
+from .arms import AT_GP_SETTING, Arm
+from .optim import optim_name
 from .report import load_records, make_stamp, write_table
 
 # overrides that say where or how a job ran, not what it trained: never part of a setting
@@ -99,7 +101,7 @@ DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.pr
               "ap.weak_share_bound": "weak-share bound", "ap.health_every": "health report interval",
               "ap.weak_share_estimate": "weak-share estimate"}
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
-AT_GP = "_at_gp_setting"
+AT_GP = f"_{AT_GP_SETTING}"
 # resolved-config keys that differ between two arms without being part of what they trained
 _NOT_COPIED = ("sweep_name", "optim.name", "optim.gp", "optim.ap", "ap.")   # the optimizer's identity stays DoPr's
 
@@ -184,7 +186,8 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
                      "resolved": resolved_setting(cfg)}
     if gp_from is not None:
         arms.update(_earlier_gps(arms, metric, mode, *gp_from))
-    pairs = [(arm.removeprefix("dopr_"), arm) for arm in arms if arm.startswith("dopr_") and arm[5:] in arms]
+    records = {name: Arm.read(name) for name in arms}
+    pairs = [(arm.but(ap=False).name, name) for name, arm in records.items() if arm.ap and arm.but(ap=False).name in arms]
     if not pairs:
         raise ValueError(f"no GP with its DoPr variant among the arms {sorted(arms)}: nothing to compare")
     for gp, dopr in pairs:
@@ -193,7 +196,7 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
             raise ValueError(f"unequal tuning budgets: {gp} had {n_gp} settings, {dopr} {n_dopr}; the protocol gives "
                              "both arms the same number (or pass --allow-unequal and say so in the results)")
     for arm, a in arms.items():
-        if arm.startswith("dopr_"):
+        if records[arm].ap:
             a["dopr_knobs_fixed"], a["dopr_knobs_tuned"] = dopr_knobs(a)
     seeds = sorted({s for a in arms.values() for s in a["seeds"]})
     edges = [{"arm": arm, **e} for arm, a in arms.items() for e in a["at_grid_edge"]]
@@ -216,8 +219,8 @@ def _earlier_gps(arms: dict, metric: str, mode: str, path: str, earlier: dict) -
         raise ValueError(f"{path} selected by {earlier.get('metric')!r} ({earlier.get('mode')}), this selection by "
                          f"{metric!r} ({mode}): the GP's winner must be chosen by the same measure")
     out = {}
-    for dopr in (a for a in arms if a.startswith("dopr_")):
-        gp = dopr.removeprefix("dopr_")
+    for dopr in (a for a in arms if Arm.read(a).ap):
+        gp = Arm.read(dopr).but(ap=False).name
         if gp in arms:
             raise ValueError(f"{gp} is both in the tuning sweeps and taken from {path}: pass one")
         if gp not in earlier.get("arms", {}):
@@ -333,7 +336,8 @@ def chosen_settings(selection: dict) -> dict:
 
 
 def arm_of(name: str) -> str:
-    return name.removesuffix(AT_GP)
+    """The name of the runs a chosen setting's name re-uses: "dopr_adamw" for "dopr_adamw_at_gp_setting"."""
+    return Arm.read(name).optim
 
 
 def tuned_config(overrides: dict, note: str) -> str:
@@ -418,7 +422,7 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
                     f"{selection['seeds']} by {selection['metric']} ({selection['mode']}); see {out / 'selection.md'}\n"
                     f"made by: {command}")
             if name != twin:
-                gp = twin.removeprefix("dopr_")
+                gp = Arm.read(twin).but(ap=False).name
                 note += (f"\nDoPr at {gp}'s whole winning setting (the paper's 'same learning rate' guideline), "
                          f"DoPr's own knobs at {twin}'s winner; copied from {gp}: "
                          f"{_fmt(gp_setting_for_dopr(selection, gp, twin)[1])}")
@@ -439,8 +443,11 @@ def _matches(record: dict, overrides: dict) -> bool:
         bare = key.lstrip("+~")
         if "/" in bare:
             continue  # a group choice: its values are checked through the keys below
-        if bare in ("optim", "task"):
-            if str(OmegaConf.select(cfg, f"{bare}.name")) != value:
+        if bare == "optim":   # the optimizer's name, derived from its gp and ap (an older run's: its name)
+            if optim_name(cfg.optim) != value:
+                return False
+        elif bare == "task":
+            if str(OmegaConf.select(cfg, "task.name")) != value:
                 return False
         elif not _same(OmegaConf.select(cfg, bare), _value(value)):
             return False

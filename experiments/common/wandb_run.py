@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import ConfigError
+from .optim import optim_name
 
 log = logging.getLogger("experiments")
 
@@ -85,7 +86,7 @@ def start(cfg: DictConfig, out_dir: Path, resuming: bool):
     base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
     mode = choose_mode(lg.mode, base_url)
     args = dict(project=lg.project, entity=lg.entity, group=cfg.sweep_name, name=Path(out_dir).name,
-                tags=[cfg.task.name, cfg.optim.name], dir=str(out_dir), id=run_id(out_dir, resuming),
+                tags=[cfg.task.name, optim_name(cfg.optim)], dir=str(out_dir), id=run_id(out_dir, resuming),
                 resume="allow", config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
                 settings=wandb.Settings(init_timeout=float(lg.get("init_timeout_s", 30))))
     try:

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from dopr import split_name
 from experiments.llm.ranks import activation_stable_rank, nuclear_rank, stable_rank
-from experiments.common.optim import optim_identity
+from experiments.common.optim import optim_identity, optim_name
 
 QUANTITIES = ("nuclear_rank_G", "nuclear_rank_M", "stable_rank_Sigma", "activation_stable_rank_Sigma",
               "stable_rank_W")
@@ -105,7 +105,7 @@ def measure(job: Path, batches: int = 1) -> list:
     rows = []
     for name, mod in factors.items():
         s, count = sums[name]
-        rows.append({"run": str(cfg.optim.name), "lr": float(cfg.optim.lr), "seed": int(cfg.seed),
+        rows.append({"run": optim_name(cfg.optim), "lr": float(cfg.optim.lr), "seed": int(cfg.seed),
                      "factor": name, "group": layer_group(name), "d_in": mod.weight.shape[1],
                      **factor_quantities(mod.weight.grad, s / count, mod.weight, gamma)})
     return rows

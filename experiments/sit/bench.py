@@ -23,6 +23,7 @@ import sys
 import torch
 
 from benchmarks import bench as step_bench
+from experiments.common.optim import optim_name
 
 from .model import SiT_models
 from .transport import Transport
@@ -75,7 +76,7 @@ def coverage(argv) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = SiT_models[args.model](input_size=32)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-4)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-4)
     entries = opt.coverage()
     pre = [e for e in entries if e.status == "preconditioned"]
     fixed = [n for n, q in model.named_parameters() if not q.requires_grad]
@@ -153,7 +154,7 @@ def denormal(argv) -> None:
                 getattr(opt, "close", lambda: None)()   # DoPr removes its hooks; a plain GP has none
         torch.set_flush_denormal(False)
         med = {f: [sorted(t[k] for t in times[f])[len(times[f]) // 2] * 1e3 for k in (0, 1)] for f in times}
-        rows.append(f"| {folder} (step {state['step']}, {cfg.optim.name} lr {cfg.optim.lr}) | "
+        rows.append(f"| {folder} (step {state['step']}, {optim_name(cfg.optim)} lr {cfg.optim.lr}) | "
                     f"{counts[0]} / {counts[1]} | "
                     f"{med[False][0]:.0f} + {med[False][1]:.0f} | {med[True][0]:.0f} + {med[True][1]:.0f} | "
                     f"{sum(med[False]) / sum(med[True]):.2f}x |")

@@ -72,7 +72,7 @@ def probe(options, clip_g, seed: int, steps: int, lr: float = 1e-3, model_name: 
     torch.manual_seed(seed)
     x, y, model = data_and_model(model_name)
     x, y, model = x.to(device), y.to(device), model.to(device)
-    opt = dopr.build(model, "adamw" if options is None else "dopr_adamw", lr=lr, weight_decay=0.0, **(options or {}))
+    opt = dopr.build(model, "adamw", ap=options, lr=lr, weight_decay=0.0)
     transport, gen = Transport("linear"), torch.Generator().manual_seed(seed)
     noise = gen if device == "cpu" else torch.Generator(device=device).manual_seed(seed)
     window, curve = [], {}

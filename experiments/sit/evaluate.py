@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.common.optim import optim_name
+
 from .data import PIXEL_DATA
 
 NEEDED = (".hydra/config.yaml", "ema.pt", "summary.json")
@@ -71,7 +73,7 @@ def classifiers(argv) -> None:
     for f in folders:
         cfg, summary = _load(f)
         fds = classifier_fds(f, a.seeds)
-        setting = f"{cfg.optim.name} lr {cfg.optim.lr:g}"
+        setting = f"{optim_name(cfg.optim)} lr {cfg.optim.lr:g}"
         for s, (fd, acc) in fds.items():
             by_setting[setting][s].append(fd)
             accuracy[s] = acc
