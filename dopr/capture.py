@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from . import sharding
 from .sample_space import accumulate
 from .compiled import Probes, hook_guards_skipped
-from .statistics import ActivationStatistics
+from .sample_count import independent_rows
+from .statistics import ActivationStatistics, added_samples
 
 
 def _graph_task() -> int:
@@ -219,6 +220,7 @@ class ActivationCapture:
         self.layers = [LayerRecord(h) for h in helpers]
         self.statistic = statistic
         self.rows = None   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
+        self.count_samples = False   # set each statistic's independent rows (the sample-count damping rule)
         self.collecting = True
         self._captures: dict = {}
         self._nodes: dict = {}
@@ -290,8 +292,12 @@ class ActivationCapture:
         x = _as_multiplied(x)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             rows = self.rows is not None and not torch.compiler.is_compiling()   # probes carry Sigma's sums
-            return helper.statistics(x, self.rows if rows and helper.statistic_type(self.statistic) is self.statistic
+            stat = helper.statistics(x, self.rows if rows and helper.statistic_type(self.statistic) is self.statistic
                                      else self.statistic)
+            if self.count_samples and stat.kind in ("dense", "samples") and not torch.compiler.is_compiling():
+                z = helper.activations(x)
+                stat.samples = independent_rows(z, _samples_in(helper, x, z.shape[0]))
+            return stat
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
                counted: Optional[list] = None) -> Optional[list]:
@@ -387,9 +393,12 @@ class ActivationCapture:
         if layer.stat is None:
             layer.stat, layer.owned = stat, False
         else:
+            samples = added_samples(layer.stat, stat)
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
             layer.stat = accumulate(layer.stat, stat)   # sums add, rows append
+            if samples is not None:                     # (rows appended or turned into sums start without)
+                layer.stat.samples = samples
         layer.sig.append(cid)
 
     def groups(self, names) -> OrderedDict:
@@ -471,6 +480,19 @@ class ActivationCapture:
         _remove_handles(self.handles)
         self.handles = []
         self._finalizer.detach()
+
+
+#: layer modes whose input without a batch axis (one sample) has this many dimensions
+_UNBATCHED_DIMS = {"conv1d-full": 2, "conv2d-full": 3, "convtranspose1d-full": 2, "conv2d-sua": 3}
+
+
+def _samples_in(helper, x: Tensor, rows: int) -> int:
+    """The samples whose `rows` activation rows the layer input x holds: its batch axis (x.shape[0]) for an
+    (N, T..., d) or (N, C, *spatial) input, one for a convolution's unbatched input, `rows` for a 2-D (N, d)
+    input of a Linear (each row a sample)."""
+    if x.dim() == _UNBATCHED_DIMS.get(helper.mode):
+        return 1
+    return x.shape[0] if x.dim() >= 3 else rows
 
 
 def _remove_handles(handles) -> None:

@@ -230,6 +230,8 @@ class DampingRule:
 
     name = "?"
     COUNTERS: tuple = ()
+    #: the rule reads each statistic's ``samples`` (the capture then counts the independent rows)
+    reads_samples = False
 
     def __init__(self, options) -> None:
         self.options = options
@@ -365,28 +367,34 @@ class WeakShareByFilter(WeakShareRule):
 @register_rule("sample_count")
 class SampleCountRule(DampingRule):
     """lambda per dense group from q = d / N_eff (:func:`dopr.sample_count.sample_count_damping`), never below
-    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``samples`` where a
-    capture sets it (its rows over :func:`dopr.sample_count.design_effect`, summed as ``count`` is), else its
-    ``count``: its rows, summed over micro-batches and data-parallel ranks as Sigma's sums are (the same on
-    every rank), each row a sample; times :func:`dopr.sample_count.ema_count_factor` under a constant
+    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``samples``, which the
+    capture sets for this rule (``reads_samples``; its rows over :func:`dopr.sample_count.design_effect`, a
+    device tensor summed as ``count`` is), else its ``count``: its rows, summed over micro-batches and
+    data-parallel ranks as Sigma's sums are (the same on every rank), each row a sample; times :func:`dopr.sample_count.ema_count_factor` under a constant
     ``precond_ema`` (a scheduled rate counts one batch). ``scale`` holds, per group, the EMA updates its
     Sigmabar has had (the checkpoint's ``damping_scale``). Dense groups and those solved in sample space (the
     same lambda, from tr(Sigma) = ||Xs||^2); other statistic kinds: the floor. One (B,) tensor
-    built from host floats and a batched trace: no eigendecomposition, no host sync."""
+    built from host floats, the ``samples`` tensors and a batched trace: no eigendecomposition, no host sync."""
+
+    reads_samples = True
 
     def lam(self, groups: Groups) -> Tensor:
         if groups.kind.kind not in ("dense", "samples"):
             return groups.floor
         beta = self.options.precond_ema
         beta = 0.0 if callable(beta) else float(beta)
-        n = []
+        n, factors = [], []
         for key, stat, _ in groups.items:
             t = self.scale.get(key, 0) + 1 if beta > 0 else 1
             if beta > 0:
                 self.scale[key] = t
-            n.append(float(getattr(stat, "samples", stat.count)) * ema_count_factor(beta, t))
+            factors.append(ema_count_factor(beta, t))
+            n.append(float(stat.count) * factors[-1])
         sigma = groups.sigma     # dense: Sigmabar (B, d, d); samples: Xs (B, n, d), Sigma = Xs^T Xs
         trace = (sigma.square().sum((-2, -1)) if groups.kind.kind == "samples"
                  else sigma.diagonal(dim1=-2, dim2=-1).sum(-1))
         n_eff = torch.tensor(n, dtype=trace.dtype).to(trace.device, non_blocking=True)
+        if any(stat.samples is not None for _, stat, _ in groups.items):   # device tensors: stacked, no sync
+            n_eff = torch.stack([stat.samples.to(trace.dtype) * f if stat.samples is not None else n_eff[i]
+                                 for i, ((_, stat, _), f) in enumerate(zip(groups.items, factors))])
         return torch.maximum(groups.floor.to(trace.dtype), sample_count_damping(trace, sigma.shape[-1], n_eff))

@@ -25,14 +25,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_statistics(stats: list) -> None:
-    """Sum ActivationStatistics (in place: their sums and counts are replaced) over all ranks."""
+def all_reduce_statistics(stats: list, samples: bool = False) -> None:
+    """Sum ActivationStatistics (in place: their sums and counts are replaced) over all ranks. ``samples``
+    (the same on every rank: the damping rule reads them): each statistic's independent rows travel too,
+    its ``count`` where it has none, and come back as 0-d device tensors (no read-back)."""
     if not stats or not is_distributed():
         return
-    flat = torch.cat(
-        [s.flatten() for st in stats for s in st.sums]
-        + [torch.tensor([float(st.count) for st in stats], dtype=stats[0].sums[0].dtype, device=stats[0].sums[0].device)]
-    )
+    counts = torch.tensor([float(st.count) for st in stats], dtype=stats[0].sums[0].dtype, device=stats[0].sums[0].device)
+    parts = [s.flatten() for st in stats for s in st.sums] + [counts]
+    if samples:
+        parts.append(torch.stack([st.samples.to(counts.dtype) if st.samples is not None else counts[i]
+                                  for i, st in enumerate(stats)]))
+    flat = torch.cat(parts)
     dist.all_reduce(flat)
     offset = 0
     for st in stats:
@@ -41,8 +45,11 @@ def all_reduce_statistics(stats: list) -> None:
             sums.append(flat[offset:offset + s.numel()].view_as(s).to(s.dtype))
             offset += s.numel()
         st.sums = tuple(sums)
-    for st, count in zip(stats, flat[offset:].tolist()):   # one read-back for every count
+    for st, count in zip(stats, flat[offset:offset + len(stats)].tolist()):   # one read-back for every count
         st.count = float(count)
+    if samples:
+        for st, n in zip(stats, flat[offset + len(stats):].unbind()):
+            st.samples = n
 
 
 def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:

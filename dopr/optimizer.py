@@ -227,6 +227,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         old = self._capture
         self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
         self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
+        self._capture.count_samples = self._damping.reads_samples   # N_eff per statistic (sample-count rule)
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             added, changed = self._capture.take_over(old)
@@ -280,7 +281,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
-            all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)])   # the global Sigma
+            all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
+                                  self._damping.reads_samples)
             gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
             if not refresh:                                   # between refreshes: factors for the layers without one
                 groups = {sub: stat for key, stat in groups.items()

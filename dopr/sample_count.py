@@ -6,6 +6,8 @@ docs/library.md ("The sample-count damping rule").
 * :func:`design_effect`: rows per independent row of a layer input (N, T, ..., d): 1 for one row per
   sample, T for rows constant within a sample, in between for correlated tokens (Kish's design effect of
   the mean, from the traces of the per-sample means' and the rows' covariances: no GEMM, no host sync);
+* :func:`independent_rows`: a layer's rows over their design effect, N_eff of one forward (the capture's
+  statistic's ``samples`` under the rule);
 * :func:`ema_count_factor`: how many batches' worth of rows a bias-corrected EMA of rate beta holds after
   t updates, (1 + beta)(1 - beta^t) / ((1 - beta)(1 + beta^t)), towards (1 + beta) / (1 - beta);
 * :func:`sample_count_damping`: lambda = (tr(Sigma) / d) * max(1 / KAPPA - (1 - sqrt(min(q, 1)))^2, d eps).
@@ -39,6 +41,16 @@ def design_effect(x: Tensor) -> Tensor:
     means = (x.mean(1) - mu).square().sum(-1).mean()               # tr(Cov m)
     deff = t * means / rows.clamp_min(torch.finfo(rows.dtype).tiny)
     return torch.where(rows > 0, deff.clamp(1.0, float(t)), torch.full_like(deff, float(t)))
+
+
+def independent_rows(z: Tensor, n: int) -> Tensor:
+    """N_eff of the rows z (rows, d) of n samples, sample-major (each sample's rows together, as a layer's
+    activations are): rows / design_effect of z as (n, rows / n, d). A 0-d float32 tensor on z's device (no
+    host sync); rows itself where each row is a sample (rows <= n) or the rows do not split evenly into n."""
+    rows = z.shape[0]
+    if n < 1 or rows <= n or rows % n:
+        return torch.full((), float(rows), dtype=torch.float32, device=z.device)
+    return rows / design_effect(z.reshape(n, rows // n, z.shape[-1]))
 
 
 def ema_count_factor(beta: float, t: int) -> float:

@@ -26,6 +26,9 @@ class ActivationStatistics:
 
     kind = "?"
     symmetric = False  # a dense symmetric matrix: its EMA stores the upper triangle only
+    #: the independent rows among ``count`` (a 0-d device tensor, dopr.sample_count.independent_rows), set by
+    #: the capture for the sample-count damping rule only; None: every row counts (``count``)
+    samples = None
 
     def __init__(self, sums: tuple, count: float) -> None:
         self.sums, self.count = tuple(sums), float(count)
@@ -33,7 +36,10 @@ class ActivationStatistics:
     def add_(self, other: "ActivationStatistics") -> "ActivationStatistics":
         for a, b in zip(self.sums, other.sums):
             a.add_(b)
+        samples = added_samples(self, other)
         self.count += other.count
+        if samples is not None:
+            self.samples = samples
         return self
 
     @staticmethod
@@ -42,7 +48,10 @@ class ActivationStatistics:
         raise NotImplementedError
 
     def clone(self) -> "ActivationStatistics":
-        return type(self)(tuple(s.clone() for s in self.sums), self.count)
+        out = type(self)(tuple(s.clone() for s in self.sums), self.count)
+        if self.samples is not None:
+            out.samples = self.samples
+        return out
 
     def mean(self) -> tuple:
         """The normalised statistics: Sigma (dense), (mu, E[z*z]) (moments) or diag(Sigma)."""
@@ -76,6 +85,14 @@ class ActivationStatistics:
         `factor` is the chosen solver's factorisation with its options bound (dopr.solvers.Solver.bind;
         dense statistics only), retries and fallbacks are added to `counts`."""
         raise NotImplementedError
+
+
+def added_samples(a: ActivationStatistics, b: ActivationStatistics):
+    """The independent rows of a + b: their ``samples`` added, ``count`` standing in for a missing one;
+    None when neither has any (no tensor op on the default path)."""
+    if a.samples is None and b.samples is None:
+        return None
+    return (a.samples if a.samples is not None else a.count) + (b.samples if b.samples is not None else b.count)
 
 
 class DenseCovariance(ActivationStatistics):
