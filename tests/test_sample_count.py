@@ -189,3 +189,180 @@ def test_the_rule_and_a_weak_share_bound_together_are_refused():
                                          r"damping_rule='sample_count' chooses another rule: set one of them"):
         DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping_rule="sample_count",
              weak_share_bound=0.25, weak_share_estimate="filter")
+
+
+# ------------------------------------------------------------------ the capture's count (issue 67 item 1)
+def _samples(opt, index=0):
+    """The independent rows the capture holds for layer `index` since the last step (a 0-d tensor)."""
+    return opt._capture.layers[index].stat.samples
+
+
+def _share(n_eff, d):
+    return max(1 / KAPPA - (1 - math.sqrt(min(d / n_eff, 1.0))) ** 2, d * torch.finfo(torch.float64).eps)
+
+
+@pytest.mark.parametrize("rho", [0.1, 0.5])
+def test_a_linear_layer_fed_correlated_tokens_counts_n_t_over_kish(rho):
+    """A Linear on (N, T, d) tokens with intra-sample correlation rho: samples = N T / (1 + (T - 1) rho),
+    within the design effect's error (the test above: 5 sqrt(2 / (N d)) + 2 / N relative, and samples is
+    N T over it)."""
+    n, t, d = 512, 16, 32
+    layer = nn.Linear(d, 3, bias=False).double()
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    layer(_tokens(n, t, d, rho)).square().mean().backward()
+    expected = n * t / (1.0 + (t - 1) * rho)
+    tol = 5 * math.sqrt(2.0 / (n * d)) + 2.0 / n
+    assert opt._capture.layers[0].stat.count == n * t
+    assert abs(float(_samples(opt)) / expected - 1.0) <= 1.5 * tol, (float(_samples(opt)), expected)
+    opt.close()
+
+
+def test_a_conditioning_vector_repeated_over_tokens_counts_each_sample_once():
+    """adaLN / FiLM: one vector per sample broadcast over T = 10 positions counts N = 12, not N T = 120
+    (float32 sums of N T terms: relative error <= N T eps). lambda follows q = d / samples = 2/3, not
+    8/120 (where it would be the d eps floor)."""
+    n, t, d = 12, 10, 8
+    layer, c, _ = _layer_and_data(n, d)
+    y = torch.randn(n, t, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    x = c[:, None, :].expand(n, t, d)
+    ((layer(x) - y) ** 2).mean().backward()
+    g = layer.weight.grad.clone()
+    samples = float(_samples(opt))
+    assert samples == pytest.approx(n, rel=n * t * torch.finfo(torch.float32).eps)
+    opt.precondition()
+    z = x.reshape(-1, d)
+    torch.testing.assert_close(layer.weight.grad, ap_reference(g, z, _share(samples, d), "trace_per_dim"),
+                               rtol=1e-9, atol=1e-12)
+    assert _share(samples, d) > 0.2
+    opt.close()
+
+
+def test_micro_batches_add_their_independent_rows_and_lambda_follows_the_sum():
+    """Two micro-batches of (6, 4, 8) tokens (rho 0.9 and 0.2): samples is the sum of each forward's
+    rows / design effect (dopr.sample_count.independent_rows, as the capture computes it), and M the float64
+    formula with q = 8 / that sum on all 48 rows."""
+    from dopr.sample_count import independent_rows
+    n, t, d = 6, 4, 8
+    layer = nn.Linear(d, 3, bias=False).double()
+    parts = [_tokens(n, t, d, 0.9, seed=2), _tokens(n, t, d, 0.2, seed=3)]
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    for x in parts:
+        layer(x).square().mean().backward()
+    g = layer.weight.grad.clone()
+    expected = sum(float(independent_rows(x.reshape(-1, d), n)) for x in parts)
+    assert float(_samples(opt)) == pytest.approx(expected, rel=4 * torch.finfo(torch.float32).eps)
+    assert expected < n * t     # the rows are not independent: fewer samples than rows
+    samples = float(_samples(opt))
+    opt.precondition()
+    z = torch.cat([x.reshape(-1, d) for x in parts])
+    torch.testing.assert_close(layer.weight.grad, ap_reference(g, z, _share(samples, d), "trace_per_dim"),
+                               rtol=1e-9, atol=1e-12)
+    opt.close()
+
+
+def test_the_ema_count_multiplies_the_independent_rows():
+    """precond_ema = 0.9, the same (6, 4, 8) tokens on two steps (lr 0: Sigmabar = Sigma): the second
+    step's N_eff is samples times ema_count_factor(0.9, 2)."""
+    n, t, d = 6, 4, 8
+    layer = nn.Linear(d, 3, bias=False).double()
+    x = _tokens(n, t, d, 0.9, seed=2)
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count",
+               precond_ema=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        layer(x).square().mean().backward()
+        g = layer.weight.grad.clone()
+        samples = float(_samples(opt))
+        opt.precondition()
+    share = _share(samples * ema_count_factor(0.9, 2), d)
+    assert 0 < share < 1 / KAPPA     # between the floor and the cap: lambda reads the count
+    torch.testing.assert_close(layer.weight.grad, ap_reference(g, x.reshape(-1, d), share, "trace_per_dim"),
+                               rtol=1e-9, atol=1e-12)
+    opt.close()
+
+
+def test_the_trace_rule_counts_nothing_and_steps_bit_for_bit_as_with_the_count():
+    """The default rule: no statistic carries samples (the capture computes none), and forcing the count
+    on changes no bit of a step (params of a token MLP after two AdamW steps)."""
+    def run(count):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), damping=1e-3)
+        opt._capture.count_samples = count
+        x = _tokens(8, 5, 6, 0.5, seed=4).float()
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            has = [l.stat.samples is not None for l in opt._capture.layers]
+            opt.step()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], has
+
+    plain, has_plain = run(False)
+    counted, has_counted = run(True)
+    assert has_plain == [False, False] and has_counted == [True, True]
+    for a, b in zip(plain, counted):
+        assert torch.equal(a, b)
+
+
+class _Heads(nn.Module):
+    """a on x, and b on 2 x where ``both`` (a rank that skips a layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 3, bias=False), nn.Linear(16, 3, bias=False)
+
+    def forward(self, x, both):
+        return self.a(x).square().mean() + (self.b(2 * x).square().mean() if both else 0.0)
+
+
+def _ranks_worker(rank, world, init_file, out):
+    """Rank 0: a on (8, 8, 16) tokens (rho 0.6) and b on twice them; rank 1: a alone on 10 rows (N, 16),
+    each row a sample. Each rank saves its input, G (DDP's average) and M."""
+    import torch.distributed as dist
+    from ranks import leave_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = nn.parallel.DistributedDataParallel(_Heads().double(), find_unused_parameters=True)
+    x = _tokens(8, 8, 16, 0.6, seed=6) if rank == 0 else torch.randn(10, 16, dtype=torch.float64,
+                                                                       generator=torch.Generator().manual_seed(7))
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    model(x, both=rank == 0).backward()
+    inner = model.module
+    g = {k: getattr(inner, k).weight.grad.clone() for k in ("a", "b")}
+    opt.precondition()
+    m = {k: getattr(inner, k).weight.grad.clone() for k in ("a", "b")}
+    opt.close()
+    del model, opt
+    leave_process_group()
+    torch.save({"x": x, "g": g, "m": m}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_two_ranks_add_their_independent_rows_and_agree_on_lambda():
+    """DDP on 2 gloo ranks whose inputs differ in design effect (tokens on one, one row per sample on the
+    other) and in layers (b runs on rank 0 only: rank 1 sends count 0 for it): no hang, every rank the
+    same M, and M the float64 formula on both ranks' rows with N_eff = rank 0's rows / design effect + 10."""
+    import os
+    import tempfile
+    import torch.multiprocessing as mp
+    from dopr.sample_count import independent_rows
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_ranks_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
+    for k in ("a", "b"):
+        assert torch.equal(r0["m"][k], r1["m"][k])
+    tokens = r0["x"].reshape(-1, 16)
+    n_a = float(independent_rows(tokens, 8)) + 10.0
+    n_b = float(independent_rows(2 * tokens, 8))
+    # float32 sums of 64 rows, here and on the rank: relative error <= 64 eps32 in samples
+    tol = 64 * torch.finfo(torch.float32).eps
+    assert 1 / KAPPA - (1 - math.sqrt(16 / n_a)) ** 2 > 0.05   # q in (1/4, 1): lambda reads N_eff
+    for k, z, n_eff in (("a", torch.cat([tokens, r1["x"]]), n_a), ("b", 2 * tokens, n_b)):
+        torch.testing.assert_close(r0["m"][k], ap_reference(r0["g"][k], z, _share(n_eff, 16), "trace_per_dim"),
+                                   rtol=tol, atol=1e-12)
