@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from . import sharding
 from .sample_space import accumulate
 from .compiled import Probes, hook_guards_skipped
-from .sample_count import independent_rows
+from .sample_count import independent_patches, independent_rows
 from .statistics import ActivationStatistics, added_samples
 
 
@@ -295,8 +295,7 @@ class ActivationCapture:
             stat = helper.statistics(x, self.rows if rows and helper.statistic_type(self.statistic) is self.statistic
                                      else self.statistic)
             if self.count_samples and stat.kind in ("dense", "samples") and not torch.compiler.is_compiling():
-                z = helper.activations(x)
-                stat.samples = independent_rows(z, _samples_in(helper, x, z.shape[0]))
+                stat.samples = _independent_rows(helper, x, int(stat.count))
             return stat
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
@@ -482,17 +481,22 @@ class ActivationCapture:
         self._finalizer.detach()
 
 
-#: layer modes whose input without a batch axis (one sample) has this many dimensions
-_UNBATCHED_DIMS = {"conv1d-full": 2, "conv2d-full": 3, "convtranspose1d-full": 2, "conv2d-sua": 3}
+#: convolutions by mode: the dimensions of an input without a batch axis (one sample), and whether its
+#: patches' count is read from its pixels (dopr.sample_count.independent_patches: no unfolded copy)
+_CONVOLUTIONS = {"conv1d-full": (2, True), "conv2d-full": (3, True), "conv2d-sua": (3, True),
+                 "convtranspose1d-full": (2, False)}
 
 
-def _samples_in(helper, x: Tensor, rows: int) -> int:
-    """The samples whose `rows` activation rows the layer input x holds: its batch axis (x.shape[0]) for an
-    (N, T..., d) or (N, C, *spatial) input, one for a convolution's unbatched input, `rows` for a 2-D (N, d)
-    input of a Linear (each row a sample)."""
-    if x.dim() == _UNBATCHED_DIMS.get(helper.mode):
-        return 1
-    return x.shape[0] if x.dim() >= 3 else rows
+def _independent_rows(helper, x: Tensor, rows: int) -> Tensor:
+    """N_eff of the `rows` activation rows the layer input x gives (the statistic's ``samples``): x's batch
+    axis holds the samples of an (N, T..., d) or (N, C, *spatial) input, each row of a 2-D (N, d) input to a
+    Linear is one, and a convolution's unbatched input is one sample (its rows then count as they are)."""
+    unbatched, pixels = _CONVOLUTIONS.get(helper.mode, (None, False))
+    if x.dim() == unbatched:
+        return torch.full((), float(rows), dtype=torch.float32, device=x.device)
+    if pixels:
+        return independent_patches(x, rows)
+    return independent_rows(helper.activations(x), x.shape[0] if x.dim() >= 3 else rows)
 
 
 def _remove_handles(handles) -> None:

@@ -366,3 +366,28 @@ def test_two_ranks_add_their_independent_rows_and_agree_on_lambda():
     for k, z, n_eff in (("a", torch.cat([tokens, r1["x"]]), n_a), ("b", 2 * tokens, n_b)):
         torch.testing.assert_close(r0["m"][k], ap_reference(r0["g"][k], z, _share(n_eff, 16), "trace_per_dim"),
                                    rtol=tol, atol=1e-12)
+
+
+def test_a_convolution_counts_its_patches_from_its_pixels():
+    """Conv2d: a map constant over space within each sample (a conditioning map) gives identical patches
+    within a sample, N = 6 samples of 36 rows each; a 1x1 kernel's patches are its pixels, so samples is
+    their rows over design_effect exactly (the same traces; float32 rounding of 6 * 64 rows); an unbatched
+    input is one sample, its rows counted as they are."""
+    from dopr.sample_count import independent_rows
+    g = torch.Generator().manual_seed(8)
+    for kernel, x, expected in (
+            (3, torch.randn(6, 4, 1, 1, generator=g).expand(6, 4, 8, 8), 6.0),
+            (1, _tokens(6, 64, 4, 0.5, seed=9).float().reshape(6, 8, 8, 4).permute(0, 3, 1, 2), None)):
+        conv = nn.Conv2d(4, 5, kernel)
+        opt = DoPr(conv, torch.optim.SGD(conv.parameters(), lr=0.0), damping_rule="sample_count")
+        conv(x).square().mean().backward()
+        if expected is None:
+            expected = float(independent_rows(x.permute(0, 2, 3, 1).reshape(-1, 4), 6))
+            assert expected < 6 * 64 / 2      # rho = 0.5 over 64 pixels: a design effect of about 32
+        assert float(_samples(opt)) == pytest.approx(expected, rel=6 * 64 * torch.finfo(torch.float32).eps)
+        opt.close()
+    conv = nn.Conv2d(4, 5, 3)
+    opt = DoPr(conv, torch.optim.SGD(conv.parameters(), lr=0.0), damping_rule="sample_count")
+    conv(torch.randn(4, 8, 8, generator=g)).square().mean().backward()
+    assert float(_samples(opt)) == 36.0
+    opt.close()
