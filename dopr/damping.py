@@ -370,8 +370,9 @@ class SampleCountRule(DampingRule):
     the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``samples``, which the
     capture sets for this rule (``reads_samples``; its rows over :func:`dopr.sample_count.design_effect`, a
     device tensor summed as ``count`` is), else its ``count``: its rows, summed over micro-batches and
-    data-parallel ranks as Sigma's sums are (the same on every rank), each row a sample; times :func:`dopr.sample_count.ema_count_factor` under a constant
-    ``precond_ema`` (a scheduled rate counts one batch). ``scale`` holds, per group, the EMA updates its
+    data-parallel ranks as Sigma's sums are (the same on every rank), each row a sample; times
+    :func:`dopr.sample_count.ema_count_factor` under a constant ``precond_ema`` (a scheduled rate counts one
+    batch). ``scale`` holds, per group, the EMA updates its
     Sigmabar has had (the checkpoint's ``damping_scale``). Dense groups and those solved in sample space (the
     same lambda, from tr(Sigma) = ||Xs||^2); other statistic kinds: the floor. One (B,) tensor
     built from host floats, the ``samples`` tensors and a batched trace: no eigendecomposition, no host sync."""

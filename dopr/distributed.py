@@ -31,7 +31,8 @@ def all_reduce_statistics(stats: list, samples: bool = False) -> None:
     its ``count`` where it has none, and come back as 0-d device tensors (no read-back)."""
     if not stats or not is_distributed():
         return
-    counts = torch.tensor([float(st.count) for st in stats], dtype=stats[0].sums[0].dtype, device=stats[0].sums[0].device)
+    like = stats[0].sums[0]
+    counts = torch.tensor([float(st.count) for st in stats], dtype=like.dtype, device=like.device)
     parts = [s.flatten() for st in stats for s in st.sums] + [counts]
     if samples:
         parts.append(torch.stack([st.samples.to(counts.dtype) if st.samples is not None else counts[i]

@@ -391,3 +391,24 @@ def test_a_convolution_counts_its_patches_from_its_pixels():
     conv(torch.randn(4, 8, 8, generator=g)).square().mean().backward()
     assert float(_samples(opt)) == 36.0
     opt.close()
+
+
+def test_a_compiled_forward_counts_its_rows():
+    """torch.compile: the probes carry Sigma's sums and the count only, so the rule counts rows there
+    (docs/library.md): samples stays unset, N = 24 rows of (6, 4, 8) tokens, q = 1/3, and M is the formula's."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    n, t, d = 6, 4, 8
+    layer = nn.Linear(d, 3, bias=False).double()
+    x = _tokens(n, t, d, 0.9, seed=2)
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
+    torch.compile(layer, backend="aot_eager")(x).square().mean().backward()
+    g = layer.weight.grad.clone()
+    opt._capture.groups({""})      # the probes' count to the host
+    stat = opt._capture.layers[0].stat
+    assert stat.samples is None and stat.count == n * t
+    opt.precondition()
+    torch.testing.assert_close(layer.weight.grad, ap_reference(g, x.reshape(-1, d), _share(n * t, d), "trace_per_dim"),
+                               rtol=1e-9, atol=1e-12)
+    opt.close()
+    torch._dynamo.reset()
