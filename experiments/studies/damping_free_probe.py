@@ -67,6 +67,11 @@ VARIANTS = {
     # the same, re-chosen every 10th refresh: the EMA's Sigma moves slowly, so a held factor may follow it
     "dopr weak share 0.5, floor 1e-6, Sigma EMA 0.99, every 10": {"damping": 1e-6, "health_every": 10,
                                                                   "weak_share_bound": 0.5, "precond_ema": 0.99},
+    # issue 67: lambda from each layer's q = d / N_eff (damping_rule="sample_count", no floor), and the
+    # tuned damping, each at three rates (the key "lr" is the probe's rate, not an AP option)
+    **{f"dopr sample_count, lr {lr}": {"damping_rule": "sample_count", "damping": 0.0, "lr": float(lr)}
+       for lr in ("3e-4", "1e-3", "3e-3")},
+    **{f"dopr 1e-3 trace, lr {lr}": {"damping": 1e-3, "lr": float(lr)} for lr in ("3e-4", "1e-3", "3e-3")},
 }
 DEFAULT = list(VARIANTS)[:5]
 
@@ -98,7 +103,9 @@ def main(argv=None) -> None:
             if key in cache:
                 continue
             tic = time.perf_counter()
-            curve = probe(VARIANTS[name], None, seed, args.steps, model_name=args.model, every=args.window,
+            options = dict(VARIANTS[name]) if VARIANTS[name] is not None else None
+            lr = options.pop("lr", 1e-3) if options is not None else 1e-3
+            curve = probe(options, None, seed, args.steps, lr=lr, model_name=args.model, every=args.window,
                           device=args.device)
             cache[key] = {"curve": curve, "step_s": (time.perf_counter() - tic) / args.steps}
             print(key, {k: round(v, 3) for k, v in curve.items()}, f"{cache[key]['step_s']:.3f} s/step",
@@ -107,7 +114,7 @@ def main(argv=None) -> None:
                 atomic_write(cache_path, lambda f: f.write_text(json.dumps(cache, indent=1)))
     lines = [f"`python -m experiments.studies.damping_free_probe {shlex.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"commit {git_revision()}, torch {torch.__version__}, device {args.device}, {args.threads} thread(s); task=sit_{args.model}' model "
-             f"and data, batch 64, lr 1e-3, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
+             f"and data, batch 64, lr 1e-3 unless the rule names another, {args.steps} steps, seeds {args.seeds}. Loss: mean training loss of "
              f"steps {int(last) - args.window + 1}-{last} (median over seeds, range); step time: wall seconds per "
              "step (data, forward, backward, AP, GP), median over seeds.", "",
              "| rule | final train loss | seed range | step time (s) |", "|---|---|---|---|"]
