@@ -72,6 +72,9 @@ VARIANTS = {
     **{f"dopr sample_count, lr {lr}": {"damping_rule": "sample_count", "damping": 0.0, "lr": float(lr)}
        for lr in ("3e-4", "1e-3", "3e-3")},
     **{f"dopr 1e-3 trace, lr {lr}": {"damping": 1e-3, "lr": float(lr)} for lr in ("3e-4", "1e-3", "3e-3")},
+    # the rule over the library's default damping 1e-4 tr(Sigma) as its floor (one option away, no per-family value)
+    **{f"dopr sample_count, floor 1e-4, lr {lr}": {"damping_rule": "sample_count", "damping": 1e-4, "lr": float(lr)}
+       for lr in ("3e-4", "1e-3", "3e-3")},
 }
 DEFAULT = list(VARIANTS)[:5]
 
