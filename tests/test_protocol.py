@@ -114,6 +114,10 @@ def test_a_bad_task_variant_arm_or_axis_is_refused_in_one_line_naming_it(tmp_pat
     bad.write_text(yaml.safe_dump({"task": "feature_learning", "tuned": "feature_learning", "arms": ["sgd"],
                                    "grids": {}}))
     _fails(["tune", str(bad), "--dry-run"], "unknown key 'grids'")
+    # the fresh seeds before any selection: nothing to run, and the stage to run first named
+    _fails(["protocol", "sit_digits", "--root", str(tmp_path), "--dry-run"],
+           f"{tmp_path}/conf/tuned/sit_digits_protocol holds no selected config of the arms adamw, dopr_adamw: run "
+           "select first")
 
 
 def _stage(*args):
