@@ -3,6 +3,7 @@
 recorded, the dry run is the job set, and a tiny protocol runs tune -> select -> protocol -> report."""
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -63,6 +64,10 @@ def test_the_presets_keep_the_grids_and_fixed_values_their_committed_selections_
             for key, value in recorded["base"].items():   # every value the committed tune fixed, fixed alike
                 assert key.lstrip("+") in fixed and _number(fixed[key.lstrip("+")]) == _number(value), (
                     task, variant, arm, key, value, fixed)
+        report = ROOT / spec["results"] / "protocol.md"   # its report's verdicts beyond each GP / DoPr pair
+        if report.is_file():
+            stamp = next(l for l in report.read_text().splitlines() if "Tables by `" in l)
+            assert re.findall(r"--versus (\S+?)[ `]", stamp) == spec.get("versus", []), (task, variant)
     committed = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "results").rglob("selection.json")}
     assert committed - covered == HISTORICAL
 

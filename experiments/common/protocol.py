@@ -32,7 +32,7 @@ PRESETS = CHECKOUT / "conf" / "protocol"
 STAGES = ("tune", "select", "protocol", "report")
 #: what a preset (and each of its variants) may say; a variant's dicts merge into the preset's, null drops a key
 MERGED = ("overrides", "dopr_overrides", "grid", "gp_grid", "dopr_grid", "select")
-KEYS = MERGED + ("arms", "tuning_seeds", "fresh_seeds", "fresh_axes", "configs", "results")
+KEYS = MERGED + ("arms", "tuning_seeds", "fresh_seeds", "fresh_axes", "configs", "results", "versus")
 
 
 def load(task: str) -> dict:
@@ -144,8 +144,9 @@ def commands(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra
     dirs = [_where(stage_dir / n) for n in chosen if (stage_dir / n).is_dir()]
     if not dirs:
         raise ValueError(f"no fresh-seed runs under {_where(stage_dir)}: run the protocol stage first")
+    versus = [w for pair in spec.get("versus") or () for w in ("--versus", pair)]   # verdicts beyond GP / DoPr
     return [["python", "-m", "experiments.common.tuning", "report", *dirs, "--selection",
-             _where(results / "selection.json"), "--out", _where(results), *extra]]
+             _where(results / "selection.json"), "--out", _where(results), *versus, *extra]]
 
 
 def main(argv=None) -> None:

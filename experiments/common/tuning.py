@@ -618,8 +618,9 @@ def main(argv=None) -> None:
             seeds, source = (seed_list(args.seeds), "--seeds") if args.seeds else (
                 fresh_seeds_of(Path(args.configs)) if args.configs else (None, None))
             if seeds is None:
-                raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5) or --configs conf/tuned/<group> "
-                                 "of a protocol sweep that sets seed")
+                raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5; `python -m experiments.common."
+                                 "protocol select <task>` passes its preset's) or --configs conf/tuned/<group> of a "
+                                 "sweep that sets seed")
             gp_from = None
             if args.gp_from:
                 if not Path(args.gp_from).is_file():
