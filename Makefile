@@ -45,7 +45,8 @@ DEMO := multirun/demo
 demo: setup
 	mkdir -p $(DEMO) && date +%s > $(DEMO)/started
 	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds
-	$(PY) run.py -m sweep=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning
+	$(PY) run.py -m task=feature_learning '+tuned/feature_learning_protocol=glob(*)' 'seed=range(1,11)' \
+		hydra.sweep.dir=$(DEMO)/feature_learning   # the protocol stage's runs, in one folder
 	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
 	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
 	$(PY) -m experiments.common.tuning report $(DEMO)/feature_learning \

@@ -2,7 +2,7 @@
 
     python run.py task=feature_learning +tuned/feature_learning_protocol=dopr_sgd
     python run.py -m task=feature_learning '+tuned/feature_learning_protocol=sgd,adamw,dopr_sgd' seed=1,2,3
-    python run.py -m sweep=feature_learning_protocol launcher=slurm slurm.partition=gpu
+    python -m experiments.common.protocol protocol feature_learning launcher=slurm slurm.partition=gpu   # a tuning protocol's stage
     python run.py task=feature_learning +tuned/feature_learning_protocol=dopr_sgd resume=true   # continue its latest unfinished run
 
 (in the environment `make` created: `source .venv/bin/activate` first, or `.venv/bin/python run.py ...`)

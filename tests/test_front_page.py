@@ -71,5 +71,6 @@ def test_readme_docs_and_run_py_show_one_set_of_tuned_examples_in_the_environmen
             if w.startswith("sweep="):
                 preset = (ROOT / "conf" / "sweep" / f"{w.split('=', 1)[1]}.yaml").read_text(encoding="utf-8")
                 assert "ablation" not in preset.splitlines()[1], f"{w} is an ablation, not a paper preset"
-    presets = [c for c in _run_commands(readme) if "sweep=" in c and "paper preset" in readme]
-    assert presets and all("sweep=feature_learning_protocol" in c for c in presets)
+    # the paper's protocol: its preset conf/protocol/<task>.yaml, not an ablation sweep
+    protocols = [l.split("  #")[0].split() for l in readme.splitlines() if l.startswith("python -m experiments.common.protocol ")]
+    assert protocols and all((ROOT / "conf" / "protocol" / f"{words[4]}.yaml").is_file() for words in protocols)

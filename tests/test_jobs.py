@@ -127,7 +127,11 @@ def test_the_sweep_summary_counts_the_jobs_of_a_glob_over_the_tuned_presets(comp
     listing (before, the summary raised "ConfigLoader is not set" and no line was printed)."""
     from experiments.common.callbacks import sweep_jobs
 
-    sweep = compose("sweep=sit_mnist_protocol", hydra_config=True)
+    from omegaconf import open_dict
+
+    sweep = compose("task=sit_mnist", hydra_config=True)
+    with open_dict(sweep):   # what the protocol stage's sweeps did as a preset (conf/sweep/sit_mnist_protocol.yaml)
+        sweep.hydra.sweeper.params = {"+tuned/sit_mnist_protocol": "glob(*)", "seed": "3,4,5"}
     jobs = sweep_jobs(sweep)
     presets = sorted(p.stem for p in (ROOT / "conf" / "tuned" / "sit_mnist_protocol").glob("*.yaml"))
     assert len(jobs) == 3 * len(presets)   # seeds 3, 4, 5 x every preset the selection wrote

@@ -279,3 +279,18 @@ def test_no_dopr_prefix_is_parsed_outside_the_one_reader_of_names():
     found = {f"{p.relative_to(ROOT)}:{line}" for pkg in (*PACKAGES, "scripts", "examples") for p in sorted((ROOT / pkg).rglob("*.py"))
              if p != reader for line in _dopr_prefix_parsing(p.read_text())}
     assert not found, f"read the name with dopr.split_name (or experiments.common.arms.Arm.read): {sorted(found)}"
+
+
+#: the tasks with a tuning protocol: one preset each in conf/protocol/ (issue 66 item 4)
+PROTOCOL_TASKS = ("conv_digits", "feature_learning", "humanoid", "sft_arith", "sit_digits", "sit_mnist")
+
+
+def test_a_tuning_protocol_is_one_preset_per_task_not_copy_edited_sweeps():
+    """Each task's protocol (its grids, seeds, variants) lives in conf/protocol/<task>.yaml, run stage by stage by
+    `python -m experiments.common.protocol`; conf/sweep/ keeps no *_tune* / *_protocol sweep."""
+    sweeps = sorted(p.name for p in (ROOT / "conf" / "sweep").glob("*.yaml") if "_tune" in p.stem or
+                    p.stem.endswith("_protocol"))
+    assert not sweeps, f"tuning-protocol sweeps belong in conf/protocol/<task>.yaml: {sweeps}"
+    presets = sorted(p.stem for p in (ROOT / "conf" / "protocol").glob("*.yaml"))
+    assert presets == sorted(PROTOCOL_TASKS) and len(presets) == 6
+    assert all((ROOT / "conf" / "task" / f"{t}.yaml").is_file() for t in presets)   # named after a task

@@ -267,40 +267,6 @@ def test_a_protocol_sweep_before_its_selection_is_refused_by_name_not_run_as_zer
     refuse_empty_protocol_sweep(["-m", "sweep=toy_protocol"], conf)  # once the selection wrote a config
 
 
-PROTOCOLS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")
-                   if "glob(*)" in str(OmegaConf.select(OmegaConf.load(p), "hydra.sweeper.params")))
-
-
-@pytest.mark.parametrize("sweep", PROTOCOLS)
-def test_a_protocol_sweep_before_its_selection_advises_commands_that_work(sweep, tmp_path, compose):
-    """Its refusal names the tuning sweeps to run (each composes and sweeps something) and the preset whose
-    header holds the selection command, which writes the emptied group."""
-    import re
-    import shutil
-
-    from experiments.common import tuning
-
-    conf = tmp_path / "conf"
-    shutil.copytree(CONF, conf)
-    params = OmegaConf.select(OmegaConf.load(CONF / "sweep" / f"{sweep}.yaml"), "hydra.sweeper.params")
-    group = next(k.lstrip("+") for k, v in params.items() if str(v).strip() == "glob(*)")
-    for f in (conf / group).glob("*.yaml"):
-        f.unlink()
-    with pytest.raises(ConfigError) as e:
-        refuse_empty_protocol_sweep(["-m", f"sweep={sweep}"], conf)
-    msg = str(e.value)
-    tunes = re.findall(r"python run\.py -m sweep=(\w+)", msg)
-    assert tunes and "\n" not in msg, msg
-    for tune in tunes:
-        assert f"conf/sweep/{tune}.yaml" in msg
-        assert compose(f"sweep={tune}", hydra_config=True).hydra.sweeper.params   # `-m sweep=<tune>` launches jobs
-        header = (CONF / "sweep" / f"{tune}.yaml").read_text()
-        assert "python -m experiments.common.tuning select" in header and f"--configs conf/{group}" in header
-    with pytest.raises(SystemExit) as done:   # the selection's command line exists
-        tuning.main(["select", "--help"])
-    assert done.value.code == 0
-
-
 @pytest.mark.parametrize("tuned", TUNED)
 def test_every_tuned_preset_composes(tuned, compose):
     group, name = tuned.split("/")

@@ -17,7 +17,8 @@ get the same budget and no reported seed took part in the choice.
    winner, the paper's guideline ("swap the optimizer to DoPr, maintaining the same learning rate").
    Its old name `_at_gp_lr` (the rate alone) is refused by run.py.
 3. Re-run the winners on the fixed fresh seeds (at least 3; 5 where a job is under 5 minutes):
-   `python run.py -m "+tuned/<group>=glob(*)" seed=<fresh seeds>` (the task's protocol sweep; the
+   `python run.py -m "+tuned/<group>=glob(*)" seed=<fresh seeds>` (the protocol stage of
+   `python -m experiments.common.protocol`, which runs each stage from conf/protocol/<task>.yaml; the
    at-GP config is not written when DoPr's winner already runs at the GP's setting).
 4. Report (`report`): per arm, per-seed min / median / max and mean +- standard error of the task's
    metrics on the fixed fresh seeds, and a verdict line per pair naming the DoPr knobs held fixed;
@@ -617,8 +618,9 @@ def main(argv=None) -> None:
             seeds, source = (seed_list(args.seeds), "--seeds") if args.seeds else (
                 fresh_seeds_of(Path(args.configs)) if args.configs else (None, None))
             if seeds is None:
-                raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5) or --configs conf/tuned/<group> "
-                                 "of a protocol sweep that sets seed")
+                raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5; `python -m experiments.common."
+                                 "protocol select <task>` passes its preset's) or --configs conf/tuned/<group> of a "
+                                 "sweep that sets seed")
             gp_from = None
             if args.gp_from:
                 if not Path(args.gp_from).is_file():

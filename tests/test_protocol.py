@@ -1,0 +1,161 @@
+"""The protocol presets (conf/protocol/<task>.yaml) and their one command per stage
+(experiments/common/protocol.py): every preset composes, each keeps the grids its committed selections
+recorded, the dry run is the job set, and a tiny protocol runs tune -> select -> protocol -> report."""
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments.common import protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "conf" / "protocol").glob("*.yaml"))
+#: committed selections that no preset reproduces: older runs of a protocol whose preset is the newer one
+#: (sft_arith's 1-epoch tune, superseded by results/sft_arith/protocol; the Muon pair's rerun after issue 46)
+HISTORICAL = {"results/sft_arith/protocol_epochs1", "results/sit_digits/muon_protocol_46"}
+
+
+def _protocols():
+    """(task, variant, resolved spec) of every preset and every variant."""
+    out = []
+    for path in PRESETS:
+        preset = protocol.load(path.stem)
+        out += [(path.stem, v, protocol.resolve(preset, v)) for v in [None, *(preset.get("variants") or {})]]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", [p.stem for p in PRESETS])
+def test_every_preset_and_variant_composes_and_names_real_config_keys(task):
+    pytest.importorskip("hydra")
+    for _, _, spec in (p for p in _protocols() if p[0] == task):
+        assert spec["task"] == task and spec["arms"], spec
+        protocol.check(spec)   # raises naming the arm and the key that is not a config key
+
+
+def _number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return str(text)
+
+
+def test_the_presets_keep_the_grids_and_fixed_values_their_committed_selections_recorded():
+    covered = set()
+    for task, variant, spec in _protocols():
+        sel_path = ROOT / spec["results"] / "selection.json"
+        if not sel_path.is_file():
+            continue
+        covered.add(spec["results"])
+        sel = json.loads(sel_path.read_text())
+        assert set(sel["arms"]) == set(spec["arms"]), (task, variant)
+        assert sel["seeds"] == spec["tuning_seeds"] and sel["fresh_seeds"] == spec["fresh_seeds"], (task, variant)
+        for arm, recorded in sel["arms"].items():
+            mine = spec["arms"][arm]
+            grid = {k.lstrip("+"): [_number(v) for v in vs] for k, vs in recorded["grid"].items()}
+            assert grid == {k: sorted(_number(v) for v in vs) for k, vs in mine["grid"].items()}, (task, variant, arm)
+            fixed = {f"tuned/{spec['tuned']}": mine["preset"], **mine["overrides"]}
+            for key, value in recorded["base"].items():   # every value the committed tune fixed, fixed alike
+                assert key.lstrip("+") in fixed and _number(fixed[key.lstrip("+")]) == _number(value), (
+                    task, variant, arm, key, value, fixed)
+        report = ROOT / spec["results"] / "protocol.md"   # its report's verdicts beyond each GP / DoPr pair
+        if report.is_file():
+            stamp = next(l for l in report.read_text().splitlines() if "Tables by `" in l)
+            assert re.findall(r"--versus (\S+?)[ `]", stamp) == spec.get("versus", []), (task, variant)
+    committed = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "results").rglob("selection.json")}
+    assert committed - covered == HISTORICAL
+
+
+def _jobs(line: str) -> int:
+    """The number of jobs one `run.py -m` line launches: the product of its swept values."""
+    return math.prod(len(t.split("=", 1)[1].split(",")) for t in shlex.split(line)
+                     if "=" in t and not t.startswith("hydra."))
+
+
+def test_the_dry_run_of_a_tune_is_each_arms_grid_on_the_tuning_seeds(capsys, tmp_path):
+    pytest.importorskip("hydra")
+    protocol.main(["tune", "feature_learning", "--dry-run", "--root", str(tmp_path), "launcher=local_parallel"])
+    lines = capsys.readouterr().out.splitlines()
+    spec = protocol.resolve(protocol.load("feature_learning"))
+    expected = sum(math.prod(len(v) for v in a["grid"].values()) for a in spec["arms"].values()) * len(spec["tuning_seeds"])
+    assert len(lines) == len(spec["arms"]) and sum(_jobs(l) for l in lines) == expected == 60
+    for line, arm in zip(lines, spec["arms"]):
+        assert line.startswith(f"python run.py -m task=feature_learning +tuned/feature_learning={arm} ")
+        assert "skip_finished=true" in line.split() and line.endswith(" launcher=local_parallel")
+        assert f"hydra.sweep.dir={tmp_path}/multirun/protocol/feature_learning/tune/{arm}" in line.split()
+    assert not (tmp_path / "multirun").exists()   # a dry run launches nothing
+
+
+def test_an_arm_a_variant_leaves_alone_tunes_in_the_tasks_folder(capsys, tmp_path):
+    pytest.importorskip("hydra")
+    protocol.main(["tune", "feature_learning", "--variant", "weak25", "--dry-run", "--root", str(tmp_path)])
+    dirs = {l.split(" +tuned/feature_learning=")[1].split()[0]: l.split("hydra.sweep.dir=")[1].split()[0]
+            for l in capsys.readouterr().out.splitlines()}
+    assert dirs["adamw"].endswith("protocol/feature_learning/tune/adamw")
+    assert dirs["dopr_adamw"].endswith("protocol/feature_learning/weak25/tune/dopr_adamw")
+
+
+def _fails(args, match):
+    res = subprocess.run([sys.executable, "-m", "experiments.common.protocol", *args], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and match in res.stderr, res.stderr
+    return res.stderr
+
+
+def test_a_bad_task_variant_arm_or_axis_is_refused_in_one_line_naming_it(tmp_path):
+    _fails(["tune", "feature_learning", "--variant", "weak99", "--dry-run"], "feature_learning has no variant 'weak99'")
+    _fails(["tune", "feature_learnin", "--dry-run"], "no protocol preset for task 'feature_learnin'")
+    _fails(["tune", "sit_digits", "--arms", "adamw,sgd", "--dry-run"], "--arms: no arm 'sgd' in sit_digits")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"task": "feature_learning", "tuned": "feature_learning", "arms": ["sgd"],
+                                   "grid": {"optim.lrr": [1e-3]}, "tuning_seeds": [0], "fresh_seeds": [1]}))
+    _fails(["tune", str(bad), "--dry-run"], "feature_learning arm sgd: optim.lrr is not a config key")
+    bad.write_text(yaml.safe_dump({"task": "feature_learning", "tuned": "feature_learning", "arms": ["sgd"],
+                                   "grids": {}}))
+    _fails(["tune", str(bad), "--dry-run"], "unknown key 'grids'")
+    # the fresh seeds before any selection: nothing to run, and the stage to run first named
+    _fails(["protocol", "sit_digits", "--root", str(tmp_path), "--dry-run"],
+           f"{tmp_path}/conf/tuned/sit_digits_protocol holds no selected config of the arms adamw, dopr_adamw: run "
+           "select first")
+
+
+def _stage(*args):
+    res = subprocess.run([sys.executable, "-m", "experiments.common.protocol", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_a_tiny_protocol_runs_tune_select_protocol_report(tmp_path):
+    pytest.importorskip("hydra")
+    toy = tmp_path / "toy.yaml"
+    toy.write_text(yaml.safe_dump({"task": "feature_learning", "tuned": "feature_learning",
+                                   "overrides": {"ap.damping_mode": "trace"}, "grid": {"optim.lr": [1e-3, 1e-2]},
+                                   "arms": ["sgd", "dopr_sgd"], "tuning_seeds": [0], "fresh_seeds": [1],
+                                   "configs": "toy_protocol", "results": "results/toy"}))
+    root = ["--root", str(tmp_path), "debug=default"]
+    _stage("tune", str(toy), *root)
+    tuned = sorted(p.parent.parent.name for p in (tmp_path / "multirun" / "protocol" / "feature_learning" / "tune")
+                   .rglob("summary.json"))
+    assert tuned == ["dopr_sgd", "dopr_sgd", "sgd", "sgd"]
+    _stage("select", str(toy), "--root", str(tmp_path), "--accept-edge", "two rates in a test")
+    sel = json.loads((tmp_path / "results" / "toy" / "selection.json").read_text())
+    assert sel["fresh_seeds"] == [1] and set(sel["arms"]) == {"sgd", "dopr_sgd"}
+    assert "| chosen |" in (tmp_path / "results" / "toy" / "selection.md").read_text()
+    chosen = {p.stem for p in (tmp_path / "conf" / "tuned" / "toy_protocol").glob("*.yaml")}
+    assert {"sgd", "dopr_sgd"} <= chosen
+    _stage("protocol", str(toy), *root)
+    fresh = [json.loads(p.read_text()) for p in (tmp_path / "multirun" / "protocol" / "feature_learning" / "protocol")
+             .rglob("summary.json")]
+    assert sorted(s["seed"] for s in fresh) == [1] * len(chosen)
+    assert {s["lr"] for s in fresh if s["optim"] == "sgd"} == {float(sel["arms"]["sgd"]["winner"]["optim.lr"])}
+    _stage("report", str(toy), "--root", str(tmp_path))
+    md = (tmp_path / "results" / "toy" / "protocol.md").read_text()
+    assert "Verdict, dopr_sgd vs sgd by val_loss" in md and "| sgd |" in md
