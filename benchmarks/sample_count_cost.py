@@ -30,7 +30,7 @@ RULES = {"trace (damping 1e-4)": {}, "sample_count": {"damping_rule": "sample_co
 def _setup(options: dict, batch: int):
     torch.manual_seed(0)
     model = ResMLP()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, **options)
+    opt = dopr.build(model, "adamw", ap=options, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, 348, generator=g), torch.randn(batch, 17, generator=g)
 
