@@ -479,7 +479,8 @@ def part_agreement(ctx) -> str:
     def train(device, dtype, name, steps=5, autocast=False, backend=None):
         torch.manual_seed(0)
         model = net().to(device, dtype)
-        opt = dopr.build(model, name, lr=1e-3, weight_decay=0.01)
+        gp, wrapped = dopr.split_name(name)
+        opt = dopr.build(model, gp, ap={} if wrapped else None, lr=1e-3, weight_decay=0.01)
         forward = torch.compile(model, backend=backend) if backend else model
         gen, losses = torch.Generator().manual_seed(1), []
         for _ in range(steps):

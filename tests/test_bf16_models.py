@@ -70,7 +70,7 @@ def test_peft_lora_on_a_bf16_base_feeds_the_covariance_gemm_bf16(grams, dropout)
     # peft keeps the adapters in float32 and casts the bf16 input up before lora_A (through its dropout):
     # lora_A's Sigma is formed from the bf16 values, lora_B's input (lora_A's float32 output) stays float32
     model = _llama(dropout)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, solve_space="features")
+    opt = dopr.build(model, "adamw", ap={"solve_space": "features"}, lr=1e-3)
     assert next(m for n, m in model.named_modules() if n.endswith("lora_A.default")).weight.dtype == torch.float32
     _train_step(model, opt)
     by_dim = {}
@@ -87,7 +87,7 @@ def test_peft_lora_on_a_bf16_base_feeds_the_covariance_gemm_bf16(grams, dropout)
 def test_a_bf16_model_without_autocast_feeds_the_covariance_gemm_bf16(grams):
     # a bf16 model's layers read bf16 activations: Sigma takes them as they are, the homogeneous 1 included
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).bfloat16()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, solve_space="features")
+    opt = dopr.build(model, "adamw", ap={"solve_space": "features"}, lr=1e-3)
     model(torch.randn(40, 16).bfloat16()).float().square().mean().backward()
     opt.step()
     # the gram is of [z, 1] (the homogeneous column appended in the activations' dtype: 1 is exact in bf16)
@@ -98,7 +98,7 @@ def test_a_bf16_model_without_autocast_feeds_the_covariance_gemm_bf16(grams):
 def test_a_lora_model_cast_to_float32_goes_back_to_float32_sigma(grams):
     # the check runs at every capture: once the base is float32 the input is no upcast of bf16 values
     model = _llama(0.05)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, solve_space="features")
+    opt = dopr.build(model, "adamw", ap={"solve_space": "features"}, lr=1e-3)
     model.float()
     _train_step(model, opt)
     assert grams.inputs and all(z.dtype == torch.float32 for z in grams.inputs) and grams.gemm == []
@@ -123,7 +123,7 @@ def test_lora_sigma_is_the_float64_covariance_of_what_lora_a_multiplies(grams, m
         return stat
 
     monkeypatch.setattr(LoraInputHelper, "statistics", spy)
-    opt = dopr.build(model, "dopr_sgd", lr=0.0, solve_space="features")
+    opt = dopr.build(model, "sgd", ap={"solve_space": "features"}, lr=0.0)
     model(torch.randn(300, 48).bfloat16()).float().sum().backward()
     opt.step()
     x, z = inputs["x"], inputs["z"]

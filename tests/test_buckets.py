@@ -12,7 +12,7 @@ from reference import ap_reference, conv1d_patches, with_ones
 def _step_m(model, x, damping=1e-3, clear_bias=None):
     """The M that DoPr-SGD at lr 0 leaves in each preconditioned layer's gradient, with the inputs that
     each layer saw."""
-    opt = dopr.build(model, "dopr_sgd", lr=0.0, damping=damping)
+    opt = dopr.build(model, "sgd", ap={"damping": damping}, lr=0.0)
     seen = {}
     hooks = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, i[0].detach()))
              for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d))]
@@ -77,7 +77,7 @@ def test_a_bias_without_gradient_is_read_as_zeros_layer_by_layer():
 def test_the_write_back_buffer_keeps_its_address_from_step_to_step():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-3)
     addresses = []
     for _ in range(3):
         model(torch.randn(16, 8)).square().mean().backward()

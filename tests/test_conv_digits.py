@@ -66,7 +66,7 @@ def test_each_arm_changes_the_update_of_the_convolutions():
                              "rank1_diag": {"solver": "rank1_diag"}}.items():
         model = conv.convnet(4, 10)
         model.load_state_dict(start.state_dict())
-        opt = dopr.build(model, "dopr_sgd", lr=1.0, **options)
+        opt = dopr.build(model, "sgd", ap=options, lr=1.0)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         moved[variant] = (model[2].weight - start[2].weight).detach()

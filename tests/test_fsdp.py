@@ -19,7 +19,7 @@ pytestmark = pytest.mark.numerics  # run again under other CPU kernels (Makefile
 NAMES = ("dopr_sgd", "dopr_adamw", "dopr_signum", "dopr_muon", "dopr_adamuon", "muon", "dopr_adamw_ema")
 KWARGS = {"dopr_sgd": dict(lr=0.1, momentum=0.9), "dopr_adamw": dict(lr=1e-2), "dopr_signum": dict(lr=1e-2),
           "dopr_muon": dict(lr=2e-2), "dopr_adamuon": dict(lr=2e-2), "muon": dict(lr=2e-2),
-          "dopr_adamw_ema": dict(lr=1e-2, grad_ema=0.9)}  # gradient EMA buffers: sharded state
+          "dopr_adamw_ema": dict(lr=1e-2, ap=dict(grad_ema=0.9))}  # gradient EMA buffers: sharded state
 
 
 def _model():
@@ -34,8 +34,9 @@ def _data():
 
 
 def _optimizer(model, name):
-    ap = dict(damping=1e-3) if name.startswith("dopr_") else {}
-    return dopr.build(model, name.removesuffix("_ema"), weight_decay=0.01, **KWARGS[name], **ap)
+    gp, wrapped = dopr.split_name(name.removesuffix("_ema"))
+    kw = dict(KWARGS[name])
+    return dopr.build(model, gp, ap={"damping": 1e-3, **kw.pop("ap", {})} if wrapped else None, weight_decay=0.01, **kw)
 
 
 def _train(model, opt, x, y, steps=3):
@@ -55,8 +56,8 @@ def _weak(estimate="spectrum"):
     x = torch.randn(40, 3, generator=g).double() * torch.tensor([1.0, 1.0, 1e-3]).double()
     y = torch.stack([x[:, 0], x[:, 1], x[:, 0] - x[:, 1] + 1e3 * x[:, 2], 1e3 * x[:, 2]], 1)   # rank 1's rows only
     model = nn.Sequential(nn.Linear(3, 4)).double()
-    opt = lambda m: dopr.build(m, "dopr_adamw", lr=1e-2, damping=1e-6, health_every=1, weak_share_bound=0.5,
-                               weak_share_estimate=estimate)
+    opt = lambda m: dopr.build(m, "adamw", lr=1e-2, ap={"damping": 1e-6, "health_every": 1, "weak_share_bound": 0.5,
+                                                      "weak_share_estimate": estimate})
     return model, opt, x, y
 
 

@@ -432,7 +432,7 @@ def test_a_conv_weight_steps_as_its_flattened_matrix(monkeypatch, name):
 def test_dopr_muon_hands_the_preconditioned_conv_gradient_to_muon_flattened():
     torch.manual_seed(0)
     net = _ConvNet()
-    opt = dopr.build(net, "dopr_muon", lr=0.02, conv="flatten", damping=1e-3)
+    opt = dopr.build(net, "muon", ap={"damping": 1e-3}, lr=0.02, conv="flatten")
     x = torch.randn(4, 3, 4, 4)          # up-sampled to 8 x 8: 64 features for the hidden Linear
     net(x).square().mean().backward()
     muon = opt.base.optimizers["muon"]
@@ -457,7 +457,7 @@ def test_a_new_gp_is_one_registry_line():
         assert GPS["heavy_ball"].kwargs == {"momentum", "nesterov"}
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        opt = dopr.build(model, "dopr_heavy_ball", lr=0.1, momentum=0.5, damping=1e-3)
+        opt = dopr.build(model, "heavy_ball", ap={"damping": 1e-3}, lr=0.1, momentum=0.5)
         assert isinstance(opt.base, SGD) and opt.options.damping == 1e-3
         assert "dopr_heavy_ball" in dopr.names()
     finally:
@@ -504,7 +504,7 @@ def test_lion_state_dict_round_trip_is_bit_identical():
 def test_dopr_wraps_lion_and_lion_receives_the_preconditioned_gradient():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt = dopr.build(model, "dopr_lion", lr=1e-3, betas=(0.9, 0.99), damping=1e-3)
+    opt = dopr.build(model, "lion", ap={"damping": 1e-3}, lr=1e-3, betas=(0.9, 0.99))
     assert isinstance(opt.base, Lion)
     seen = []
     opt.base.register_step_pre_hook(lambda o, a, k: seen.append(model[0].weight.grad.clone()))

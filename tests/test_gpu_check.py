@@ -276,7 +276,7 @@ def test_the_profile_names_dopr_s_phases_per_size():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-3)
     x = torch.randn(64, 16)
 
     def step():

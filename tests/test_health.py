@@ -26,7 +26,7 @@ def test_the_report_on_a_known_spectrum():
 
 
 def _health(model, batches, damping):
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, damping=damping, health_every=1)
+    opt = dopr.build(model, "adamw", ap={"damping": damping, "health_every": 1}, lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for loss in batches(model):
@@ -80,7 +80,7 @@ def test_a_well_conditioned_layer_is_healthy():
 def test_no_report_unless_asked():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 4))
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-3)
     model(torch.randn(16, 8)).sum().backward()
     opt.step()
     assert "health" not in opt.stats()

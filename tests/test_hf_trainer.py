@@ -11,7 +11,7 @@ def test_trainer_steps_with_dopr(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(cfg)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, damping=1e-4)
+    opt = dopr.build(model, "adamw", ap={"damping": 1e-4}, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     cov = {e.name: e for e in opt.coverage()}
     assert cov["model.layers.0.self_attn.q_proj"].status == "preconditioned"

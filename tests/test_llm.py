@@ -337,7 +337,7 @@ def test_3b_lora_trains_the_tied_embeddings_and_keeps_the_tie(tok, compose):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("embed_tokens" in n for n in trainable)
     assert not any("lm_head" in n and "lora_" in n for n in trainable)  # all-linear leaves the head out
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-2)
     emb = next(e for e in opt.coverage() if e.name.endswith("embed_tokens.modules_to_save.default"))
     assert emb.status == "skipped" and "tied" in emb.reason
     before = model.get_input_embeddings().weight.detach().clone()
@@ -374,7 +374,7 @@ def test_reentrant_checkpointing_gives_the_same_dopr_step_and_bf16_keeps_fp32_ad
                 torch.nn.init.normal_(p, std=0.1)
         gradient_checkpointing(model, mode)
         model.train()
-        opt = dopr.build(model, "dopr_adamw", lr=1e-2)
+        opt = dopr.build(model, "adamw", ap={}, lr=1e-2)
         packed_forward(model, b, labels=b["labels"]).loss.backward()
         opt.step()
         results.append(({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},

@@ -30,7 +30,8 @@ def test_initial_weights_have_the_appendix_variances(parameterization):
 def _opt(name, model, lr, wd, **kw):
     import dopr
 
-    return dopr.build(model, name, lr=lr, weight_decay=wd, **kw)
+    gp, wrapped = dopr.split_name(name)
+    return dopr.build(model, gp, ap={} if wrapped else None, lr=lr, weight_decay=wd, **kw)
 
 
 @pytest.mark.parametrize("name", ["adamw", "dopr_adamw"])

@@ -31,12 +31,12 @@ def _train(model, opt, steps, start=0):
 
 
 # ------------------------------------------------------------------------------ checkpointing
-@pytest.mark.parametrize("gp", ["dopr_adamw", "dopr_muon"])
+@pytest.mark.parametrize("gp", ["adamw", "muon"])
 def test_state_dict_resume_is_bit_identical(gp):
-    kw = dict(grad_ema=0.5, precond_ema=0.9, precond_every=3)
+    ap = dict(grad_ema=0.5, precond_ema=0.9, precond_every=3)
     model = _mlp()
     init = copy.deepcopy(model.state_dict())
-    opt = dopr.build(model, gp, lr=1e-2, **kw)
+    opt = dopr.build(model, gp, ap=ap, lr=1e-2)
     _train(model, opt, 4)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     assert saved_opt["dopr"]["precond_ema"] and saved_opt["dopr"]["grad_ema"] and saved_opt["dopr"]["cache"]
@@ -44,7 +44,7 @@ def test_state_dict_resume_is_bit_identical(gp):
 
     resumed = _mlp()
     resumed.load_state_dict(init)
-    opt2 = dopr.build(resumed, gp, lr=1e-2, **kw)
+    opt2 = dopr.build(resumed, gp, ap=ap, lr=1e-2)
     resumed.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     _train(resumed, opt2, 5, start=4)
@@ -56,14 +56,14 @@ def test_the_step_is_counted_once_and_an_older_checkpoint_that_counted_it_twice_
     """The AP's step counter is state_dict()["dopr"]["step"] alone (stats()["steps"] reads it); a
     checkpoint from before also held it as counts["steps"], and loads to the same counters."""
     model = _mlp()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, precond_every=2)
+    opt = dopr.build(model, "adamw", ap={"precond_every": 2}, lr=1e-2)
     _train(model, opt, 3)
     sd = copy.deepcopy(opt.state_dict())
     assert sd["dopr"]["step"] == opt.stats()["steps"] == 3 and "steps" not in sd["dopr"]["counts"]
     old = copy.deepcopy(sd)
     old["dopr"]["counts"]["steps"] = 3                     # the older format's duplicate
     for state in (sd, old):
-        opt2 = dopr.build(_mlp(), "dopr_adamw", lr=1e-2, precond_every=2)
+        opt2 = dopr.build(_mlp(), "adamw", ap={"precond_every": 2}, lr=1e-2)
         opt2.load_state_dict(state)
         assert opt2.stats() == opt.stats()
         _train(opt2.model, opt2, 1, start=3)
@@ -80,7 +80,7 @@ def test_the_counters_of_stats_are_the_declared_ones_and_the_summary_carries_the
     counted = {m for path in (Path(dopr.__file__).parent).rglob("*.py")
                for m in re.findall(r"counts\[\"(\w+)\"\]", path.read_text())}
     assert counted and counted | {"steps"} == set(DoPr.COUNTERS)
-    opt = dopr.build(_mlp(), "dopr_sgd", lr=1e-2)
+    opt = dopr.build(_mlp(), "sgd", ap={}, lr=1e-2)
     assert {k: opt.stats()[k] for k in DoPr.COUNTERS} == dict.fromkeys(DoPr.COUNTERS, 0)
     pytest.importorskip("omegaconf")
     from experiments.common.run import DOPR_COUNTERS
@@ -89,11 +89,11 @@ def test_the_counters_of_stats_are_the_declared_ones_and_the_summary_carries_the
 
 def test_ema_buffers_hold_half_a_covariance_per_layer():
     model = _mlp()
-    opt = dopr.build(model, "dopr_sgd", lr=1e-2, precond_ema=0.9)
+    opt = dopr.build(model, "sgd", ap={"precond_ema": 0.9}, lr=1e-2)
     _train(model, opt, 1)
     sizes = sorted(s["sums"][0].numel() for s in opt.state_dict()["dopr"]["precond_ema"].values())
     assert sizes == sorted([7 * 8 // 2, 17 * 18 // 2, 17 * 18 // 2])  # d(d+1)/2 with d = d_in + 1
-    plain = dopr.build(_mlp(), "dopr_sgd", lr=1e-2)
+    plain = dopr.build(_mlp(), "sgd", ap={}, lr=1e-2)
     _train(plain.model, plain, 1)
     sd = plain.state_dict()["dopr"]
     assert not sd["precond_ema"] and not sd["grad_ema"] and not sd["cache"]  # no persistent AP memory
@@ -101,7 +101,7 @@ def test_ema_buffers_hold_half_a_covariance_per_layer():
 
 def test_lr_scheduler_attaches():
     model = _mlp()
-    opt = dopr.build(model, "dopr_adamw", lr=1.0)
+    opt = dopr.build(model, "adamw", ap={}, lr=1.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
     _train(model, opt, 1)
     sched.step()
@@ -355,9 +355,10 @@ def test_every_gp_plain_and_dopr_lowers_the_loss_and_the_ap_really_runs(name):
     w = torch.randn(8, 4)
     x = torch.randn(256, 8) * torch.logspace(0, 1, 8)  # anisotropic inputs
     y = torch.tanh(x @ w)
+    gp, wrapped = dopr.split_name(name)
     lr = {"sgd": 0.05, "signum": 3e-3, "adamw": 3e-3, "muon": 0.02, "adamuon": 0.01, "lion": 3e-3, "soap": 1e-2,
-          "shampoo": 3e-2, "kron": 3e-2}[name.removeprefix("dopr_")]
-    opt = dopr.build(model, name, lr=lr)
+          "shampoo": 3e-2, "kron": 3e-2}[gp]
+    opt = dopr.build(model, gp, ap={} if wrapped else None, lr=lr)
     seen = {}
     if isinstance(opt, DoPr):
         def record_first_gp_input(optimizer, args, kwargs):

@@ -75,7 +75,8 @@ def test_every_scheduler_drives_every_factory_optimizer(name, sched):
     """Each group's lr (and, for CyclicLR / OneCycleLR, momentum or beta1) follows the schedule as
     on torch.optim.SGD with the same groups, in the groups the members step with."""
     model = _mlp()
-    opt = dopr.build(model, name, lr=0.05)
+    gp, wrapped = dopr.split_name(name)
+    opt = dopr.build(model, gp, ap={} if wrapped else None, lr=0.05)
     groups = len(opt.param_groups)
     ref = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.05, momentum=0.9)
     s, s_ref = SCHEDULERS[sched](opt), SCHEDULERS[sched](ref)
@@ -174,7 +175,8 @@ def test_step_with_a_closure_is_the_step_after_the_same_forward_and_backward(nam
     it (a second evaluation would replace the preconditioned gradients)."""
     model = _mlp()
     twin = copy.deepcopy(model)
-    opt, opt_twin = dopr.build(model, name, lr=0.01), dopr.build(twin, name, lr=0.01)
+    gp, wrapped = dopr.split_name(name)
+    opt, opt_twin = (dopr.build(m, gp, ap={} if wrapped else None, lr=0.01) for m in (model, twin))
     for t in range(3):
         def closure():
             opt.zero_grad()
@@ -203,7 +205,8 @@ def test_the_checkpoint_helpers_round_trip_dopr_and_plain_optimizers(name):
     def trained(steps):
         torch.manual_seed(0)
         model = _mlp()
-        opt = dopr.build(model, name, lr=1e-2, **({"grad_ema": 0.9} if name.startswith("dopr") else {}))
+        gp, wrapped = dopr.split_name(name)
+        opt = dopr.build(model, gp, ap={"grad_ema": 0.9} if wrapped else None, lr=1e-2)
         for s in range(steps):
             opt.zero_grad()
             _loss(model, s).backward()

@@ -90,7 +90,7 @@ def test_the_factory_sends_exactly_the_dataclass_fields_to_dopr():
     from dopr.factory import DOPR_KWARGS
 
     assert DOPR_KWARGS == DoPrOptions.names()
-    opt = dopr.build(_mlp(), "dopr_sgd", lr=0.1, momentum=0.0, warmup_steps=2, rank=3)
+    opt = dopr.build(_mlp(), "sgd", ap={"warmup_steps": 2, "rank": 3}, lr=0.1, momentum=0.0)
     assert (opt.options.warmup_steps, opt.options.rank) == (2, 3)
 
 

@@ -91,7 +91,7 @@ def test_a_plain_peer_steps_as_the_package_does(peer, compose):
 @pytest.mark.parametrize("peer", PEERS)
 def test_dopr_with_the_ap_off_is_the_plain_peer(peer, compose):
     args = _args(compose, peer)
-    _assert_same_steps(lambda m: dopr.build(m, "dopr_" + peer, warmup_steps=STEPS, **args),
+    _assert_same_steps(lambda m: dopr.build(m, peer, ap={"warmup_steps": STEPS}, **args),
                        lambda m: dopr.build(m, peer, **args))
 
 
@@ -106,7 +106,7 @@ def test_dopr_over_a_peer_is_the_package_stepping_on_the_ap_gradient(peer, compo
     twin = copy.deepcopy(layer)
     data = [(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)) for _ in range(STEPS)]
     _seeded()
-    opt = dopr.build(layer, "dopr_" + peer, damping=damping, **args)
+    opt = dopr.build(layer, peer, ap={"damping": damping}, **args)
     received = []
     opt.base.register_step_pre_hook(lambda o, *_: received.append([p.grad.clone() for p in layer.parameters()]))
     _train(layer, opt, data)
@@ -141,12 +141,13 @@ def test_state_dict_round_trip_and_resume_are_exact(name, compose, tmp_path):
     """Run 2 + 2 steps; or 2, save (as the suite's checkpoint does: model, optimizer, every random state; loaded
     as it loads, tensors and plain containers only), load into a fresh model and optimizer, 2 more: the same
     weights and state, bit for bit."""
-    args = _args(compose, name.removeprefix("dopr_"))
+    gp, wrapped = dopr.split_name(name)
+    args = _args(compose, gp)
     batches = _batches()
     model = Net()
     start = copy.deepcopy(model.state_dict())
     _seeded()
-    opt = dopr.build(model, name, **args)
+    opt = dopr.build(model, gp, ap={} if wrapped else None, **args)
     _train(model, opt, batches[:2])
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng_state()}, tmp_path / "checkpoint.pt")
     _train(model, opt, batches[2:])
@@ -155,7 +156,7 @@ def test_state_dict_round_trip_and_resume_are_exact(name, compose, tmp_path):
     resumed = Net()
     resumed.load_state_dict(start)   # another start, overwritten by the checkpoint
     resumed.load_state_dict(saved["model"])
-    opt2 = dopr.build(resumed, name, **args)
+    opt2 = dopr.build(resumed, gp, ap={} if wrapped else None, **args)
     opt2.load_state_dict(saved["opt"])
     assert _state_equal(opt2.state_dict(), saved["opt"])   # the round trip
     set_rng_state(saved["rng"])
@@ -169,7 +170,7 @@ def test_shampoo_refuses_a_large_dimension_naming_the_layer():
     model = nn.Sequential(nn.Embedding(peers.SHAMPOO_MAX_DIM + 1, 4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"^GP 'shampoo': parameter '0.weight' of shape \(10001, 4\) would get a "
                                          r"10001 x 10001 factor") as e:
-        dopr.build(model, "dopr_shampoo", lr=1e-3)
+        dopr.build(model, "shampoo", ap={}, lr=1e-3)
     assert "\n" not in str(e.value) and "use soap or kron" in str(e.value)
     dopr.build(model, "soap", lr=1e-3)   # SOAP leaves that dimension to Adam, Kron gives it a diagonal factor
     dopr.build(model, "kron", lr=1e-3)
@@ -186,13 +187,13 @@ def test_kron_is_refused_where_torch_would_contract_its_einsum_through_the_outer
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "opt_einsum" else real(n, *a))
     with pytest.raises(RuntimeError, match="^GP 'kron': "):
-        dopr.build(model, "dopr_kron", lr=1e-3)
+        dopr.build(model, "kron", ap={}, lr=1e-3)
 
 
 def test_a_peer_without_its_package_fails_in_one_line_naming_package_and_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)
     with pytest.raises(ImportError) as e:
-        dopr.build(nn.Linear(4, 2), "dopr_soap", lr=1e-3)
+        dopr.build(nn.Linear(4, 2), "soap", ap={}, lr=1e-3)
     assert str(e.value) == ("GP 'soap' is pytorch_optimizer.SOAP from the pytorch-optimizer package, which is not "
                             "installed: pip install 'dopr[peers]'")
 

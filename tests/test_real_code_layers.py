@@ -31,7 +31,7 @@ def test_a_parametrized_weight_is_skipped_with_its_reason_and_the_rest_is_precon
                               nn.Tanh(), norm(nn.Linear(4, 2)))
         emb = norm(nn.Embedding(10, 3))
     whole = nn.ModuleDict({"emb": emb, "net": model})
-    opt = dopr.build(whole, "dopr_adamw", lr=1e-2)
+    opt = dopr.build(whole, "adamw", ap={}, lr=1e-2)
     cov = {e.name: e for e in opt.coverage()}
     for name in ("net.0", "net.5", "emb"):
         assert cov[name].status == "skipped" and "parametrization such as weight_norm" in cov[name].reason
@@ -62,7 +62,7 @@ class _Masked(nn.Module):
 def test_a_layer_with_no_sample_this_step_gets_its_raw_gradient_on_every_solver(solver):
     torch.manual_seed(0)
     model = _Masked()
-    opt = dopr.build(model, "dopr_sgd", lr=0.1, momentum=0.0, solver=solver, rank=2)
+    opt = dopr.build(model, "sgd", ap={"solver": solver, "rank": 2}, lr=0.1, momentum=0.0)
     x = torch.randn(8, 6)
     model(x, torch.ones(8, dtype=torch.bool)).backward()
     opt.step()
@@ -82,7 +82,7 @@ def test_a_layer_with_no_sample_this_step_gets_its_raw_gradient_on_every_solver(
 def test_per_sample_gradients_with_torch_func_run_and_are_named_in_the_warning():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = dopr.build(model, "dopr_sgd", lr=0.1)
+    opt = dopr.build(model, "sgd", ap={}, lr=0.1)
     params = {k: v.detach() for k, v in model.named_parameters()}
     x, y = torch.randn(6, 4), torch.randn(6, 1)
 
@@ -100,7 +100,7 @@ def test_per_sample_gradients_with_torch_func_run_and_are_named_in_the_warning()
 def test_a_vmapped_training_forward_is_named_for_what_it_is():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    opt = dopr.build(model, "dopr_sgd", lr=0.1)
+    opt = dopr.build(model, "sgd", ap={}, lr=0.1)
     torch.func.vmap(model)(torch.randn(3, 5, 4)).square().mean().backward()
     with pytest.warns(RuntimeWarning, match="torch.func transform") as record:
         opt.step()
@@ -113,7 +113,7 @@ def test_freezing_or_thawing_a_bias_mid_run_restarts_that_layers_emas(first):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
     model[0].bias.requires_grad_(first)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, grad_ema=0.9, precond_ema=0.9)
+    opt = dopr.build(model, "adamw", ap={"grad_ema": 0.9, "precond_ema": 0.9}, lr=1e-2)
     x = torch.randn(16, 7)
     _step(model, opt, x)
     _step(model, opt, x)
@@ -135,4 +135,4 @@ def test_freezing_or_thawing_a_bias_mid_run_restarts_that_layers_emas(first):
 def test_an_infinite_or_nan_or_negative_damping_is_refused_by_name(bad):
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="Invalid damping"):
-        dopr.build(model, "dopr_sgd", lr=0.1, damping=bad)
+        dopr.build(model, "sgd", ap={"damping": bad}, lr=0.1)

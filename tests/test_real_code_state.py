@@ -88,7 +88,7 @@ def _assert_same(a, b, where="state_dict"):
 def _run(options, batches, bad_at=None):
     torch.manual_seed(0)
     model = _TwoInputs().double()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, damping=1e-6, on_nonfinite="raise", **options)
+    opt = dopr.build(model, "adamw", ap={"damping": 1e-6, "on_nonfinite": "raise", **options}, lr=1e-2)
     for i, x in enumerate(batches):
         if i == bad_at:   # b's input has a NaN: its Sigma and head's are non-finite, a's is fine
             bad = (x[0], x[1].clone().index_fill_(0, torch.tensor([0]), float("nan")))
@@ -142,14 +142,14 @@ def _train(model, opt, steps, dtype, device="cpu"):
 def test_a_float32_checkpoint_loads_into_a_float64_model_cast_as_torch_optim_casts(options):
     torch.manual_seed(0)
     model = _mlp()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, **options)
+    opt = dopr.build(model, "adamw", ap=options, lr=1e-2)
     _train(model, opt, 2, torch.float32)
     saved = opt.state_dict()
     assert _ap_tensors(saved["dopr"]) and all(t.dtype == torch.float32 for _, t in _ap_tensors(saved["dopr"]))
 
     model64 = _mlp().double()
     model64.load_state_dict(model.state_dict())
-    opt64 = dopr.build(model64, "dopr_adamw", lr=1e-2, **options)
+    opt64 = dopr.build(model64, "adamw", ap=options, lr=1e-2)
     opt64.load_state_dict(saved)
     loaded = dict(_ap_tensors(opt64.ap_state_dict()))
     for where, t in _ap_tensors(saved["dopr"]):   # float32 -> float64 is exact
@@ -181,14 +181,14 @@ def test_a_checkpoint_loaded_to_the_cpu_resumes_on_cuda(options, tmp_path):
     """A one-GPU Hugging Face Trainer resume: the optimizer's state is loaded with map_location="cpu"."""
     torch.manual_seed(0)
     model = _mlp().cuda()
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, **options)
+    opt = dopr.build(model, "adamw", ap=options, lr=1e-2)
     _train(model, opt, 2, torch.float32, "cuda")
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
     saved = torch.load(tmp_path / "optimizer.pt", map_location="cpu")
     assert all(t.device.type == "cpu" for _, t in _ap_tensors(saved["dopr"]))
     resumed = _mlp().cuda()
     resumed.load_state_dict(model.state_dict())
-    opt2 = dopr.build(resumed, "dopr_adamw", lr=1e-2, **options)
+    opt2 = dopr.build(resumed, "adamw", ap=options, lr=1e-2)
     opt2.load_state_dict(saved)
     for where, t in _ap_tensors(opt2.ap_state_dict()):
         assert t.device.type == "cuda", where

@@ -181,8 +181,8 @@ def test_a_value_that_prints_like_a_valid_one_is_named_with_its_type():
 def test_numpy_options_and_schedules_train_and_checkpoint_as_plain_values(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt = dopr.build(model, "dopr_sgd", lr=0.1, damping=np.float32(1e-3), precond_every=np.int64(2),
-                     grad_ema=lambda step: np.float64(0.5))
+    opt = dopr.build(model, "sgd", lr=0.1, ap={"damping": np.float32(1e-3), "precond_every": np.int64(2),
+                                               "grad_ema": lambda step: np.float64(0.5)})
     for _ in range(3):
         model(torch.randn(16, 4)).square().mean().backward()
         opt.step()

@@ -114,7 +114,7 @@ def test_coverage_lists_film_conv1d_convtranspose1d_and_sua_conv2d():
     policy = FlowPolicy(CAMERAS, {"robot0_eef_pos": 3}, action_dim=10, horizon=8, obs_steps=2, action_steps=4,
                         encoder={"feature_dim": 8, "width": 4, "crop": [12, 12]},
                         unet={"model_dim": 8, "emb_dim": 8, "dim_mult": [1, 2], "n_groups": 2})
-    opt = dopr.build(policy, "dopr_adamw", lr=1e-3, conv2d="sua")
+    opt = dopr.build(policy, "adamw", ap={"conv2d": "sua"}, lr=1e-3)
     modules = dict(policy.named_modules())
     cov = {e.name: e for e in opt.coverage()}
     film = [n for n, m in modules.items() if n.endswith("cond_encoder.1") or ".film" in n]

@@ -37,7 +37,7 @@ def _draws(gen, npgen):
 
 def test_a_checkpoint_file_round_trips_with_dopr_and_every_random_state(tmp_path):
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
-    opt = dopr.build(model, "dopr_adamw", lr=1e-2, grad_ema=0.5)
+    opt = dopr.build(model, "adamw", ap={"grad_ema": 0.5}, lr=1e-2)
     gen, npgen = torch.Generator().manual_seed(1), np.random.default_rng(2)
     state = TrainingState(model=model, optimizer=opt, generators={"data": gen, "numpy": npgen})
     model(torch.randn(8, 4)).sum().backward()

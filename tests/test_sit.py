@@ -365,7 +365,7 @@ def test_coverage_of_sit_s2_lists_every_layer_kind():
 
     torch.manual_seed(0)
     model = SiT_models["SiT-S/2"](input_size=32)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-4)
+    opt = dopr.build(model, "adamw", ap={}, lr=1e-4)
     cov = {e.name: e for e in opt.coverage()}
     pre = {n for n, e in cov.items() if e.status == "preconditioned"}
     for name in ("x_embedder", "t_embedder.mlp.0", "t_embedder.mlp.2", "y_embedder.embedding_table",

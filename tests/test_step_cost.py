@@ -21,11 +21,11 @@ def _mlp(layers, width=32):
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
 
 
-def _profiled_step(name, layers, **kw):
+def _profiled_step(gp, layers, ap=None):
     """aten events of one training step (forward, backward, step, zero_grad) after two warm-up steps,
     as (name, inside the base optimizer's own step) pairs."""
     model = _mlp(layers)
-    opt = dopr.build(model, name, lr=1e-3, **kw)
+    opt = dopr.build(model, gp, ap=ap, lr=1e-3)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
 
     def step():
@@ -60,7 +60,7 @@ def device_path(monkeypatch):
 def test_a_dopr_step_reads_the_device_once_whatever_the_layer_count(layers, device_path):
     # before: 7 (4 layers) and 19 (16) reads: the non-finite checks, the Cholesky info check and one
     # cholesky_solve status read per layer; now the step's one flag (non-finite Sigma or G, a factor to retry)
-    events = _profiled_step("dopr_adamw", layers)
+    events = _profiled_step("adamw", layers, ap={})
     syncs = [n for n, in_base in events if n in SYNCS and not in_base]
     assert len(syncs) == 1
     gp = _profiled_step("adamw", layers)
@@ -76,7 +76,7 @@ def test_dopr_adds_at_most_20_aten_ops_per_preconditioned_layer(device_path, sol
     # 134 per layer, then 39 (a7af4b7: the homogeneous blocks written through views, a division per Sigma,
     # G and M copied layer by layer).
     layers = 16
-    extra = len(_profiled_step("dopr_adamw", layers, solve_space=solve_space)) - len(_profiled_step("adamw", layers))
+    extra = len(_profiled_step("adamw", layers, ap={"solve_space": solve_space})) - len(_profiled_step("adamw", layers))
     assert 0 < extra / layers <= 20, extra / layers
 
 
@@ -86,7 +86,7 @@ def test_same_size_layers_are_solved_in_one_batched_call(monkeypatch, lapack):
 
     monkeypatch.setattr(solvers, "LAPACK_DEVICES", {"cpu"} if lapack else set())
     model = _mlp(3, width=8)
-    opt = dopr.build(model, "dopr_sgd", lr=0.0)
+    opt = dopr.build(model, "sgd", ap={}, lr=0.0)
     calls = []
     name, module = ("cholesky_solve", torch) if lapack else ("solve_triangular", torch.linalg)
     real = getattr(module, name)
@@ -152,7 +152,7 @@ def test_autocast_training_feeds_the_gemm_bf16_activations(monkeypatch):
     # bf16, the first layer's float32 input too, cast as autocast casts it for the layer's own GEMM
     monkeypatch.setattr(statistics, "LOW_PRECISION_GRAM_DEVICES", {"cpu"})
     model = _mlp(3, width=16)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, solve_space="features")   # 8 rows < d: Sigma, not the rows
+    opt = dopr.build(model, "adamw", ap={"solve_space": "features"}, lr=1e-3)   # 8 rows < d: Sigma, not the rows
     with _GemmDtypes() as mode:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(8, 16)).float().square().mean()
@@ -176,7 +176,7 @@ def test_under_autocast_a_float32_input_reaches_sigma_as_the_layer_multiplies_it
                         classmethod(lambda cls, z, homogeneous: (seen.append(z), original(cls, z, homogeneous))[1]))
     torch.manual_seed(0)
     layer = nn.Linear(16, 4)
-    opt = dopr.build(layer, "dopr_sgd", lr=1e-3)
+    opt = dopr.build(layer, "sgd", ap={}, lr=1e-3)
     x = torch.randn(64, 16) * 3
     with _GemmDtypes(), torch.autocast("cpu", dtype=torch.bfloat16):   # (runs the CPU's mm as CUDA's)
         layer(x).float().sum().backward()
@@ -194,7 +194,7 @@ def test_with_a_cached_inverse_the_refresh_step_still_reads_the_device_once(monk
 
     monkeypatch.setattr(solvers, "LAPACK_DEVICES", set())
     model = _mlp(4, width=16)
-    opt = dopr.build(model, "dopr_adamw", lr=1e-3, precond_every=2)
+    opt = dopr.build(model, "adamw", ap={"precond_every": 2}, lr=1e-3)
     x = torch.randn(32, 16)
     reads = []
     for _ in range(4):
@@ -270,9 +270,9 @@ def test_a_step_between_refreshes_adds_one_gemm_per_bucket():
     # (no covariance GEMM in the forward) and applies the cached inverses, one batched GEMM per bucket of
     # same-shape layers, over the GP's own step. 64 rows for d = 33: the feature-space solve (with fewer
     # rows than d, solve_space="auto" caches the rows and their n x n factor instead, dopr/sample_space.py)
-    def gemms(name, steps_before, **kw):
+    def gemms(gp, steps_before, ap=None):
         model = _mlp(4)
-        opt = dopr.build(model, name, lr=1e-3, **kw)
+        opt = dopr.build(model, gp, ap=ap, lr=1e-3)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
 
         def step():
@@ -287,8 +287,8 @@ def test_a_step_between_refreshes_adds_one_gemm_per_bucket():
         return counter.calls
 
     gp = gemms("adamw", 1)
-    between = gemms("dopr_adamw", 1, precond_every=10)       # step 2 of 10: the cached inverses
+    between = gemms("adamw", 1, ap={"precond_every": 10})       # step 2 of 10: the cached inverses
     assert sum(between.values()) == sum(gp.values()) + 1     # 4 layers of one shape: one bucket, one bmm
     assert between["bmm"] == gp["bmm"] + 1
-    refresh = gemms("dopr_adamw", 10, precond_every=10)      # step 11: a refresh, one covariance GEMM per layer
+    refresh = gemms("adamw", 10, ap={"precond_every": 10})      # step 11: a refresh, one covariance GEMM per layer
     assert refresh["mm"] == gp["mm"] + 4 and between["mm"] == gp["mm"]

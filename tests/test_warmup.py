@@ -87,5 +87,5 @@ def test_warmup_steps_must_be_a_count(bad):
 
 def test_the_factory_passes_warmup_steps_to_dopr():
     m = _model()
-    opt = dopr.build(m, "dopr_muon", lr=1e-3, warmup_steps=5)
+    opt = dopr.build(m, "muon", ap={"warmup_steps": 5}, lr=1e-3)
     assert opt.options["warmup_steps"] == 5 and opt.warming_up

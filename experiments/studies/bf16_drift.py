@@ -1,6 +1,6 @@
 """Where DoPr loses precision under bf16 autocast: a measured decomposition of the parameter drift.
 
-The protocol: a small convnet (seed 0), ``dopr.build(net, name, lr=1e-3, weight_decay=0.01)``, 10 steps
+The protocol: a small convnet (seed 0), ``dopr.build(net, gp, ap=..., lr=1e-3, weight_decay=0.01)``, 10 steps
 on fresh batches x = randn(32, 3, 8, 8), y = randint(10, (32,)) drawn from one Generator seeded 1, loss
 = cross_entropy(net(x).float(), y), under ``torch.autocast("cpu", dtype=torch.bfloat16)`` or in float32.
 Drift = ||p - p_fp32|| / ||p_fp32|| over all parameters concatenated, against the same optimizer's
@@ -112,7 +112,8 @@ def run(name: str, variant: Variant = FP32, steps: int = STEPS, batches=None, **
     batches = batches if batches is not None else make_batches(steps)
     net = make_net()
     params = list(net.parameters())
-    opt = dopr.build(net, name, lr=LR, weight_decay=WEIGHT_DECAY, **options)
+    gp, wrapped = dopr.split_name(name)
+    opt = dopr.build(net, gp, ap=options if wrapped else None, lr=LR, weight_decay=WEIGHT_DECAY)
     is_dopr = isinstance(opt, dopr.DoPr)
     base = opt.base if is_dopr else opt
     out = {"params": [flat(params)], "grad": [], "gp_in": [], "z": [], "layers": []}
