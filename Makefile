@@ -25,7 +25,7 @@ test: setup
 	DOPR_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q
 
 # The tier to run after every change: every test not marked `slow` (each module of dopr/ and
-# experiments/ is at least imported, tests/test_layout.py). 4 min 19 s on 2 cores (issue 63); `make test`
+# experiments/ is at least imported, tests/suite/test_layout.py). 4 min 19 s on 2 cores (issue 63); `make test`
 # stays the whole suite and what CI runs.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
@@ -36,7 +36,7 @@ test-fast: setup
 # tolerance tuned to one machine's rounding fails here. About 1 minute on 2 cores.
 # torch.compile's C++ code is built in a fresh inductor cache: its precompiled headers are keyed without
 # the CPU capability, so a header that `make test` built for AVX2 broke the portable build here
-# ("'at::vec' has not been declared" in tests/test_sit.py's compiled run, in a clean clone's CI).
+# ("'at::vec' has not been declared" in tests/suite/test_sit.py's compiled run, in a clean clone's CI).
 KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 test-kernels: setup
 	$(KERNELS) TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -m numerics

@@ -3,7 +3,7 @@
 The AP multiplies each eigen-direction v_i of Sigma (eigenvalue e_i) by 1 / (e_i + lambda). Where the
 damping lambda sits far below most of Sigma's spectrum, the directions the data barely excites are
 amplified up to (e_mean + lambda) / lambda times more than a typical one, and the update M can end up
-mostly in them. Measured on the digits SiT (tests/test_health.py), whose DoPr-AdamW did not train at
+mostly in them. Measured on the digits SiT (tests/suite/test_health.py), whose DoPr-AdamW did not train at
 damping 1e-4 tr(Sigma) and did at 1e-3: after 20 steps at 1e-4 the attention layers' inputs have an
 effective rank of about 2 of 97 and 79-94% of their M lies in directions carrying under 1e-4 of the
 variance; at 1e-3 the worst layer holds 22%. The timestep MLP's first layer (a 256-d sinusoid of t, one

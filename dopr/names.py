@@ -1,7 +1,7 @@
 """An optimizer's name, derived from its identity (gp, ap): ``gp`` for the GP alone, ``"dopr_" + gp`` for
 DoPr over it. The names label runs (folders, summary.json's "optim", reports); :func:`split_name` is the
 one reader of a name back into (gp, ap), for the runs written by name and the deprecated
-``dopr.build(model, "dopr_<gp>")``. Nothing else parses the prefix (tests/test_layout.py)."""
+``dopr.build(model, "dopr_<gp>")``. Nothing else parses the prefix (tests/suite/test_layout.py)."""
 from __future__ import annotations
 
 AP_PREFIX = "dopr_"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throw-away one-node Slurm cluster on loopback, for testing `launcher=slurm` (tests/test_slurm.py).
+# A throw-away one-node Slurm cluster on loopback, for testing `launcher=slurm` (tests/suite/test_slurm.py).
 #
 #   bash scripts/slurm_cluster.sh install        apt-get the Debian packages (skipped when present)
 #   bash scripts/slurm_cluster.sh start [DIR]    start munged, slurmctld and slurmd; config in DIR
@@ -8,7 +8,7 @@
 #
 # DIR defaults to /tmp/dopr-slurm. `start` prints `export SLURM_CONF=DIR/slurm.conf`: every Slurm
 # command (sbatch, squeue, sinfo, submitit) needs it; `launcher=slurm_local` sizes the jobs for its
-# node (docs/suite.md has the command, which tests/test_slurm.py runs). Two partitions share the node: `debug`
+# node (docs/suite.md has the command, which tests/suite/test_slurm.py runs). Two partitions share the node: `debug`
 # (default, PriorityTier=1) and `urgent` (PriorityTier=10); a job in `urgent` preempts `debug` jobs,
 # which get USR2 (submitit checkpoints and requeues them) and are requeued. Runs as root (slurmd
 # must). Slurm's ports 6817-6819 are fixed: one such cluster per machine at a time.

@@ -1,4 +1,4 @@
-"""A task whose last step runs a long evaluation, as BC's does (tests/test_interrupt.py signals a job
+"""A task whose last step runs a long evaluation, as BC's does (tests/suite/test_interrupt.py signals a job
 during it): `task.steps` steps of a linear model, a checkpoint every `task.checkpoint_every` steps, and
 at the last step an evaluation that writes `evaluating` into the job folder and then takes
 `task.eval_s` seconds."""

@@ -1,4 +1,4 @@
-"""A task that lives outside the suite (tests/test_jobs.py adds its config through hydra.searchpath):
+"""A task that lives outside the suite (tests/suite/test_jobs.py adds its config through hydra.searchpath):
 proof that a new task needs no edit in experiments/common. Its job returns `task.value` as `toy_metric`,
 or raises when `task.outcome=fail` (`missing`: as a job whose input file is missing)."""
 

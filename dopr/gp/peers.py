@@ -26,7 +26,7 @@ PACKAGE, MODULE, EXTRA = "pytorch-optimizer", "pytorch_optimizer", "peers"
 SHAMPOO_MAX_DIM = 10000
 
 #: each peer's class in the package and the keywords it takes besides params, lr and weight_decay
-#: (the class signature's; tests/test_peers_gp.py checks them against the pinned version)
+#: (the class signature's; tests/suite/test_peers_gp.py checks them against the pinned version)
 PEERS = {
     "soap": ("SOAP", ("betas", "shampoo_beta", "precondition_frequency", "max_precondition_dim", "merge_dims",
                       "precondition_1d", "correct_bias", "normalize_gradient", "data_format", "eps", "maximize")),

@@ -56,7 +56,7 @@ def wrap_ddp(model: nn.Module, device) -> nn.Module:
     if not initialized():
         return model
     ids = [torch.cuda.current_device()] if torch.device(device).type == "cuda" else None
-    # not static_graph=True: with reentrant checkpointing it breaks no_sync (tests/test_llm.py)
+    # not static_graph=True: with reentrant checkpointing it breaks no_sync (tests/suite/test_llm.py)
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 

@@ -2,7 +2,7 @@
 
 A plain GP's config (`conf/optim/<gp>.yaml`) says `gp: <gp>`, `ap: false` and the GP's arguments;
 `conf/optim/dopr_<gp>.yaml` is generated from it (`python -m experiments.common.optim` writes the missing
-ones, `--check` says which differ; tests/test_suite.py checks every registered GP): the plain config with
+ones, `--check` says which differ; tests/suite/test_suite.py checks every registered GP): the plain config with
 `ap: true`. No config carries a name: every reader of which optimizer a run uses calls
 :func:`optim_identity`, and :func:`optim_name` derives its name (run folders, summary.json's "optim").
 """

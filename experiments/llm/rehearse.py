@@ -3,7 +3,7 @@ widths, vocabulary and attention heads) with `task.rehearsal.layers` of its deco
 model does not fit or run on a laptop CPU; the summary says how many), randomly initialised (no
 weights needed), the task's LoRA and gradient checkpointing, one synthetic packed batch of
 `rehearsal.batch` x `rehearsal.seq_len` tokens, the job's optimizer and gradient clipping, in one
-process (the 8B preset's FSDP2 sharding is exercised by tests/test_llm.py, not here)."""
+process (the 8B preset's FSDP2 sharding is exercised by tests/suite/test_llm.py, not here)."""
 from __future__ import annotations
 
 import torch

@@ -19,7 +19,7 @@ Every variant below runs in float32 and injects one bf16 effect at a time:
 
     python -m experiments.studies.bf16_drift [--out results/numerics/bf16_drift.md]
 
-About 30 s on one core. ``tests/test_bf16_drift.py`` pins the ratio drift(DoPr) / drift(AdamW).
+About 30 s on one core. ``tests/suite/test_bf16_drift.py`` pins the ratio drift(DoPr) / drift(AdamW).
 """
 from __future__ import annotations
 

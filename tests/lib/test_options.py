@@ -15,7 +15,7 @@ from dopr import DoPr, DoPrOptions
 from dopr.ema import GradientEMA
 from dopr.options import options_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mlp():

@@ -17,7 +17,7 @@ from experiments.bc.evaluate import rollout  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
 from experiments.common.optim import optim_name  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPS = ["adamw", "muon", "signum", "adamuon"]
 
 

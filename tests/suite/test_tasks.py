@@ -9,7 +9,7 @@ pytest.importorskip("hydra")
 
 from experiments.common import tasks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import gpu_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = [sys.executable, "-m", "benchmarks.gpu_check"]
 
 

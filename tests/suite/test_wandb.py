@@ -17,7 +17,7 @@ pytest.importorskip("hydra")
 from experiments.common import wandb_run  # noqa: E402
 from experiments.common.run import Run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOWHERE = "https://api.wandb.invalid"
 KEY = "k" * 40   # the length W&B's keys have
 

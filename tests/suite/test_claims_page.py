@@ -4,7 +4,7 @@ short enough to read; the README's front page uses the same verdict words."""
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLAIMS = ROOT / "results" / "CLAIMS.md"
 # the issue's bound, "at most about 600 characters", on the row as a reader sees it: the anchor tag
 # <a id="..."></a> is markup the rendered page does not show, so it is not counted

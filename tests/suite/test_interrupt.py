@@ -16,7 +16,7 @@ from experiments.common import interrupt
 from experiments.common.checks import ConfigError, refuse_multirun_that_prints, refuse_sweep_without_multirun
 from experiments.common.loop import Schedule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 
 

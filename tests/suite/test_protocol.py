@@ -14,7 +14,7 @@ import yaml
 
 from experiments.common import protocol
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "conf" / "protocol").glob("*.yaml"))
 #: committed selections that no preset reproduces: older runs of a protocol whose preset is the newer one
 #: (sft_arith's 1-epoch tune, superseded by results/sft_arith/protocol; the Muon pair's rerun after issue 46)

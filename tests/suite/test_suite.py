@@ -15,7 +15,7 @@ from experiments.common.launch import run_job  # noqa: E402
 from experiments.common.optim import optim_name  # noqa: E402
 from experiments.common.tasks import task_names  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 TASKS = task_names()   # conf/task/*.yaml; the families' shared settings are in conf/task_base/
 BC_ENVS = {"humanoid": "Humanoid-v5", "halfcheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "walker2d": "Walker2d-v5"}

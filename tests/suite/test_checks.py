@@ -9,7 +9,7 @@ import torch
 from experiments.common import checks
 from experiments.common.checks import ConfigError, check_job
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check(compose, *overrides):

@@ -199,7 +199,7 @@ def test_step_with_a_closure_is_the_step_after_the_same_forward_and_backward(nam
 
 @pytest.mark.parametrize("name", ["dopr_adamw", "adamw"])
 def test_the_checkpoint_helpers_round_trip_dopr_and_plain_optimizers(name):
-    """dopr.checkpoint is what a training loop calls, sharded or not (FSDP2: tests/test_llm.py resume)."""
+    """dopr.checkpoint is what a training loop calls, sharded or not (FSDP2: tests/suite/test_llm.py resume)."""
     from dopr.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 
     def trained(steps):

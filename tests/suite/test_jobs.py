@@ -15,7 +15,7 @@ import toy_task  # noqa: E402
 from experiments.common.callbacks import SummarizeSweep, job_ending, sweep_line  # noqa: E402
 from experiments.common.launch import finished_line, job_status, run_job  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")},
        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # a real Slurm cluster: tens of seconds per test
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 PY = sys.executable

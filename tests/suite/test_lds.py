@@ -192,7 +192,7 @@ class _FakeRun:
 
 
 def _task_cfg():
-    cfg = OmegaConf.load(__import__("pathlib").Path(__file__).parents[1] / "conf/task/lds.yaml")
+    cfg = OmegaConf.load(__import__("pathlib").Path(__file__).parents[2] / "conf/task/lds.yaml")
     return OmegaConf.merge(cfg, cfg.debug)
 
 

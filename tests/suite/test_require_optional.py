@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]   # tests/: require_optional.py
 
 CASES = '''
 import pytest

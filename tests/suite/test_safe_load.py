@@ -13,7 +13,7 @@ import dopr
 from experiments.common.checkpoint import TrainingState
 from experiments.common.run import Run, load_plain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERTS = os.path.join(ROOT, "experiments", "bc", "experts", "v1")
 
 

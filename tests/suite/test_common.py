@@ -397,7 +397,7 @@ def test_a_flushing_job_leaves_numpy_its_true_float_limits_and_no_warning():
             "print(*(np.finfo(t).smallest_subnormal.tobytes() != bytes(np.dtype(t).itemsize)   # bits: a comparison\n"
             "        for t in (np.float32, np.float64)))                 # would read it as 0 (DAZ)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["True", "True"] and "subnormal" not in res.stderr
 

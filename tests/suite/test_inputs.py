@@ -13,7 +13,7 @@ pytest.importorskip("hydra")
 from experiments.common.inputs import CHECKS, check_inputs  # noqa: E402
 from experiments.common.tasks import task_names  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("overrides, message", [

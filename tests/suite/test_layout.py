@@ -3,7 +3,7 @@ imports included), and the optimizer library imports nothing of the experiment s
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dopr", "experiments", "benchmarks")
 
 
@@ -294,3 +294,37 @@ def test_a_tuning_protocol_is_one_preset_per_task_not_copy_edited_sweeps():
     presets = sorted(p.stem for p in (ROOT / "conf" / "protocol").glob("*.yaml"))
     assert presets == sorted(PROTOCOL_TASKS) and len(presets) == 6
     assert all((ROOT / "conf" / "task" / f"{t}.yaml").is_file() for t in presets)   # named after a task
+
+
+# ------------------------------------------------------------------ tests/lib and tests/suite (issue 66 item 6)
+def _suite_imports(source: str, suite: set) -> list:
+    """(line, module) of each import of `source` whose top-level name is in `suite`: import, from-import,
+    pytest.importorskip("...") and importlib.import_module("...")."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            names = [n.module]
+        elif (isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in ("importorskip", "import_module")
+              and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
+            names = [n.args[0].value]
+        else:
+            continue
+        found += [(n.lineno, m) for m in names if m.split(".")[0] in suite]
+    return found
+
+
+def test_the_library_tests_import_nothing_of_the_suite():
+    """tests/lib holds the tests of dopr alone, tests/suite the rest: no test file stays in tests/, and no
+    tests/lib file imports experiments, benchmarks, or a module of tests/suite."""
+    tests = ROOT / "tests"
+    assert not sorted(p.name for p in tests.glob("test_*.py")), "a test file goes to tests/lib or tests/suite"
+    suite = {"experiments", "benchmarks"} | {p.stem for p in (tests / "suite").glob("*.py")}
+    assert _suite_imports("import experiments.common.run\nfrom benchmarks import bench\nimport test_suite\n"
+                          "pytest.importorskip('experiments.sit')\nimport dopr, torch\n", suite) == [
+        (1, "experiments.common.run"), (2, "benchmarks"), (3, "test_suite"), (4, "experiments.sit")]   # it finds them
+    lib = sorted((tests / "lib").glob("test_*.py"))
+    assert lib, "tests/lib is empty"
+    found = [f"{p.relative_to(ROOT)}:{line} {m}" for p in lib for line, m in _suite_imports(p.read_text(), suite)]
+    assert not found, f"a library test imports the suite (move it to tests/suite): {found}"
