@@ -378,6 +378,8 @@ class SampleCountRule(DampingRule):
     built from host floats, the ``samples`` tensors and a batched trace: no eigendecomposition, no host sync."""
 
     reads_samples = True
+    #: at q > 1, lambda = tr(Sigma) / (KAPPA N_eff) (the seen directions' mean over KAPPA), not tr / (KAPPA d)
+    seen = False
 
     def lam(self, groups: Groups) -> Tensor:
         if groups.kind.kind not in ("dense", "samples"):
@@ -398,4 +400,15 @@ class SampleCountRule(DampingRule):
         if any(stat.samples is not None for _, stat, _ in groups.items):   # device tensors: stacked, no sync
             n_eff = torch.stack([stat.samples.to(trace.dtype) * f if stat.samples is not None else n_eff[i]
                                  for i, ((_, stat, _), f) in enumerate(zip(groups.items, factors))])
-        return torch.maximum(groups.floor.to(trace.dtype), sample_count_damping(trace, sigma.shape[-1], n_eff))
+        return torch.maximum(groups.floor.to(trace.dtype),
+                             sample_count_damping(trace, sigma.shape[-1], n_eff, self.seen))
+
+
+@register_rule("sample_count_seen")
+class SampleCountSeenRule(SampleCountRule):
+    """:class:`SampleCountRule` with the lift at q > 1 scaled to the directions the rows span: lambda =
+    tr(Sigma) / (KAPPA N_eff) there (:func:`dopr.sample_count.sample_count_damping`'s ``seen``), the same
+    below q = 1. A layer that sees few samples for its width (SiT's timestep and adaLN inputs, q ~ 1.5-4)
+    is damped towards its GP as q grows."""
+
+    seen = True

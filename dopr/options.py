@@ -144,7 +144,8 @@ class DoPrOptions:
     damping_rule: str = _option(
         "trace", "how lambda is chosen: trace (damping_mode's scale times damping, the paper's; weak_share_bound "
         "raises it) or sample_count (lambda from each dense layer's q = d / N_eff by the Marchenko-Pastur lower "
-        "edge, damping then a floor; dopr.damping.SampleCountRule, docs/library.md 'The sample-count damping rule')",
+        "edge, damping then a floor; dopr.damping.SampleCountRule, docs/library.md 'The sample-count damping rule'; "
+        "sample_count_seen: the same, at q > 1 tr(Sigma) / (4 N_eff) instead of tr(Sigma) / (4 d))",
         lambda v: v in damping.rules(), lambda: f"choose from {damping.rules()}", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",

@@ -94,12 +94,19 @@ def ema_count_factor(beta: float, t: int) -> float:
     return (1.0 + beta) * (1.0 - bt) / ((1.0 - beta) * (1.0 + bt))
 
 
-def sample_count_damping(trace: Tensor, d: int, n_eff: Tensor) -> Tensor:
+def sample_count_damping(trace: Tensor, d: int, n_eff: Tensor, seen: bool = False) -> Tensor:
     """lambda per group (B,) from tr(Sigma) (B,), Sigma's dimension d and N_eff (B,): the mean eigenvalue
     tr(Sigma) / d times max(1 / KAPPA - (1 - sqrt(min(q, 1)))^2, d eps), q = d / N_eff (eps: trace's dtype;
     the d eps floor keeps the Cholesky factor of a singular Sigma finite). At q >= 1 (Sigma rank-deficient,
-    the lower edge at 0): tr(Sigma) / (KAPPA d)."""
-    q = (d / n_eff.to(trace.dtype).clamp_min(1.0)).clamp_max(1.0)
+    the lower edge at 0): tr(Sigma) / (KAPPA d).
+
+    ``seen`` (the rule "sample_count_seen"): at q > 1 times q, i.e. tr(Sigma) / (KAPPA N_eff). There the
+    N_eff directions the rows span carry all of tr(Sigma), their mean eigenvalue tr(Sigma) / N_eff (q times
+    the mean over d), and the d - N_eff unseen ones none: lambda = (their mean) / KAPPA bounds the unseen
+    directions' amplification to KAPPA times the seen ones' mean, as at q = 1 (where both forms agree)."""
+    n_eff = n_eff.to(trace.dtype).clamp_min(1.0)
+    q = (d / n_eff).clamp_max(1.0)
     edge = (1.0 - q.sqrt()).square()
     share = (1.0 / KAPPA - edge).clamp_min(d * torch.finfo(trace.dtype).eps)
-    return trace / d * share
+    lam = trace / d * share
+    return lam * (d / n_eff).clamp_min(1.0) if seen else lam

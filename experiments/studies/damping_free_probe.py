@@ -75,6 +75,11 @@ VARIANTS = {
     # the rule over the library's default damping 1e-4 tr(Sigma) as its floor (one option away, no per-family value)
     **{f"dopr sample_count, floor 1e-4, lr {lr}": {"damping_rule": "sample_count", "damping": 1e-4, "lr": float(lr)}
        for lr in ("3e-4", "1e-3", "3e-3")},
+    # the same with the lift at q > 1 scaled to the seen directions (damping_rule="sample_count_seen")
+    **{f"dopr sample_count_seen, floor 1e-4, lr {lr}": {"damping_rule": "sample_count_seen", "damping": 1e-4,
+                                                         "lr": float(lr)} for lr in ("3e-4", "1e-3", "3e-3")},
+    **{f"dopr sample_count_seen, lr {lr}": {"damping_rule": "sample_count_seen", "damping": 0.0, "lr": float(lr)}
+       for lr in ("3e-4", "1e-3", "3e-3")},
 }
 DEFAULT = list(VARIANTS)[:5]
 
