@@ -94,6 +94,26 @@ def test_m_is_the_float64_formula_with_the_rules_lambda_and_finite_at_q_above_on
     opt.close()
 
 
+@pytest.mark.parametrize("n,d", [(64, 6), (12, 6), (4, 8), (2, 8)])
+def test_the_seen_rule_scales_the_lift_past_q_one_by_q(n, d):
+    """damping_rule="sample_count_seen": below q = 1 the sample-count rule's lambda; past it
+    tr(Sigma) / (4 N) = q tr / (4 d) (q = 2 and 4 here: Sigma of rank n < d). M against the float64 formula
+    (Cholesky vs LU on cond <= 4 N / ... + 1: rounding far under 1e-9)."""
+    layer, z, y = _layer_and_data(n, d)
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count_seen")
+    assert type(opt._damping) is damping.SampleCountSeenRule
+    g, m = _step(layer, opt, z, y)
+    q = d / n
+    share = max(1 / KAPPA - (1 - math.sqrt(min(q, 1.0))) ** 2, d * torch.finfo(torch.float64).eps) * max(q, 1.0)
+    torch.testing.assert_close(m, ap_reference(g, z, share, "trace_per_dim"), rtol=1e-9, atol=1e-12)
+    opt.close()
+    trace = torch.full((3,), 10.0, dtype=torch.float64)      # continuous at q = 1, equal below it
+    ns = torch.tensor([d / 0.5, float(d), d / 4.0], dtype=torch.float64)
+    seen, flat = sample_count_damping(trace, d, ns, seen=True), sample_count_damping(trace, d, ns)
+    torch.testing.assert_close(seen[:2], flat[:2], rtol=0, atol=0)
+    torch.testing.assert_close(seen[2], trace[2] / (KAPPA * ns[2]), rtol=1e-12, atol=0)
+
+
 def test_micro_batches_add_their_rows():
     """Two micro-batches of 6 rows each, d = 8: N_eff = 12 (q = 2/3, lambda = (1/4 - (1 - sqrt(2/3))^2) tr / d),
     not 6 (q = 4/3, tr / (4 d)); M against the formula on the 12 rows and the summed gradient."""
@@ -179,7 +199,7 @@ def test_no_eigendecomposition_is_run():
 
 def test_a_bad_damping_rule_is_named():
     layer, _, _ = _layer_and_data(4, 3)
-    with pytest.raises(ValueError, match=r"Invalid damping_rule: 'mp' \(choose from \('trace', 'sample_count'\)\)"):
+    with pytest.raises(ValueError, match=r"Invalid damping_rule: 'mp' \(choose from \('trace', 'sample_count', 'sample_count_seen'\)\)"):
         DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping_rule="mp")
 
 
