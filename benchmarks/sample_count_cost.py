@@ -34,6 +34,7 @@ RULES = {
     "trace (damping 1e-4)": {},
     "adamw (GP alone)": None,
     "sample_count": {"damping_rule": "sample_count", "damping": 0.0},
+    "sample_count_seen, floor 1e-4": {"damping_rule": "sample_count_seen", "damping": 1e-4},
     "weak share 0.25 (spectrum, every refresh)": {**_WEAK, "health_every": 1},
     "weak share 0.25 (spectrum, every 10th refresh)": {**_WEAK, "health_every": 10},
     "weak share 0.25 (filter)": {**_WEAK, "weak_share_estimate": "filter"},
