@@ -60,7 +60,7 @@ def test_the_presets_keep_the_grids_and_fixed_values_their_committed_selections_
             mine = spec["arms"][arm]
             grid = {k.lstrip("+"): [_number(v) for v in vs] for k, vs in recorded["grid"].items()}
             assert grid == {k: sorted(_number(v) for v in vs) for k, vs in mine["grid"].items()}, (task, variant, arm)
-            fixed = {f"tuned/{spec['tuned']}": mine["preset"], **mine["overrides"]}
+            fixed = {"task": spec["task"], f"tuned/{spec['tuned']}": mine["preset"], **mine["overrides"]}   # the tool names task=
             for key, value in recorded["base"].items():   # every value the committed tune fixed, fixed alike
                 assert key.lstrip("+") in fixed and _number(fixed[key.lstrip("+")]) == _number(value), (
                     task, variant, arm, key, value, fixed)
