@@ -220,6 +220,10 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
               **{f"{family}_peers_protocol": task for family, task in
                  (("feature_learning", "feature_learning"), ("humanoid", "humanoid"),
                   ("sit_digits", "sit_digits"), ("sft_arith", "sft_arith"))},
+              # issue 67's sample-count rule (results/damping_free/sample_count/)
+              "feature_learning_sample_count": "feature_learning", "feature_learning_damped67": "feature_learning",
+              **{f"humanoid_sample_count{v}": "humanoid" for v in ("", "_floor", "_seen")},
+              "sit_digits_protocol_sample_count_seen": "sit_digits",
               # the convolutional approximation schemes (results/conv_digits/)
               **{g: "conv_digits" for g in ("conv_digits", "conv_digits_full_protocol", "conv_digits_sua_protocol",
                                              "conv_digits_rank1_diag_protocol")}}
