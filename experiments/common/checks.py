@@ -325,6 +325,22 @@ def refuse_unknown_group(argv: list, conf: Path) -> None:
         raise ConfigError(f"{arg}: no config group {group} (conf/{group}/ does not exist; {hint})")
 
 
+def _first_value(override, conf: Path) -> str:
+    """A sweep override's first value. `glob(...)` is matched here against the group's files in conf/:
+    Hydra expands a glob only with its config loader, which exists once the sweep runs."""
+    from hydra.core.override_parser.types import Glob
+
+    value = override.value()
+    if isinstance(value, Glob):
+        options = sorted(f.stem for f in (conf / override.key_or_group.lstrip("+~")).glob("*.yaml"))
+        matched = value.filter(options)
+        if not matched:
+            raise ConfigError(f"{override.input_line}: the glob matches no option of "
+                              f"conf/{override.key_or_group.lstrip('+~')}/ (it has {', '.join(options) or 'none'})")
+        return matched[0]
+    return next(iter(override.sweep_string_iterator()))
+
+
 def suggest_key(argv: list, conf: Path) -> None:
     """A key override without `+` that no config has (`task.step=5`): Hydra's advice is to add `+`,
     which makes a key nothing reads. Refused here with the likely key. The config is composed once
@@ -340,7 +356,7 @@ def suggest_key(argv: list, conf: Path) -> None:
         parsed = OverridesParser.create().parse_overrides(plain)
     except HydraException:
         return  # Hydra names a malformed override itself
-    firsts = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+    firsts = [f"{o.get_key_element()}={_first_value(o, conf)}" if o.is_sweep_override()
               else o.input_line for o in parsed]
     groups = [o for o, p in zip(firsts, parsed) if not p.is_add() and "." not in p.key_or_group.lstrip("~")]
     keys = [(o, p) for o, p in zip(firsts, parsed) if not p.is_add() and not p.is_delete() and "." in p.key_or_group]

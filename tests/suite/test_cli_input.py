@@ -98,3 +98,18 @@ def test_a_missing_dataset_is_said_once(tmp_path):
     assert r.returncode == 2 and (r.stdout + r.stderr).count(said) == 1, r.stdout + r.stderr
     assert r.stderr.strip().startswith(f"Error: {said}") and r.stderr.strip().count("\n") == 0
     assert (out / "run.log").read_text().count(f"failed: FileNotFoundError: {said}") == 1   # the job's log keeps it
+
+
+def test_a_glob_sweep_over_a_config_group_passes_the_key_check_and_a_key_typo_beside_it_is_named():
+    # issue 72 item 1: `'+tuned/feature_learning_protocol=glob(*)'` (make demo) and `'optim=glob(dopr_sg*)'`
+    # raised Hydra's "ConfigLoader is not set" from suggest_key, which iterated the glob before Hydra ran
+    from experiments.common.checks import ConfigError, suggest_key
+
+    suggest_key(["-m", "task=feature_learning", "+tuned/feature_learning_protocol=glob(*)", "seed=range(1,11)",
+                 "task.steps=3"], ROOT / "conf")
+    suggest_key(["-m", "task=feature_learning", "optim=glob(dopr_sg*)", "optim.lr=0.1"], ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"^optim\.lrr: no such key \(did you mean optim\.lr=0\.1\?\)"):
+        suggest_key(["-m", "task=feature_learning", "optim=glob(dopr_sg*)", "optim.lrr=0.1"], ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"^optim=glob\(nothing\*\): the glob matches no option of conf/optim/ "
+                                          r"\(it has adamuon, adamw, "):
+        suggest_key(["-m", "optim=glob(nothing*)", "optim.lr=0.1"], ROOT / "conf")
