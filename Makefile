@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test test-fast test-kernels demo bench gpu-check gpu-deps experts bc
+.PHONY: setup test test-fast test-kernels demo demo-check mission bench gpu-check gpu-deps experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,17 +41,36 @@ KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 test-kernels: setup
 	$(KERNELS) TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -m numerics
 
-DEMO := multirun/demo
+# DEMO_ARGS go to every run.py line and DEMO_OUT is where the tables go: `make demo-check` (CI) runs the
+# same lines with DEMO_ARGS=debug=default into a temporary folder, so a broken main job cannot land.
+DEMO ?= multirun/demo
+DEMO_ARGS ?=
+DEMO_OUT ?= results
+DEMO_REPLACE := $(if $(filter results,$(DEMO_OUT)),--replace-results,)
 demo: setup
 	mkdir -p $(DEMO) && date +%s > $(DEMO)/started
-	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds
+	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds $(DEMO_ARGS)
 	$(PY) run.py -m task=feature_learning '+tuned/feature_learning_protocol=glob(*)' 'seed=range(1,11)' \
-		hydra.sweep.dir=$(DEMO)/feature_learning   # the protocol stage's runs, in one folder
-	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance
-	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out results --replace-results
+		sweep_name=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning $(DEMO_ARGS)   # the protocol stage's runs, in one folder
+	$(PY) run.py -m sweep=invariance hydra.sweep.dir=$(DEMO)/invariance $(DEMO_ARGS)
+	$(PY) -m experiments.report $(DEMO)/lds $(DEMO)/feature_learning $(DEMO)/invariance --out $(DEMO_OUT) $(DEMO_REPLACE)
 	$(PY) -m experiments.common.tuning report $(DEMO)/feature_learning \
-		--selection results/feature_learning/protocol/selection.json --out results/feature_learning/protocol
+		--selection results/feature_learning/protocol/selection.json --out $(DEMO_OUT)/feature_learning/protocol
 	$(PY) -m experiments.common.results_changes --since $$(cat $(DEMO)/started)   # one line: what moved against HEAD
+
+# The mission command of the README's first paragraph, as a user types it (MISSION_ARGS: CI's fast mode).
+MISSION_ARGS ?=
+mission: setup
+	$(PY) run.py task=humanoid optim=dopr_adamw $(MISSION_ARGS) -m
+
+# CI (.ci/run): every command line of `make demo` and the mission command in fast mode (debug=default),
+# into a temporary folder; results/ must be left as committed.
+demo-check: setup
+	tmp=$$(mktemp -d) && \
+	$(MAKE) --no-print-directory demo DEMO=$$tmp/demo DEMO_ARGS=debug=default DEMO_OUT=$$tmp/results && \
+	$(MAKE) --no-print-directory mission MISSION_ARGS="debug=default hydra.sweep.dir=$$tmp/mission"
+	@if [ -n "$$(git status --porcelain -- results)" ]; then \
+		echo "demo-check: the fast demo changed results/:"; git status --short -- results; exit 1; fi
 
 bench: setup
 	$(PY) -m benchmarks.bench --out results/bench/cpu.md

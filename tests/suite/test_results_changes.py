@@ -40,14 +40,28 @@ def test_last_digit_noise_is_rounding_a_new_stamp_is_said_a_moved_number_is_not(
     (root / "results" / "f.png").write_bytes(b"\x89PNG two")
     (root / "results" / "new.md").write_text("x\n")
     line = results_changes.summarize(root, "results")
-    assert line == ("results/: moved beyond rounding: results/t.csv (0.2551898 -> 0.2202031), "
-                    "results/t.md (0.2552 -> 0.2202); figures redrawn: results/f.png; new: results/new.md")
+    assert line == ("results/: moved beyond rounding: results/t.csv (dopr_muon dist: 0.2551898 -> 0.2202031), "
+                    "results/t.md (line 3: 0.2552 -> 0.2202); figures redrawn: results/f.png; new: results/new.md")
     assert "\n" not in line
 
 
 def test_changed_words_are_a_move_and_a_table_digits_rounding_is_not():
-    assert results_changes.first_move("| adamw | 1 |", "| muon | 1 |") == "text changed: '| adamw |' -> '| muon |'"
-    assert results_changes.first_move("9950798.47347483", "9950798.0") is None   # written at 7 digits
-    assert results_changes.first_move("1.0", "1.5") == "1.0 -> 1.5"
-    assert results_changes.first_move("2.627e+04", "2.628e+04") is None      # one unit in the last digit
-    assert results_changes.first_move("2.627e+04", "2.629e+04") == "2.627e+04 -> 2.629e+04"
+    assert results_changes.largest_move("| adamw | 1 |", "| muon | 1 |") == "text changed: '| adamw |' -> '| muon |'"
+    assert results_changes.largest_move("9950798.47347483", "9950798.0") is None   # written at 7 digits
+    assert results_changes.largest_move("1.0", "1.5") == "line 1: 1.0 -> 1.5"
+    assert results_changes.largest_move("2.627e+04", "2.628e+04") is None      # one unit in the last digit
+    assert results_changes.largest_move("2.627e+04", "2.629e+04") == "line 1: 2.627e+04 -> 2.629e+04"
+
+
+def test_the_largest_relative_move_is_named_by_its_row_and_column_not_the_first_difference():
+    # issue 72 item 3: the demo's last line printed 10.86132 -> 10.86158 (the first differing token) while a
+    # DoPr-Muon median moved 17%
+    md = ("| arm | lr | val_loss_min | val_loss_median |\n|---|---|---|---|\n| adamw | 0.03 | 10.86 | 28.52 |\n"
+          "| dopr_muon | 1.0 | 2.029e+04 | 5.049e+04 |\n| dopr_muon | 0.01 | 1.1e+04 | 2.627e+04 |\n")
+    moved = md.replace("10.86", "10.87").replace("5.049e+04", "5.907e+04")
+    assert results_changes.largest_move(md, moved) == "dopr_muon 1.0 val_loss_median: 5.049e+04 -> 5.907e+04"
+    csv = "arm,setting,val_loss_min,val_loss_median\nadamw,\"a=1, lr=0.03\",10.86132,28.52267\nmuon,\"a=1, lr=0.01\",39.37,1040\n"
+    moved = csv.replace("10.86132", "10.86158").replace("1040", "1219")
+    assert results_changes.largest_move(csv, moved, is_csv=True) == "muon val_loss_median: 1040 -> 1219"
+    assert results_changes.largest_move(csv, csv.replace("10.86132", "10.86158"), is_csv=True) == \
+        "adamw val_loss_min: 10.86132 -> 10.86158"
