@@ -95,13 +95,32 @@ def start(cfg: DictConfig, out_dir: Path, resuming: bool):
             raise ConnectionError(why)
         run = wandb.init(mode=mode, **args)
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
-        line = f"logger=wandb: W&B did not start {mode} ({type(e).__name__}: {first})"
+        line = f"logger=wandb: W&B did not start {mode} ({_reason(e, lg.get('init_timeout_s', 30))})"
         if on_error == "stop" or mode == "offline":
             raise ConfigError(f"{line}; logger.on_error={on_error}"
                               + ("" if mode == "offline" else " (offline: go on with W&B offline)")) from None
         log.warning("%s; going on offline (logger.on_error=offline)", line)
+        # a start that reached the server and failed there (connection refused, an HTTP error reply) leaves
+        # its run open in W&B's service process, which then refuses another start with the same id ("run
+        # ID ... is in use"): ending the service ends that attempt, and the offline run keeps the job's id
+        try:
+            wandb.teardown()
+        except Exception as e:   # a service that is gone already: nothing left open
+            log.debug("wandb.teardown after the failed start: %s", e)
         mode, run = "offline", wandb.init(mode="offline", **args)
     if mode in ("offline", "dryrun"):
         print(f"W&B offline: sync later with `wandb sync {run.dir.rsplit('/files', 1)[0]}`", flush=True)
     return run
+
+
+def _reason(e: Exception, timeout_s) -> str:
+    """Why wandb.init failed, in one line: the error's lines but W&B's advice to raise init_timeout (the
+    cause, such as 'connection refused' or 'HTTP 500', is often on the second line), and the limit when it
+    ran out."""
+    lines = [ln.strip() for ln in str(e).splitlines()
+             if ln.strip() and not ln.strip().startswith(("Consider increasing", "wandb.init(settings="))]
+    text = "; ".join(lines)
+    if any(s in text.lower() for s in ("deadline exceeded", "timed out")):
+        text += f" (gave up after logger.init_timeout_s={timeout_s} s)"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
