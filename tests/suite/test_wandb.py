@@ -4,8 +4,10 @@ start in one line (offline or stop, as logger.on_error says), and one W&B run pe
 No test reaches a remote server: the key's server is https://api.wandb.invalid (the .invalid domain never
 resolves), or a local one that fails W&B's start (a closed port, a server answering 404 or 500 to
 everything), and WANDB_INIT_TIMEOUT or logger.init_timeout_s bounds any wandb.init that would try."""
+import glob
 import http.server
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -195,3 +197,24 @@ def test_a_server_that_fails_the_start_trains_with_wandb_offline(tmp_path, serve
     runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
 
+
+def test_the_sync_line_after_a_resume_names_every_offline_attempt(tmp_path, compose, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose("task=lds", "logger=wandb")
+    job = tmp_path / "job"
+    first = Run(cfg, job)
+    first.save_checkpoint({"step": 0})
+    first.close(failed=True)                 # preempted after its checkpoint
+    time.sleep(1)                            # W&B names offline folders by the second
+    resumed = Run(cfg, job)                  # requeued, or run again with resume=true
+    assert resumed.load_checkpoint() == {"step": 0}
+    resumed.close(failed=False)
+    folders = sorted(str(p) for p in (job / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if "wandb sync" in line]
+    last = lines[-1]                         # the job's last word on how to sync
+    command = shlex.split(last.split("`")[1])
+    assert command[:2] == ["wandb", "sync"], last
+    named = [p for arg in command[2:] for p in sorted(glob.glob(arg))]   # as the shell expands it
+    assert named == folders, (last, folders)   # every attempt's folder, oldest first
