@@ -193,7 +193,7 @@ class Run:
         self.optimizers = []
         self._metrics.close()
         if self._wandb is not None:
-            self._wandb.finish(exit_code=1 if failed else 0)
+            wandb_run.finish(self._wandb, self.dir, failed)
             self._wandb = None
 
 

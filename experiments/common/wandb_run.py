@@ -95,13 +95,57 @@ def start(cfg: DictConfig, out_dir: Path, resuming: bool):
             raise ConnectionError(why)
         run = wandb.init(mode=mode, **args)
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
-        line = f"logger=wandb: W&B did not start {mode} ({type(e).__name__}: {first})"
+        line = f"logger=wandb: W&B did not start {mode} ({_reason(e, lg.get('init_timeout_s', 30))})"
         if on_error == "stop" or mode == "offline":
             raise ConfigError(f"{line}; logger.on_error={on_error}"
                               + ("" if mode == "offline" else " (offline: go on with W&B offline)")) from None
         log.warning("%s; going on offline (logger.on_error=offline)", line)
+        # a start that reached the server and failed there (connection refused, an HTTP error reply) leaves
+        # its run open in W&B's service process, which then refuses another start with the same id ("run
+        # ID ... is in use"): ending the service ends that attempt, and the offline run keeps the job's id
+        try:
+            wandb.teardown()
+        except Exception as e:   # a service that is gone already: nothing left open
+            log.debug("wandb.teardown after the failed start: %s", e)
         mode, run = "offline", wandb.init(mode="offline", **args)
-    if mode in ("offline", "dryrun"):
-        print(f"W&B offline: sync later with `wandb sync {run.dir.rsplit('/files', 1)[0]}`", flush=True)
+    if run.offline:
+        print(sync_line(out_dir, run.id), flush=True)
     return run
+
+
+def _reason(e: Exception, timeout_s) -> str:
+    """Why wandb.init failed, in one line: the error's lines but W&B's advice to raise init_timeout (the
+    cause, such as 'connection refused' or 'HTTP 500', is often on the second line), and the limit when it
+    ran out."""
+    lines = [ln.strip() for ln in str(e).splitlines()
+             if ln.strip() and not ln.strip().startswith(("Consider increasing", "wandb.init(settings="))]
+    text = "; ".join(lines)
+    if any(s in text.lower() for s in ("deadline exceeded", "timed out")):
+        text += f" (gave up after logger.init_timeout_s={timeout_s} s)"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def offline_folders(out_dir: Path, run_id: str) -> list[Path]:
+    """The job's offline W&B folders of run `run_id`, oldest first: one per attempt that ran offline (a
+    resumed or requeued job continues the same run; W&B names the folders offline-run-<time>-<id>)."""
+    return sorted((Path(out_dir) / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def sync_line(out_dir: Path, run_id: str) -> str:
+    """The line telling how to sync the job's W&B run: every attempt's offline folder, in order (W&B's own
+    line names only the last attempt's)."""
+    folders = offline_folders(out_dir, run_id)
+    if len(folders) <= 1:
+        where = str(folders[0]) if folders else str(Path(out_dir) / "wandb" / f"offline-run-*-{run_id}")
+        return f"W&B offline: sync later with `wandb sync {where}`"
+    return (f"W&B offline: sync later with `wandb sync {Path(out_dir) / 'wandb' / f'offline-run-*-{run_id}'}`"
+            f" ({len(folders)} folders of run {run_id}, one per attempt; the shell lists them oldest first)")
+
+
+def finish(run, out_dir: Path, failed: bool) -> None:
+    """wandb's finish, then, offline, the sync line again: it is the job's last word on W&B (W&B's own
+    footer just before it names only this attempt's folder)."""
+    offline, rid = run.offline, run.id
+    run.finish(exit_code=1 if failed else 0)
+    if offline:
+        print(sync_line(out_dir, rid), flush=True)

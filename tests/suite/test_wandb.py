@@ -1,12 +1,19 @@
 """logger=wandb on a machine without network: W&B's own WANDB_MODE, a key found as W&B finds it, a failed
 start in one line (offline or stop, as logger.on_error says), and one W&B run per job across resumes.
 
-No test reaches a server: the key's server is https://api.wandb.invalid (the .invalid domain never
-resolves), and WANDB_INIT_TIMEOUT bounds any wandb.init that would try anyway."""
+No test reaches a remote server: the key's server is https://api.wandb.invalid (the .invalid domain never
+resolves), or a local one that fails W&B's start (a closed port, a server answering 404 or 500 to
+everything), and WANDB_INIT_TIMEOUT or logger.init_timeout_s bounds any wandb.init that would try."""
+import glob
+import http.server
 import os
+import shlex
+import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -126,3 +133,88 @@ def test_a_resumed_job_continues_its_wandb_run(tmp_path, compose, monkeypatch):
     Run(cfg, job).close(failed=False)
     run_ids = _offline_runs(job)
     assert len(set(run_ids)) == 2, run_ids
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on: a connection to it is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _server(status: int):
+    """A local HTTP server answering `status`, with an empty body, to every request."""
+    class Reply(http.server.BaseHTTPRequestHandler):
+        def _reply(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = do_PUT = do_HEAD = _reply
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Reply)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@contextmanager
+def _closed():
+    yield f"http://127.0.0.1:{_closed_port()}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server, why", [
+    (_closed, "connection refused"),
+    (lambda: _server(404), "404"),
+    (lambda: _server(500), "HTTP 500"),
+], ids=["closed_port", "http_404", "http_500"])
+def test_a_server_that_fails_the_start_trains_with_wandb_offline(tmp_path, server, why):
+    """The server's name resolves but wandb.init fails there: the failed attempt is ended before the
+    offline start (it used to be refused: 'run ID ... is in use', a traceback, rc 1, nothing trained)."""
+    out = tmp_path / "job"
+    with server() as url:
+        res = subprocess.run([sys.executable, "run.py", "task=feature_learning", "optim=sgd", "debug=default",
+                              "logger=wandb", "logger.init_timeout_s=5", f"hydra.run.dir={out}"], cwd=ROOT,
+                             env=_env(tmp_path, WANDB_API_KEY=KEY, WANDB_BASE_URL=url), capture_output=True,
+                             text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-3000:]
+    assert (out / "summary.json").exists()
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "W&B did not start" in line]
+    assert len(said) == 1 and "going on offline" in said[0] and why in said[0], said or res.stdout[-3000:]
+    run_id = (out / wandb_run.RUN_ID_FILE).read_text().strip()   # the offline run keeps the job's id
+    runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
+
+
+def test_the_sync_line_after_a_resume_names_every_offline_attempt(tmp_path, compose, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose("task=lds", "logger=wandb")
+    job = tmp_path / "job"
+    first = Run(cfg, job)
+    first.save_checkpoint({"step": 0})
+    first.close(failed=True)                 # preempted after its checkpoint
+    time.sleep(1)                            # W&B names offline folders by the second
+    resumed = Run(cfg, job)                  # requeued, or run again with resume=true
+    assert resumed.load_checkpoint() == {"step": 0}
+    resumed.close(failed=False)
+    folders = sorted(str(p) for p in (job / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if "wandb sync" in line]
+    last = lines[-1]                         # the job's last word on how to sync
+    command = shlex.split(last.split("`")[1])
+    assert command[:2] == ["wandb", "sync"], last
+    named = [p for arg in command[2:] for p in sorted(glob.glob(arg))]   # as the shell expands it
+    assert named == folders, (last, folders)   # every attempt's folder, oldest first
