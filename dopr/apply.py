@@ -24,21 +24,22 @@ def phase(what: str, layers: int, shape) -> str:
 def solve(members: dict, grads: dict, grad_ema, buckets: dict) -> tuple:
     """([(layer names, M stacked, their GradientBucket or None, its gradient parts)], [per-bucket
     non-finite flags of G], the GradientBuckets to keep): the layers (``members``: {name: operator})
-    bucketed by operator type and gradient shape, each bucket read into one stack (dopr/buckets.py: a few
+    bucketed by operator type (the solve space), gradient shape, bias column (a layer with a bias and one
+    without may share G's shape: their blocks are laid out differently), dtype and device, each bucket read into one stack (dopr/buckets.py: a few
     ops for the bucket; other layer types ``read_grad``, a layer's G and bias column copied once), G
     proposed to ``grad_ema``, one batched solve, no host sync. ``buckets``: the last step's, reused
     while a bucket is the same."""
     by_shape = defaultdict(list)
     for name, op in members.items():
         h = grads[name]
-        by_shape[(type(op), h.grad_shape(), h.grad_dtype(), h.module.weight.device)].append(name)
+        by_shape[(type(op), h.grad_shape(), h.homogeneous, h.grad_dtype(), h.module.weight.device)].append(name)
     solved, flags, kept = [], [], {}
-    for (kind, shape, dtype, device), names in by_shape.items():
+    for (kind, shape, homogeneous, dtype, device), names in by_shape.items():
         with record_function(phase("apply", len(names), shape)):
             helpers = [grads[n] for n in names]
             parts, bucket = GradientBucket.parts(helpers), None
             if parts is not None:                       # the bucket's buffers are kept while it is the same
-                key = (tuple(names), kind, shape, dtype, device)
+                key = (tuple(names), kind, shape, homogeneous, dtype, device)
                 bucket = kept[key] = buckets.get(key) or GradientBucket(helpers, shape, statistics_dtype(dtype), device)
                 g = bucket.read(parts)
             else:

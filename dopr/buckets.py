@@ -1,6 +1,7 @@
 """A bucket of same-shape gradient matrices, read into one stack and written back in a few ops.
 
-The AP step works per bucket (layers whose gradient matrices G have one shape, dtype and device): one
+The AP step works per bucket (layers whose gradient matrices G have one shape, bias column, dtype and
+device: a Linear(7, 4) and a Linear(8, 4, bias=False) have G of one shape laid out differently): one
 stack of their G, one batched solve, one write-back of M. Per layer, reading G into its slot of the
 stack and writing M back cost 6 to 8 aten ops (views of the slot, the bias column, two copies), the
 host time a GPU waits for on a model of many small layers. A :class:`GradientBucket` does both for

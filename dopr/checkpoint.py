@@ -76,6 +76,17 @@ def ap_state(opt) -> dict:
     }
 
 
+def cache_on_layers(cache: dict, helpers: dict) -> dict:
+    """The cached factors {group key: operator} in their layers' statistics dtype and on their device (a
+    checkpoint from another dtype or device, a model converted between refreshes: cast once, where they
+    differ); a float64 sample-space factor keeps its dtype (bit-identical resume). ``helpers``: {name: helper}."""
+    out = {}
+    for key, op in cache.items():
+        w = next((helpers[n].module.weight for n in key if n in helpers), None)
+        out[key] = op if w is None else solvers.operator_to(op, statistics_dtype(w.dtype), w.device)
+    return out
+
+
 def load_ap_state(opt, ours: dict) -> None:
     """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry into `opt`, warning about other options."""
     mine = opt.options.describe()
@@ -96,9 +107,8 @@ def load_ap_state(opt, ours: dict) -> None:
 
     opt._grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
     opt._precond_ema.load_state_dict(ours["precond_ema"], to)
-    opt._cache = {key: solvers.operator_from_state({**s, "tensors": {n: t.to(**to(key)) for n, t in
-                                                                      s["tensors"].items()}})
-                  for key, s in ((tuple(k.split("|")), s) for k, s in ours["cache"].items())}
+    opt._cache = cache_on_layers({tuple(k.split("|")): solvers.operator_from_state(s) for k, s in ours["cache"].items()},
+                                 helpers)
     # checkpoints written before the step counter was kept once also hold it as counts["steps"]
     opt._counts = defaultdict(int, {k: v for k, v in ours["counts"].items()
                                     if k != "steps" and k not in opt._damping.COUNTERS})

@@ -35,7 +35,7 @@ from torch.autograd.profiler import record_function
 from . import apply, damping, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
-from .checkpoint import KEY, ap_state, load_ap_state
+from .checkpoint import KEY, ap_state, cache_on_layers, load_ap_state
 from .distributed import agree_groups, all_reduce_statistics, is_distributed
 from .ema import CovarianceEMA, GradientEMA
 from .health import HealthReports
@@ -277,6 +277,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 ema.beta = self.options.at(name, step)
         collected, refresh = self.collecting, self._step % self.options.precond_every == 0
         raw = frozenset()
+        if self._cache:   # a model converted since the last refresh (model.double(), .cuda()): factors cast once
+            self._cache = cache_on_layers(self._cache, grads)
         if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
@@ -481,8 +483,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def load_ap_state_dict(self, ours: dict) -> None:
         """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs). As
         torch.optim does with its state, the EMA buffers and cached inverses are cast to the dtype and
-        device of their layer's weight (statistics_dtype: float32 for half precision): a checkpoint
-        loaded with map_location="cpu", or saved from a float32 model, fits a CUDA or float64 one."""
+        device of their layer's weight (statistics_dtype: float32 for half precision; a sample-space
+        factor's float64 L keeps its dtype): a checkpoint loaded with map_location="cpu", or saved from a
+        float32 model, fits a CUDA or float64 one."""
         load_ap_state(self, ours)
 
     def _helpers(self) -> dict:

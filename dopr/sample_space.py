@@ -194,6 +194,8 @@ class SampleSpaceBatch(solvers.Deferred):
 class SampleSpaceInverse:
     """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T (float64)."""
 
+    OWN_DTYPE = ("l",)   # L stays float64 (SAMPLE_SPACE_DTYPE) in a checkpoint and a model's dtype change
+
     def __init__(self, x: Optional[Tensor] = None, l: Optional[Tensor] = None, lam: Optional[Tensor] = None,
                  whole: Optional[tuple] = None, index: int = 0) -> None:
         # its own (x, l, lam), or member `index` of a batch's, taken out only when needed

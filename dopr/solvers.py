@@ -225,6 +225,15 @@ def operator_state(op) -> dict:
     return {"type": type(op).__name__, "tensors": op.tensors()}
 
 
+def operator_to(op, dtype: torch.dtype, device: torch.device):
+    """`op` with its tensors in `dtype` (a layer's statistics dtype) on `device`: `op` itself when they are
+    already; the tensors its type names in ``OWN_DTYPE`` (a float64 factor by design) keep their dtype."""
+    own, tensors = getattr(type(op), "OWN_DTYPE", ()), op.tensors()
+    if all(t.device == device and (t.dtype == dtype or n in own) for n, t in tensors.items()):
+        return op
+    return type(op)(**{n: t.to(device=device, dtype=t.dtype if n in own else dtype) for n, t in tensors.items()})
+
+
 def _damped(sigma: Tensor, lam: Tensor) -> Tensor:
     """sigma + lam I for a batch, in one copy."""
     a = sigma.clone()
