@@ -70,7 +70,7 @@ def bc(records, out_dir, stamp) -> None:
     by = best_per(rows, lambda r: (r["optimizer"], r["num_trajectories"]), "return_mean")
     deltas = dopr_vs_gp(by, GPS, "num_trajectories", "return_mean", "return",
                         intervals={"quantile_bands_overlap": ("return_q10", "return_q90"),
-                                   "seed_ranges_overlap": ("seed_return_min", "seed_return_max")},
+                                   "seed_ranges_overlap": ("seed_return_min", "seed_return_max", "seeds")},
                         carry=("val_loss", "lr"))
     if deltas:
         write_table(deltas, DELTA_COLUMNS, out_dir / f"{task}_dopr_vs_gp", stamp,

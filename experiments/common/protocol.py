@@ -10,21 +10,27 @@ tune: `run.py -m` over each arm's grid on the tuning seeds; select: `tuning sele
 and <results>/selection.*; protocol: every config select wrote, on the fresh seeds; report: `tuning report`.
 Sweeps go to multirun/protocol/<task>[/<variant>]/<stage>/<arm>, every launch with skip_finished=true, so a
 stage resumes where it stopped. An arm a variant leaves as the task has it tunes in the task's own folder (its
-jobs are shared). `--dry-run` prints the command lines and runs nothing; other arguments pass through (to
-Hydra for tune and protocol, to tuning.py for select and report). `--root` puts multirun/, conf/tuned/ and
+jobs are shared). `--dry-run` prints the command lines, then (as `# ` lines) how many jobs they launch, about how
+long they take (the median committed run time per job of the task and arm, naming the files it read) and the
+folders the stage writes, and runs and writes nothing, before the earlier stages ran too. Other arguments pass
+through (to Hydra for tune and protocol, to tuning.py for select and report). `--root` puts multirun/, conf/tuned/ and
 results/ under another folder (the tests' temporary one).
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import math
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from .arms import Arm
+from .arms import AT_GP_SETTING, Arm
 from .tuning import _text
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -111,42 +117,172 @@ def tune_dir(preset: dict, spec: dict, arm: str, root: Path) -> Path:
     return root / "multirun" / "protocol" / spec["task"] / ("" if shared else spec["variant"] or "") / "tune" / arm
 
 
-def commands(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: list) -> list:
-    """The command lines (argv lists, `python` first) one stage runs."""
+def _jobs(grid: dict, axes, seeds: list) -> int:
+    """The jobs one `run.py -m` line launches: Hydra's basic sweeper runs every combination of its swept values."""
+    return math.prod(len(grid[k]) for k in axes) * len(seeds)
+
+
+def _expected_chosen(spec: dict, arms: list) -> list:
+    """The configs select writes before it ran: each arm's winner, and each DoPr arm at its GP's whole setting
+    (dropped where that is DoPr's own winner), as tuning.chosen_settings names them."""
+    pairs = [a for a in spec["arms"] if Arm.read(a).ap and Arm.read(a).but(ap=False).name in spec["arms"]]
+    names = list(spec["arms"]) + [f"{a}_{AT_GP_SETTING}" for a in pairs]
+    return sorted(n for n in names if Arm.read(n).optim in arms)
+
+
+def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: list, dry_run: bool = False) -> dict:
+    """What one stage runs: {lines: [(argv, `python` first; the arm whose runs it launches, or None; its job
+    count)], writes: [(folder, what it holds)], notes: [lines]}. A stage whose earlier stage has not run is
+    refused, except in a dry run, which shows the commands that stage would leave (and says so)."""
     run = ["python", "run.py", "-m", f"task={spec['task']}"]
     after = ["skip_finished=true"] + ([f"hydra.searchpath=[file://{root / 'conf'}]"] if root != CHECKOUT else [])
     stage_dir = root / "multirun" / "protocol" / spec["task"] / (spec["variant"] or "") / "protocol"
     configs, results = root / "conf" / "tuned" / spec["configs"], root / spec["results"]
+    notes = []
+
+    def missing(message, instead):
+        if not dry_run:
+            raise ValueError(message)
+        notes.append(f"not run yet: {message}; the lines {instead}")
+
     if stage == "tune":
         check(spec)
-        return [run + [f"+tuned/{spec['tuned']}={a['preset']}", *(f"{k}={_text(v)}" for k, v in a["overrides"].items()),
-                       *(f"{k}={_values(v)}" for k, v in a["grid"].items()), f"seed={_values(spec['tuning_seeds'])}",
-                       *after, f"hydra.sweep.dir={_where(tune_dir(preset, spec, name, root))}", *extra]
-                for name, a in spec["arms"].items() if name in arms]
+        lines = [(run + [f"+tuned/{spec['tuned']}={a['preset']}",
+                         *(f"{k}={_text(v)}" for k, v in a["overrides"].items()),
+                         *(f"{k}={_values(v)}" for k, v in a["grid"].items()), f"seed={_values(spec['tuning_seeds'])}",
+                         *after, f"hydra.sweep.dir={_where(tune_dir(preset, spec, name, root))}", *extra],
+                  name, _jobs(a["grid"], a["grid"], spec["tuning_seeds"]))
+                 for name, a in spec["arms"].items() if name in arms]
+        return {"lines": lines, "writes": [(_where(tune_dir(preset, spec, a, root)), "sweep") for a in arms],
+                "notes": notes}
     if stage == "select":
-        dirs = [_where(d) for d in (tune_dir(preset, spec, a, root) for a in spec["arms"]) if d.is_dir()]
+        every = [tune_dir(preset, spec, a, root) for a in spec["arms"]]
+        dirs = [_where(d) for d in every if d.is_dir()]
         if not dirs:
-            raise ValueError(f"no tuning runs of {spec['task']} under {_where(root / 'multirun' / 'protocol')}: run "
-                             "the tune stage first")
+            missing(f"no tuning runs of {spec['task']} under {_where(root / 'multirun' / 'protocol')}: run the tune "
+                    "stage first", "name the folders the tune stage writes")
+            dirs = [_where(d) for d in every]
         how = [f"--{k}={v}" for k, v in (spec.get("select") or {}).items()]
-        return [["python", "-m", "experiments.common.tuning", "select", *dirs, "--configs", _where(configs), "--out",
-                 _where(results), "--seeds", _values(spec["fresh_seeds"]), *how, *extra]]
+        line = ["python", "-m", "experiments.common.tuning", "select", *dirs, "--configs", _where(configs), "--out",
+                _where(results), "--seeds", _values(spec["fresh_seeds"]), *how, *extra]
+        return {"lines": [(line, None, 0)], "notes": notes, "writes": [
+            (_where(configs), "one +tuned config per chosen setting; earlier chosen ones it no longer picks removed"),
+            (_where(results), "selection.json, selection.md, selection.csv")]}
     chosen = sorted(p.stem for p in configs.glob("*.yaml") if Arm.read(p.stem).optim in arms)
     if not chosen:
-        raise ValueError(f"{_where(configs)} holds no selected config of the arms {', '.join(arms)}: run select first")
+        missing(f"{_where(configs)} holds no selected config of the arms {', '.join(arms)}: run select first",
+                "assume select writes each arm's winner and each DoPr arm at its GP's setting (it drops the latter "
+                "where it is DoPr's own winner)")
+        chosen = _expected_chosen(spec, arms)
     if stage == "protocol":
         shared = [f"{k}={_text(v)}" for k, v in (spec.get("overrides") or {}).items() if v is not None]
-        return [run + [f"+tuned/{spec['configs']}={name}", *shared,
-                       *(f"{k}={_values(spec['arms'][name]['grid'][k])}" for k in spec.get("fresh_axes") or ()
-                         if name in spec["arms"] and k in spec["arms"][name]["grid"]),
-                       f"seed={_values(spec['fresh_seeds'])}", *after,
-                       f"hydra.sweep.dir={_where(stage_dir / name)}", *extra] for name in chosen]
+        lines = []
+        for name in chosen:
+            grid = spec["arms"][name]["grid"] if name in spec["arms"] else {}
+            axes = [k for k in spec.get("fresh_axes") or () if k in grid]
+            lines.append((run + [f"+tuned/{spec['configs']}={name}", *shared,
+                                 *(f"{k}={_values(grid[k])}" for k in axes), f"seed={_values(spec['fresh_seeds'])}", *after,
+                                 f"hydra.sweep.dir={_where(stage_dir / name)}", *extra],
+                          Arm.read(name).optim, _jobs(grid, axes, spec["fresh_seeds"])))
+        return {"lines": lines, "writes": [(_where(stage_dir / n), "sweep") for n in chosen], "notes": notes}
     dirs = [_where(stage_dir / n) for n in chosen if (stage_dir / n).is_dir()]
     if not dirs:
-        raise ValueError(f"no fresh-seed runs under {_where(stage_dir)}: run the protocol stage first")
+        missing(f"no fresh-seed runs under {_where(stage_dir)}: run the protocol stage first",
+                "name the folders the protocol stage writes")
+        dirs = [_where(stage_dir / n) for n in chosen]
     versus = [w for pair in spec.get("versus") or () for w in ("--versus", pair)]   # verdicts beyond GP / DoPr
-    return [["python", "-m", "experiments.common.tuning", "report", *dirs, "--selection",
-             _where(results / "selection.json"), "--out", _where(results), *versus, *extra]]
+    line = ["python", "-m", "experiments.common.tuning", "report", *dirs, "--selection",
+            _where(results / "selection.json"), "--out", _where(results), *versus, *extra]
+    return {"lines": [(line, None, 0)], "notes": notes, "writes": [
+        (_where(results), "protocol.md, protocol.csv; protocol_all_seeds.md/.csv where seeds beyond the fixed ones "
+                          "ran")]}
+
+
+def committed_times(task: str, results: Path = CHECKOUT / "results") -> dict:
+    """{optim: [(seconds, jobs, file)]}: the run times committed under results/ for the task: each job's
+    summary.json (`wall_time_s`, its `task` and `optim`), a timing table `<task>_timing.csv` (`wall_s_median` of
+    `jobs` jobs per `optimizer`) and a per-run table `<task>.csv` with a `wall_time_s` column."""
+    out: dict = {}
+    for path in sorted(results.rglob("summary.json")):
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(s, dict) and s.get("task") == task and isinstance(s.get("wall_time_s"), (int, float)):
+            out.setdefault(s.get("optim"), []).append((float(s["wall_time_s"]), 1, path))
+    for name, seconds, count in ((f"{task}_timing.csv", "wall_s_median", "jobs"), (f"{task}.csv", "wall_time_s", None)):
+        for path in sorted(results.rglob(name)):
+            with open(path, newline="") as f:
+                for row in csv.DictReader(f):
+                    try:
+                        value, jobs = float(row[seconds]), int(row[count]) if count else 1
+                    except (KeyError, TypeError, ValueError):
+                        continue
+                    out.setdefault(row.get("optimizer"), []).append((value, jobs, path))
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def _sources(records: list) -> str:
+    """The files a median read: a sweep's summary.json files as one glob, a table by its name."""
+    groups: dict = {}
+    for _, jobs, path in records:
+        where = _where(path.parent.parent / "*" / path.name) if path.name == "summary.json" else _where(path)
+        groups[where] = groups.get(where, 0) + jobs
+    return ", ".join(f"{g} ({n})" for g, n in sorted(groups.items()))
+
+
+def summary(stage: str, spec: dict, planned: dict, results: Path = CHECKOUT / "results") -> list:
+    """The `# ` lines a dry run prints after the command lines: the jobs, the time, its sources, the folders."""
+    out = [f"# {note}" for note in planned["notes"]]
+    launched = [(arm, jobs) for _, arm, jobs in planned["lines"] if arm is not None]
+    if not launched:
+        out.append(f"# jobs: 0 (one local command: {'tuning select' if stage == 'select' else 'tuning report'} reads "
+                   "the finished jobs' summary.json files; no training job)")
+        out.append("# time: seconds (no training job)")
+    else:
+        per_arm: dict = {}
+        for arm, jobs in launched:
+            per_arm[arm] = per_arm.get(arm, 0) + jobs
+        total = sum(per_arm.values())
+        out.append(f"# jobs: {total} ({', '.join(f'{a} {n}' for a, n in per_arm.items())}) in {len(launched)} "
+                   f"run.py sweep{'s' * (len(launched) != 1)}")
+        times = committed_times(spec["task"], results)
+        known, unknown, used, seconds = [], [], [], 0.0
+        for arm, n in per_arm.items():
+            records = times.get(arm)
+            if not records:
+                unknown.append(arm)
+                continue
+            every = [v for v, jobs, _ in records for _ in range(jobs)]
+            seconds += n * statistics.median(every)
+            known.append(f"{arm} {_duration(statistics.median(every))} (median of {len(every)} committed jobs)")
+            used += records
+        if known:
+            rest = f"; {', '.join(unknown)}: no committed run time, not counted" if unknown else ""
+            out.append(f"# time: about {_duration(seconds)} of job time, one job after another (a parallel launcher "
+                       f"divides it by its workers){rest}")
+            out.append(f"#   a job: {', '.join(known)}, from committed runs of {spec['task']} (their settings and "
+                       "machine may differ)")
+            tables = any(path.name != "summary.json" for _, _, path in used)
+            out.append(f"#   read: {_sources(used)}"
+                       + (" (a timing table's median stands for each of its jobs)" if tables else ""))
+        else:
+            out.append(f"# time: no committed run time of {spec['task']} for {', '.join(unknown)} (results/ holds no "
+                       f"summary.json, {spec['task']}_timing.csv or {spec['task']}.csv with a wall time for them)")
+    committed = [(w, what) for w, what in planned["writes"] if what != "sweep"]
+    sweeps = [w for w, what in planned["writes"] if what == "sweep"]
+    if sweeps:
+        out.append(f"# writes: the sweep folders {', '.join(sweeps)} (not committed)")
+    if committed:
+        out.append("# writes, committed: " + "; ".join(f"{w}/ ({what})" for w, what in committed))
+    out.append("# a dry run: nothing ran, nothing was written")
+    return out
 
 
 def main(argv=None) -> None:
@@ -155,7 +291,8 @@ def main(argv=None) -> None:
     p.add_argument("task", help="a preset in conf/protocol/ (e.g. feature_learning), or a path to one")
     p.add_argument("--variant", help="one of the preset's variants (e.g. weak25, peers)")
     p.add_argument("--arms", help="only these arms, comma-separated (e.g. one arm a process)")
-    p.add_argument("--dry-run", action="store_true", help="print the command lines, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the command lines, the job count, the time "
+                   "estimate and the folders the stage writes; run and write nothing")
     p.add_argument("--root", type=Path, default=CHECKOUT, help="where multirun/, conf/tuned/, results/ go")
     args, extra = p.parse_known_args(argv)
     try:
@@ -166,13 +303,15 @@ def main(argv=None) -> None:
         if unknown:
             raise ValueError(f"--arms: no arm {unknown[0]!r} in {spec['task']}"
                              f"{' variant ' + args.variant if args.variant else ''} (arms: {', '.join(spec['arms'])})")
-        lines = commands(args.stage, preset, spec, arms, args.root.resolve(), extra)
+        planned = plan(args.stage, preset, spec, arms, args.root.resolve(), extra, args.dry_run)
     except ValueError as e:
         raise SystemExit(f"protocol: {e}")
-    for line in lines:
+    for line, _, _ in planned["lines"]:
         print(shlex.join(line), flush=True)
         if not args.dry_run and subprocess.run([sys.executable, *line[1:]], cwd=CHECKOUT).returncode:
             raise SystemExit(f"protocol: the {args.stage} stage stopped: this command failed: {shlex.join(line)}")
+    if args.dry_run:
+        print("\n".join(summary(args.stage, spec, planned)))
 
 
 if __name__ == "__main__":

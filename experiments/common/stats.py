@@ -60,14 +60,19 @@ def overlap(lo_a, hi_a, lo_b, hi_b) -> str:
     return "yes" if lo_a <= hi_b and lo_b <= hi_a else "no"
 
 
+#: an interval over seeds where an optimizer ran one seed: a point, whose overlap says nothing about the spread
+ONE_SEED = "1 seed: no spread"
+
+
 def dopr_vs_gp(best: dict, gps: Optional[Iterable[str]], cell: str, score: str, name: str,
                intervals: dict = None, carry=(), lower_is_better: bool = False) -> list:
     """DoPr minus its GP per cell. `best`: {(optimizer, cell value): row}; for each GP in `gps` (None:
     every optimizer that is not dopr_*) and each cell where both `gp` and `dopr_gp` ran: gp_<name>,
     dopr_<name>, delta, delta_pct, dopr_better (a lower score is better when `lower_is_better`), one
     <label> yes/no column per `intervals` entry {label: (low key, high key)} (whether the two
-    optimizers' intervals overlap), and gp_<k>, dopr_<k> for each key in `carry` (or each {k: row key}
-    of a dict)."""
+    optimizers' intervals overlap; {label: (low key, high key, seed-count key)} for an interval over seeds,
+    ONE_SEED where either optimizer ran a single seed), and gp_<k>, dopr_<k> for each key in `carry` (or
+    each {k: row key} of a dict)."""
     if gps is None:
         gps = sorted({k[0] for k in best if not split_name(k[0])[1]})
     carry = carry if isinstance(carry, dict) else {k: k for k in carry}
@@ -82,8 +87,9 @@ def dopr_vs_gp(best: dict, gps: Optional[Iterable[str]], cell: str, score: str, 
             row = {"gp": gp, cell: c, f"gp_{name}": a, f"dopr_{name}": b, "delta": b - a,
                    "delta_pct": 100 * (b - a) / abs(a) if a else math.nan,
                    "dopr_better": "yes" if (b < a if lower_is_better else b > a) else "no"}
-            for label, (lo, hi) in (intervals or {}).items():
-                row[label] = overlap(dp[lo], dp[hi], base[lo], base[hi])
+            for label, (lo, hi, *seeds) in (intervals or {}).items():
+                single = seeds and min(int(base[seeds[0]]), int(dp[seeds[0]])) < 2
+                row[label] = ONE_SEED if single else overlap(dp[lo], dp[hi], base[lo], base[hi])
             for k, key in carry.items():
                 row[f"gp_{k}"], row[f"dopr_{k}"] = base[key], dp[key]
             out.append(row)

@@ -56,7 +56,7 @@ def rows(records) -> list:
 def deltas(table: list) -> list:
     """DoPr vs its GP on each seed's best success rate (median over seeds) and the training loss."""
     out = dopr_vs_gp({(r["optimizer"], r["task"]): r for r in table}, None, "task", "seed_best_median",
-                     "best_median", intervals={"seed_ranges_overlap": ("seed_best_min", "seed_best_max")},
+                     "best_median", intervals={"seed_ranges_overlap": ("seed_best_min", "seed_best_max", "seeds")},
                      carry={"train_loss": "train_loss_median"})
     return sorted(out, key=lambda r: (r["task"], r["gp"]))
 

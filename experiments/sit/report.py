@@ -70,7 +70,7 @@ def rows(records) -> list:
 def deltas(table: list) -> list:
     """DoPr vs its GP on the final quality (lower is better) and the final training loss."""
     out = dopr_vs_gp({(r["optimizer"], r["task"]): r for r in table}, None, "task", "final_median", "final_median",
-                     intervals={"seed_ranges_overlap": ("final_min", "final_max")},
+                     intervals={"seed_ranges_overlap": ("final_min", "final_max", "seeds")},
                      carry={"train_loss": "train_loss_median"}, lower_is_better=True)
     for r in out:
         r.update(metric=next(t["metric"] for t in table if t["task"] == r["task"]),

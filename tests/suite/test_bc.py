@@ -248,11 +248,12 @@ def test_obs_clip_ablation_is_the_paper_grid_with_clamped_observations(compose):
     assert clip.task.obs_clip == 10 and clip.sweep_name == "humanoid_obs_clip"
 
 
-def test_report_writes_tables_and_figure(tmp_path):
+def _records(seeds: int = 2) -> list:
+    """HalfCheetah jobs of AdamW and DoPr-AdamW (50 better) at 10 and 20 trajectories, `seeds` seeds each."""
     records = []
     for opt_name, shift in (("adamw", 0.0), ("dopr_adamw", 50.0)):
         for n in (10, 20):
-            for seed in range(2):
+            for seed in range(seeds):
                 rets = list(np.random.default_rng(seed).normal(1000 + shift + n, 10, 20))
                 records.append({"summary": {"task": "halfcheetah", "env": "HalfCheetah-v5", "optim": opt_name,
                                             "num_trajectories": n, "seed": seed, "returns": {"1000": rets},
@@ -262,6 +263,22 @@ def test_report_writes_tables_and_figure(tmp_path):
                                             **({"damping": 1e-4, "conventions": {"damping_mode": "trace"},
                                                 "dopr": {"cholesky_retries": 2, "eigh_fallbacks": 0}}
                                                if opt_name.startswith("dopr_") else {})}})
+    return records
+
+
+def test_a_one_seed_comparison_says_its_seed_range_has_no_spread(tmp_path):
+    """optim=adamw,dopr_adamw on one seed: the seed ranges are points, so the table says "1 seed: no spread" where
+    it said seed_ranges_overlap "no"; the bootstrap bands (over episodes) keep their yes/no."""
+    import csv
+    bc_report.bc(_records(seeds=1), tmp_path, "stamp `x`")
+    rows = list(csv.DictReader(open(tmp_path / "halfcheetah_dopr_vs_gp.csv")))
+    assert [r["seed_ranges_overlap"] for r in rows] == ["1 seed: no spread"] * 2
+    assert {r["quantile_bands_overlap"] for r in rows} <= {"yes", "no"}
+    assert "| 1 seed: no spread |" in (tmp_path / "halfcheetah_dopr_vs_gp.md").read_text()
+
+
+def test_report_writes_tables_and_figure(tmp_path):
+    records = _records()
     bc_report.bc(records, tmp_path, "stamp `x`")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted([f"halfcheetah{s}{e}" for s in ("", "_dopr_vs_gp", "_timing") for e in (".csv", ".md")]

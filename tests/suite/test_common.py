@@ -197,6 +197,20 @@ def test_mean_and_error_grouping_best_and_dopr_vs_gp():
                       "dopr_better": "no", "overlap": "yes", "gp_lr": 1e-2, "dopr_lr": 1e-3}]
 
 
+def test_a_seed_range_of_one_seed_says_it_has_no_spread():
+    """An optimizer that ran one seed has a point for its seed range: the overlap column says "1 seed: no spread"
+    (it said "no" for two points apart); an interval that is not over seeds keeps its yes/no."""
+    def best(gp_seeds, dopr_seeds):
+        return {("adamw", 10): {"score": 1.0, "seeds": gp_seeds, "lo": 1.0, "hi": float(gp_seeds), "q10": 0, "q90": 2},
+                ("dopr_adamw", 10): {"score": 5.0, "seeds": dopr_seeds, "lo": 5.0, "hi": 5.0, "q10": 1, "q90": 6}}
+    intervals = {"bands": ("q10", "q90"), "seeds_overlap": ("lo", "hi", "seeds")}
+    for gp_seeds, dopr_seeds, want in ((1, 1, stats.ONE_SEED), (3, 1, stats.ONE_SEED), (1, 3, stats.ONE_SEED),
+                                       (3, 3, "no"), (5, 2, "yes")):
+        (row,) = stats.dopr_vs_gp(best(gp_seeds, dopr_seeds), ["adamw"], "n", "score", "s", intervals=intervals)
+        assert (row["seeds_overlap"], row["bands"]) == (want, "yes"), (gp_seeds, dopr_seeds)
+    assert stats.ONE_SEED == "1 seed: no spread"
+
+
 def test_debug_keeps_the_task_keys_set_on_the_command_line(compose, tmp_path):
     """`debug=default task.eval_episodes=0`: the debug block shrinks everything else, not what the user set."""
     from experiments.common.launch import apply_debug

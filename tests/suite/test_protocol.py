@@ -78,13 +78,20 @@ def _jobs(line: str) -> int:
                      if "=" in t and not t.startswith("hydra."))
 
 
+def _commands(out: str) -> list:
+    """A dry run's command lines (its summary lines start with `# `)."""
+    return [l for l in out.splitlines() if not l.startswith("#")]
+
+
 def test_the_dry_run_of_a_tune_is_each_arms_grid_on_the_tuning_seeds(capsys, tmp_path):
     pytest.importorskip("hydra")
     protocol.main(["tune", "feature_learning", "--dry-run", "--root", str(tmp_path), "launcher=local_parallel"])
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = _commands(out)
     spec = protocol.resolve(protocol.load("feature_learning"))
     expected = sum(math.prod(len(v) for v in a["grid"].values()) for a in spec["arms"].values()) * len(spec["tuning_seeds"])
     assert len(lines) == len(spec["arms"]) and sum(_jobs(l) for l in lines) == expected == 60
+    assert f"# jobs: {expected} (" in out
     for line, arm in zip(lines, spec["arms"]):
         assert line.startswith(f"python run.py -m task=feature_learning +tuned/feature_learning={arm} ")
         assert "skip_finished=true" in line.split() and line.endswith(" launcher=local_parallel")
@@ -96,9 +103,118 @@ def test_an_arm_a_variant_leaves_alone_tunes_in_the_tasks_folder(capsys, tmp_pat
     pytest.importorskip("hydra")
     protocol.main(["tune", "feature_learning", "--variant", "weak25", "--dry-run", "--root", str(tmp_path)])
     dirs = {l.split(" +tuned/feature_learning=")[1].split()[0]: l.split("hydra.sweep.dir=")[1].split()[0]
-            for l in capsys.readouterr().out.splitlines()}
+            for l in _commands(capsys.readouterr().out)}
     assert dirs["adamw"].endswith("protocol/feature_learning/tune/adamw")
     assert dirs["dopr_adamw"].endswith("protocol/feature_learning/weak25/tune/dopr_adamw")
+
+
+def _preset_jobs(task: str, stage: str) -> dict:
+    """{arm: jobs} of a stage, from the preset's YAML as written (not through protocol.resolve): a tune line runs
+    every combination of the grid's values on every tuning seed; a protocol line, per selected config, the fresh
+    seeds (times any fresh axis's values)."""
+    raw = yaml.safe_load((ROOT / "conf" / "protocol" / f"{task}.yaml").read_text())
+    arms = raw["arms"] if isinstance(raw["arms"], list) else list(raw["arms"])
+    if stage == "tune":
+        out = {}
+        for arm in arms:
+            own = raw.get("dopr_grid" if arm.startswith("dopr_") else "gp_grid") or {}
+            out[arm] = math.prod(len(v) for v in {**raw.get("grid", {}), **own}.values()) * len(raw["tuning_seeds"])
+        return out
+    assert not raw.get("fresh_axes")
+    out = {}
+    for config in (ROOT / "conf" / "tuned" / raw["configs"]).glob("*.yaml"):
+        arm = config.stem.removesuffix("_at_gp_setting")
+        out[arm] = out.get(arm, 0) + len(raw["fresh_seeds"])
+    return out
+
+
+def test_the_dry_run_prints_the_number_of_jobs_the_stage_launches(capsys, tmp_path):
+    """Humanoid's tune is 4 arms x 6 rates x 2 (weight decay or damping) on one seed: 48 jobs; its protocol stage
+    the 6 committed selected configs on 5 fresh seeds: 30. The printed count is each line's sweep's."""
+    pytest.importorskip("hydra")
+    for stage, root, total in (("tune", tmp_path, 48), ("protocol", ROOT, 30)):
+        protocol.main([stage, "humanoid", "--dry-run", "--root", str(root)])
+        out = capsys.readouterr().out
+        per_arm = _preset_jobs("humanoid", stage)
+        assert sum(per_arm.values()) == sum(_jobs(l) for l in _commands(out)) == total, (stage, per_arm)
+        jobs = next(l for l in out.splitlines() if l.startswith("# jobs: "))
+        assert jobs.startswith(f"# jobs: {total} (") and all(f"{arm} {n}" in jobs for arm, n in per_arm.items()), jobs
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+def test_every_stages_dry_run_says_jobs_time_and_folders_and_writes_nothing(capsys, tmp_path):
+    """On an empty root, before any stage ran: each stage's dry run exits 0 with its command lines, the jobs, the
+    time and the folders it writes (select and report: their committed folders); no file appears or changes."""
+    pytest.importorskip("hydra")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "keep.md").write_text("unchanged\n")
+    before, git = _tree(tmp_path), ["git", "-C", str(ROOT), "status", "--porcelain", "--", "results", "conf"]
+    status = subprocess.run(git, capture_output=True, text=True).stdout
+    results = tmp_path / "results" / "peers" / "humanoid"
+    configs = tmp_path / "conf" / "tuned" / "humanoid_peers_protocol"
+    for stage in protocol.STAGES:
+        protocol.main([stage, "humanoid", "--dry-run", "--root", str(tmp_path)])   # returns: exit status 0
+        out = capsys.readouterr().out
+        assert _commands(out) and all(l.startswith("python ") for l in _commands(out)), out
+        assert re.search(r"^# jobs: \d+", out, re.M) and re.search(r"^# time: ", out, re.M), out
+        assert "# a dry run: nothing ran, nothing was written" in out
+        if stage in ("select", "report"):
+            writes = next(l for l in out.splitlines() if l.startswith("# writes, committed: "))
+            assert "# jobs: 0 (" in out and f"{results}/ (" in writes
+            assert (f"{configs}/ (" in writes) == (stage == "select"), writes
+            assert "# not run yet: " in out          # the stage before it has not run: shown, not refused
+        else:
+            assert f"# writes: the sweep folders {tmp_path}/multirun/protocol/humanoid/{stage}/" in out, out
+    assert _tree(tmp_path) == before
+    assert subprocess.run(git, capture_output=True, text=True).stdout == status
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def test_the_dry_runs_time_is_the_median_committed_run_time_and_names_its_files(capsys, tmp_path):
+    """sit_mnist's tune: each arm's median `wall_time_s` over the committed summary.json files of the task and
+    arm, their folders named; a task with no committed run time says so."""
+    pytest.importorskip("hydra")
+    protocol.main(["tune", "sit_mnist", "--dry-run", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    times = {}
+    for path in (ROOT / "results").rglob("summary.json"):
+        s = json.loads(path.read_text())
+        if s.get("task") == "sit_mnist":
+            times.setdefault(s["optim"], []).append((s["wall_time_s"], path))
+    assert set(times) == {"adamw", "dopr_adamw"}
+    raw = yaml.safe_load((ROOT / "conf" / "protocol" / "sit_mnist.yaml").read_text())
+    jobs = len(raw["grid"]["optim.lr"]) * len(raw["tuning_seeds"])
+    total = sum(jobs * _median([t for t, _ in v]) for v in times.values())
+    assert f"# time: about {total / 3600:.1f} h of job time" in out, out
+    for arm, v in times.items():
+        assert f"{arm} {_median([t for t, _ in v]) / 60:.0f} min (median of {len(v)} committed jobs)" in out, out
+        for _, path in v:
+            assert str(path.parent.parent.relative_to(ROOT)) + "/*/summary.json" in out, out
+    protocol.main(["tune", "feature_learning", "--dry-run", "--root", str(tmp_path)])
+    assert "# time: no committed run time of feature_learning for " in capsys.readouterr().out
+
+
+def test_a_timing_table_counts_its_median_once_per_job(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "toy_timing.csv").write_text("optimizer,jobs,wall_s_median\nadamw,3,10.0\nsgd,1,99\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.json").write_text(json.dumps({"task": "toy", "optim": "adamw", "wall_time_s": 40.0}))
+    (tmp_path / "b" / "toy.csv").write_text("optimizer,wall_time_s\nadamw,41\n")
+    times = protocol.committed_times("toy", tmp_path)
+    assert sorted(v for v, n, _ in times["adamw"] for _ in range(n)) == [10.0, 10.0, 10.0, 40.0, 41.0]
+    spec = {"task": "toy"}
+    lines = protocol.summary("tune", spec, {"lines": [([], "adamw", 2), ([], "muon", 1)], "writes": [], "notes": []},
+                             tmp_path)
+    assert "# jobs: 3 (adamw 2, muon 1) in 2 run.py sweeps" in lines
+    assert any(l.startswith("# time: about 20 s of job time") and "muon: no committed run time" in l for l in lines)
 
 
 def _fails(args, match):
@@ -119,8 +235,8 @@ def test_a_bad_task_variant_arm_or_axis_is_refused_in_one_line_naming_it(tmp_pat
     bad.write_text(yaml.safe_dump({"task": "feature_learning", "tuned": "feature_learning", "arms": ["sgd"],
                                    "grids": {}}))
     _fails(["tune", str(bad), "--dry-run"], "unknown key 'grids'")
-    # the fresh seeds before any selection: nothing to run, and the stage to run first named
-    _fails(["protocol", "sit_digits", "--root", str(tmp_path), "--dry-run"],
+    # the fresh seeds before any selection: nothing to run, and the stage to run first named (a dry run shows them)
+    _fails(["protocol", "sit_digits", "--root", str(tmp_path)],
            f"{tmp_path}/conf/tuned/sit_digits_protocol holds no selected config of the arms adamw, dopr_adamw: run "
            "select first")
 
