@@ -277,8 +277,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 ema.beta = self.options.at(name, step)
         collected, refresh = self.collecting, self._step % self.options.precond_every == 0
         raw = frozenset()
-        if self._cache:   # a model converted since the last refresh (model.double(), .cuda()): factors cast once
-            self._cache = cache_on_layers(self._cache, grads)
+        self._cache = cache_on_layers(self._cache, grads)   # model.double(), .cuda() since the refresh: cast once
         if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
@@ -481,11 +480,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return ap_state(self)
 
     def load_ap_state_dict(self, ours: dict) -> None:
-        """Restore :meth:`ap_state_dict`'s entry (under FSDP2 each rank keeps its rows of the EMAs). As
-        torch.optim does with its state, the EMA buffers and cached inverses are cast to the dtype and
-        device of their layer's weight (statistics_dtype: float32 for half precision; a sample-space
-        factor's float64 L keeps its dtype): a checkpoint loaded with map_location="cpu", or saved from a
-        float32 model, fits a CUDA or float64 one."""
+        """Restore :meth:`ap_state_dict`'s entry (FSDP2: each rank its rows of the EMAs). EMA buffers and
+        cached factors are cast to their layer's dtype (statistics_dtype) and device, as torch.optim casts
+        its state, but a sample-space factor's float64 L: a checkpoint fits a CUDA or float64 model."""
         load_ap_state(self, ours)
 
     def _helpers(self) -> dict:
