@@ -67,7 +67,7 @@ def main(cfg: DictConfig):
 if __name__ == "__main__":
     refuse(refuse_sweep_without_multirun, sys.argv[1:])
     refuse(refuse_multirun_that_prints, sys.argv[1:])
-    sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path(__file__).resolve().parent)]
+    sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path.cwd())]   # outputs/ and multirun/ are the cwd's
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
     refuse(refuse_base_task, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     refuse(refuse_empty_protocol_sweep, sys.argv[1:], Path(__file__).resolve().parent / "conf")

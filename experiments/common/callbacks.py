@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -51,42 +52,90 @@ def sweep_jobs(config: DictConfig) -> list:
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+#: id(a sweep's config) -> (that config, its jobs with their configs): composed once per sweep
+_COMPOSED: dict = {}
+
+
+def job_configs(config: DictConfig) -> list:
+    """(overrides, config) of every job of the sweep, composed as its launcher will (with the command's
+    hydra overrides: hydra.searchpath adds a task outside conf/), once: the callbacks share them."""
+    if id(config) not in _COMPOSED:
+        loader = _config_loader(config)
+        _COMPOSED[id(config)] = config, [(job, loader.load_sweep_config(config, job)) for job in sweep_jobs(config)]
+    return _COMPOSED[id(config)][1]
+
+
+def _quoted(value: str) -> str:
+    """`value` as a quoted Hydra override value (a quote, and the backslashes before one, escaped)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
+
+
+def one_sweep_folder(config: DictConfig) -> None:
+    """Each job composes its own hydra.sweep.dir, in which `${sweep_name}` is its own task's name, and
+    Hydra composes the sweep's (its multirun.yaml, this summary) with the default task: the jobs of
+    `-m task=feature_learning,invariance` landed in two folders. The folder is resolved once here, from
+    the jobs' own (the parts in which they differ joined with +: multirun/feature_learning+invariance/
+    <time>), and given to every job (a hydra.sweep.dir override). A job that does not compose is left
+    to Hydra."""
+    from hydra.errors import HydraException
+    from omegaconf import read_write
+    from omegaconf.errors import OmegaConfBaseException
+
+    sweep = Path(str(config.hydra.sweep.dir))   # resolves ${now:...} once: every job's copy keeps that time
+    try:
+        folders = [Path(str(cfg.hydra.sweep.dir)) for _, cfg in job_configs(config)]
+    except (HydraException, OmegaConfBaseException):
+        return
+    if all(f == sweep for f in folders):
+        return
+    same_depth = len({len(f.parts) for f in folders}) == 1
+    folder = str(Path(*map("+".join, map(dict.fromkeys, zip(*(f.parts for f in folders))))) if same_depth
+                 else folders[0])
+    with read_write(config.hydra):
+        config.hydra.sweep.dir = folder
+        config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(folder)}")
+
+
 class CheckJobsBeforeLaunch(Callback):
-    """Submitit launchers (local_parallel, slurm, slurm_multigpu): every job's config checks run here,
-    before anything is submitted, with the one-line messages a local job gives (a job's own check
-    runs in its process: on SLURM after the queue). `runs_here`: the jobs run on this machine, so their
-    device is checked too (not for SLURM: a login node has no GPU). `needs`: a command the launcher
-    calls (sbatch). `inputs`: the jobs' input files (datasets, demonstrations, weights) are checked too
-    (experiments/common/inputs.py; hydra.callbacks.check_jobs.inputs=false when they are only on the
-    nodes). SystemExit: Hydra turns a callback's exceptions into warnings and goes on."""
+    """Every launcher (local, local_parallel, slurm, slurm_multigpu): every job's config checks run here,
+    before the first job starts or anything is submitted, with the one-line messages a job gives (a
+    job's own check runs when it starts: on SLURM after the queue). `runs_here`: the jobs run on this
+    machine, so their device is checked too (not for SLURM: a login node has no GPU). `needs`: a command
+    the launcher calls (sbatch). `inputs`: the jobs' input files (datasets, demonstrations, weights) are
+    checked too (experiments/common/inputs.py; hydra.callbacks.check_jobs.inputs=false when they are
+    only on the nodes). SystemExit: Hydra turns a callback's exceptions into warnings and goes on."""
 
     def __init__(self, runs_here: bool = True, needs: str | None = None, inputs: bool = True) -> None:
         self.runs_here, self.needs, self.inputs = runs_here, needs, inputs
 
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from hydra import compose
-
+    def _check(self, cfg: DictConfig, job: list, inputs: bool, which: str = "") -> None:
         from .checks import ConfigError, check_job
         from .inputs import check_inputs
 
+        choices = cfg.hydra.runtime.choices
+        try:
+            check_job(cfg, job, set(choices), choices.get("task", ""), here=self.runs_here)
+            if inputs:
+                check_inputs(cfg)
+        except (ConfigError, FileNotFoundError) as e:
+            if os.environ.get("DOPR_TRACEBACK"):
+                raise
+            _refuse(f"{e}{which}")
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        """A single run: its checks before Hydra makes its folder, so a refused run leaves no folder and
+        no empty parents (its input files are its job's: a missing one is said in the folder's run.log)."""
+        self._check(config, list(config.hydra.overrides.task), inputs=False)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if self.needs and shutil.which(self.needs) is None:
             _refuse(f"launcher={config.hydra.runtime.choices.get('launcher')} submits with {self.needs}, which is not "
                     "on this machine's PATH: run the sweep on the cluster's login node, or use launcher=local_parallel here")
-        jobs = sweep_jobs(config)
-        # configs added with hydra.searchpath=[...] (a task that lives outside conf/) compose here too
-        searchpath = [o for o in config.hydra.overrides.hydra if o.split("=", 1)[0] == "hydra.searchpath"]
-        for i, job in enumerate(jobs):
-            cfg = compose(config_name=config.hydra.job.config_name, overrides=job + searchpath, return_hydra_config=True)
-            choices = cfg.hydra.runtime.choices
-            try:
-                check_job(cfg, job, set(choices), choices.get("task", ""), here=self.runs_here)
-                if self.inputs:
-                    check_inputs(cfg)
-            except (ConfigError, FileNotFoundError) as e:
-                if os.environ.get("DOPR_TRACEBACK"):
-                    raise
-                which = f" (job {i} of {len(jobs)}: {' '.join(job)})" if len(jobs) > 1 else ""
-                _refuse(f"{e}{which}; nothing was submitted")
+        jobs = job_configs(config)
+        done = "submitted" if "submitit" in str(config.hydra.runtime.choices.get("hydra/launcher")) else "run"
+        for i, (job, cfg) in enumerate(jobs):
+            which = f" (job {i} of {len(jobs)}: {' '.join(job)})" if len(jobs) > 1 else ""
+            self._check(cfg, job, self.inputs, f"{which}; nothing was {done}")
 
 
 def _refuse(message: str) -> None:
@@ -133,11 +182,12 @@ def sweep_line(counts: dict, sweep_dir: Path, rehearsals: bool = False) -> str:
 
 
 class SummarizeSweep(Callback):
-    """Every launcher: the sweep ends with "N finished, M diverged, K failed; report with: <command>",
-    from the status.json its jobs wrote (a job that left none failed; a job the sweep launched that
-    made no folder failed too), and exits 1 when a job failed. `echo_jobs`: the jobs run as other
-    processes (submitit: local_parallel, SLURM), whose output goes to their .submitit/ logs, so each
-    job's last line is printed here when its status.json appears (polled every `poll_s` seconds)."""
+    """Every launcher: the sweep's jobs write into one folder (one_sweep_folder), and the sweep ends with
+    "N finished, M diverged, K failed; report with: <command>", from the status.json its jobs wrote (a
+    job that left none failed; a job the sweep launched that made no folder failed too), and exits 1
+    when a job failed. `echo_jobs`: the jobs run as other processes (submitit: local_parallel, SLURM),
+    whose output goes to their .submitit/ logs, so each job's last line is printed here when its
+    status.json appears (polled every `poll_s` seconds)."""
 
     def __init__(self, echo_jobs: bool = False, poll_s: float = 2.0) -> None:
         self.echo_jobs, self.poll_s = echo_jobs, poll_s
@@ -161,6 +211,7 @@ class SummarizeSweep(Callback):
                 print(line, flush=True)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        one_sweep_folder(config)
         if not self.echo_jobs:
             return
         import threading

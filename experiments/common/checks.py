@@ -325,27 +325,48 @@ def refuse_unknown_group(argv: list, conf: Path) -> None:
         raise ConfigError(f"{arg}: no config group {group} (conf/{group}/ does not exist; {hint})")
 
 
-def _first_value(override, conf: Path) -> str:
-    """A sweep override's first value. `glob(...)` is matched here against the group's files in conf/:
-    Hydra expands a glob only with its config loader, which exists once the sweep runs."""
+def _options(conf: Path, group: str) -> list:
+    return sorted(f.stem for f in (conf / group).glob("*.yaml"))
+
+
+def _values(override, conf: Path):
+    """An override's values (a sweep's, lazily). `glob(...)` is matched here against the group's files in
+    conf/: Hydra expands a glob only with its config loader, which exists once the sweep runs."""
     from hydra.core.override_parser.types import Glob
 
-    value = override.value()
+    value, group = override.value(), override.key_or_group.lstrip("+~")
     if isinstance(value, Glob):
-        options = sorted(f.stem for f in (conf / override.key_or_group.lstrip("+~")).glob("*.yaml"))
-        matched = value.filter(options)
+        matched = value.filter(_options(conf, group))
         if not matched:
             raise ConfigError(f"{override.input_line}: the glob matches no option of "
-                              f"conf/{override.key_or_group.lstrip('+~')}/ (it has {', '.join(options) or 'none'})")
-        return matched[0]
-    return next(iter(override.sweep_string_iterator()))
+                              f"conf/{group}/ (it has {', '.join(_options(conf, group)) or 'none'})")
+        return matched
+    if override.is_sweep_override():
+        return override.sweep_string_iterator()
+    return value if isinstance(value, list) else [value]
+
+
+def refuse_unknown_option(parsed: list, conf: Path) -> None:
+    """`optim=dopr_adamww`: an option that its config group in conf/ does not have, refused in one line
+    naming the close one (Hydra lists the group's every option instead)."""
+    for o in parsed:
+        group = o.key_or_group.lstrip("+~")
+        if o.is_delete() or group.startswith("hydra/") or not (conf / group).is_dir():
+            continue
+        for value in _values(o, conf):
+            if value is None or (conf / group / f"{value}.yaml").is_file():
+                continue
+            close = difflib.get_close_matches(str(value), _options(conf, group), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"its options: {', '.join(_options(conf, group))}"
+            raise ConfigError(f"{o.input_line}: conf/{group}/ has no option {value} ({hint})")
 
 
 def suggest_key(argv: list, conf: Path) -> None:
     """A key override without `+` that no config has (`task.step=5`): Hydra's advice is to add `+`,
     which makes a key nothing reads. Refused here with the likely key. The config is composed once
     with the command's group choices (a sweep's first value) to know the keys. A config group that
-    conf/ does not have is named first (refuse_unknown_group)."""
+    conf/ does not have, or an option that its group lacks, is named first (refuse_unknown_group,
+    refuse_unknown_option)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -356,7 +377,9 @@ def suggest_key(argv: list, conf: Path) -> None:
         parsed = OverridesParser.create().parse_overrides(plain)
     except HydraException:
         return  # Hydra names a malformed override itself
-    firsts = [f"{o.get_key_element()}={_first_value(o, conf)}" if o.is_sweep_override()
+    if not any(a.startswith("hydra.searchpath") for a in argv):   # options from elsewhere: left to Hydra
+        refuse_unknown_option(parsed, conf)
+    firsts = [f"{o.get_key_element()}={next(iter(_values(o, conf)))}" if o.is_sweep_override()
               else o.input_line for o in parsed]
     groups = [o for o, p in zip(firsts, parsed) if not p.is_add() and "." not in p.key_or_group.lstrip("~")]
     keys = [(o, p) for o, p in zip(firsts, parsed) if not p.is_add() and not p.is_delete() and "." in p.key_or_group]

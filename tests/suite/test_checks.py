@@ -1,4 +1,5 @@
 """Configuration mistakes refused before any work, with one message naming the key (run.py)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,10 +125,10 @@ def test_resume_true_continues_the_latest_unfinished_run_of_the_same_command(tmp
     assert first.returncode == 0, first.stderr[-2000:]
     folder = Path(first.stdout.strip().splitlines()[-1].rsplit("wrote ", 1)[1])
     try:
-        assert find_previous([*args, "resume=true"], ROOT) is None          # it finished: nothing to resume
+        assert find_previous([*args, "resume=true"], ROOT) == ("run", folder)   # it finished: with_resume says so
         (folder / "summary.json").unlink()                                   # as if it had been interrupted
         assert with_resume([*args, "logger=none", "resume=true"], ROOT)[-1] == f"hydra.run.dir={folder}"
-        assert with_resume([*args, "seed=1", "resume=true"], ROOT)[-1] == "resume=true"   # another command
+        assert with_resume([*args, "seed=1", "resume=true"], ROOT) == [*args, "seed=1"]   # another command: new
         again = subprocess.run([sys.executable, "run.py", *args, "resume=true"], cwd=ROOT, capture_output=True,
                                text=True, timeout=300)
         assert again.returncode == 0, again.stderr[-2000:]
@@ -139,9 +140,35 @@ def test_resume_true_continues_the_latest_unfinished_run_of_the_same_command(tmp
                 (ROOT / parent).rmdir()
 
 
-def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_path):
-    import os
+def test_resume_true_on_a_finished_run_says_so_in_one_line_and_runs_nothing(tmp_path):
+    # issue 72 item 9: it printed "no earlier unfinished run ...; starting a new one", then "the earlier attempt
+    # stopped before its first checkpoint", and ran the command again in a new folder
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    args = ["task=feature_learning", "debug=default", "resume=true"]
 
+    def run():
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = run()   # nothing earlier: a new run, which does not look for an earlier attempt
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "earlier attempt" not in first.stdout + first.stderr, first.stdout[-2000:]
+    assert first.stdout.splitlines()[0] == "resume=true: no earlier run of this command; starting a new one"
+    (folder,) = (tmp_path / "outputs" / "feature_learning" / "dopr_sgd").iterdir()
+    again = run()
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines() == [
+        f"resume=true: the latest run of this command, {folder}, ran to its end already (finished); nothing to "
+        "resume. To run it again in a new folder: python run.py task=feature_learning debug=default"]
+    assert list(folder.parent.iterdir()) == [folder]   # not run again
+    from experiments.common.resume import with_resume   # a command that names its folder continues there
+
+    assert with_resume([*args, f"hydra.run.dir={folder}"], tmp_path) == [*args, f"hydra.run.dir={folder}"]
+    assert with_resume(["-m", *args, "hydra.sweep.dir=x"], tmp_path) == ["-m", *args, "hydra.sweep.dir=x",
+                                                                         "skip_finished=true"]
+
+
+def test_resume_true_on_a_sweep_continues_its_folder_skipping_finished_jobs(tmp_path):
     from omegaconf import OmegaConf
 
     from experiments.common.resume import with_resume

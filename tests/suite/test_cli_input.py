@@ -113,3 +113,40 @@ def test_a_glob_sweep_over_a_config_group_passes_the_key_check_and_a_key_typo_be
     with pytest.raises(ConfigError, match=r"^optim=glob\(nothing\*\): the glob matches no option of conf/optim/ "
                                           r"\(it has adamuon, adamw, "):
         suggest_key(["-m", "optim=glob(nothing*)", "optim.lr=0.1"], ROOT / "conf")
+
+
+def test_a_local_sweep_refuses_a_bad_value_of_any_job_before_the_first_starts(tmp_path):
+    # issue 72 item 6: `optim.lr=0.01,-1` ran job 0 to its end, then stopped at job 1 with no summary line
+    sweep = tmp_path / "sweep"
+    r = _run("-m", "task=feature_learning", "optim.lr=0.01,-1", "debug=default", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip() == "Error: optim.lr=-1: must be >= 0.0 (job 1 of 2: task=feature_learning optim.lr=-1 " \
+                               "debug=default); nothing was run"
+    assert "started" not in r.stdout and not sweep.exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["optim=dopr_adamww"], "optim=dopr_adamww: conf/optim/ has no option dopr_adamww (did you mean dopr_adamw?)"),
+    (["-m", "optim=adamw,dopr_adamww"],
+     "optim=adamw,dopr_adamww: conf/optim/ has no option dopr_adamww (did you mean dopr_adamw?)"),
+    (["+tuned/feature_learning_protocol=dopr_sg"], "+tuned/feature_learning_protocol=dopr_sg: "
+     "conf/tuned/feature_learning_protocol/ has no option dopr_sg (did you mean dopr_sgd?)"),
+])
+def test_a_config_group_option_typo_is_one_line_naming_the_close_option(tmp_path, args, says):
+    # issue 72 item 9: `optim=dopr_adamww` got Hydra's 30-line listing of the group, with no did-you-mean
+    r = _run(*args, "task=feature_learning", "debug=default", f"hydra.run.dir={tmp_path / 'run'}",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 2 and r.stderr.strip() == f"Error: {says}", r.stderr[-2000:]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+
+
+def test_a_refused_run_leaves_no_folder_it_made_and_every_folder_that_was_there(tmp_path):
+    # issue 72 item 9: a run refused by a check inside its job left its empty parents (outputs/<task>/<optim>/)
+    (tmp_path / "outputs" / "empty_before").mkdir(parents=True)
+    (tmp_path / "outputs" / "feature_learning" / "sgd" / "seed0_1").mkdir(parents=True)
+    before = sorted(tmp_path.rglob("*"))
+    for args in (["optim=dopr_sgd"], ["optim=sgd"], ["hydra.run.dir=new/deep/run"]):
+        r = subprocess.run([sys.executable, str(ROOT / "run.py"), "task=feature_learning", "optim.lr=-1", *args],
+                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip() == "Error: optim.lr=-1: must be >= 0.0", r.stderr[-2000:]
+    assert sorted(tmp_path.rglob("*")) == before

@@ -185,3 +185,32 @@ def test_a_parallel_sweep_with_a_job_missing_an_input_ends_with_its_counts(toy, 
     assert f"toy/sgd seed 0: failed: FileNotFoundError: the toy task's input file is missing; wrote {sweep / '1'}" \
         in res.stdout
     assert "Traceback" not in res.stderr and "UncompletedJobError" not in res.stderr
+
+
+def test_a_sweep_over_several_tasks_writes_one_folder_counts_every_job_and_reports_both(tmp_path):
+    # issue 72 item 5: each job resolved ${sweep_name} to its own task, so job 1 landed in multirun/invariance/
+    # and the sweep ended "1 finished, 0 diverged, 1 failed" (rc 1), its report command naming one folder
+    res = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "task=feature_learning,invariance",
+                          "debug=default"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-300:] + res.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == ["feature_learning+invariance"]
+    (sweep,) = (tmp_path / "multirun" / "feature_learning+invariance").iterdir()
+    where = sweep.relative_to(tmp_path)
+    assert res.stdout.rstrip("\n").splitlines()[-1] == \
+        f"2 finished, 0 diverged, 0 failed; report with: python -m experiments.report {where}"
+    assert [job_ending(sweep / str(i))["line"].split(":")[0] for i in (0, 1)] == \
+        ["feature_learning/dopr_sgd seed 0", "invariance/dopr_sgd seed 0"]
+    report = subprocess.run([sys.executable, "-m", "experiments.report", str(where)], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert f"feature_learning (feature_learning): 1 run -> {where}/report/feature_learning" in report.stdout
+    assert f"invariance (invariance): 1 run -> {where}/report/invariance" in report.stdout
+
+
+@pytest.mark.parametrize("folder", ["multirun/a+b/20260101-000000", "/tmp/it's here, x=1", "back\\slash\\", "q\\'"])
+def test_the_pinned_sweep_folder_is_one_override_value_however_it_is_spelled(folder):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from experiments.common.callbacks import _quoted
+
+    assert OverridesParser.create().parse_override(f"hydra.sweep.dir={_quoted(folder)}").value() == folder
