@@ -26,26 +26,33 @@ def names() -> tuple:
 NAMES = names()
 
 
-def build(model: nn.Module, gp: str, ap=None, **gp_kwargs) -> torch.optim.Optimizer:
-    """``build(model, "adamw", lr=1e-3)``: the GP ``gp`` (a registered name, :data:`dopr.gp.GPS`) over the
-    model's trainable parameters; ``gp_kwargs`` (lr, weight_decay and the GP's own) go to it. With ``ap``
+def build(model: nn.Module, gp, ap=None, **gp_kwargs) -> torch.optim.Optimizer:
+    """``build(model, "adamw", lr=1e-3)``: the GP ``gp`` (a registered name, :data:`dopr.gp.GPS`, or a
+    ``torch.optim.Optimizer`` class: ``build(model, torch.optim.AdamW, lr=1e-3)``, with the class's own defaults)
+    over the model's trainable parameters; ``gp_kwargs`` (lr, weight_decay and the GP's own) go to it. With ``ap``
     (a :class:`dopr.options.DoPrOptions`, or a dict of some of its fields: ``{}`` for the defaults) it is
     wrapped in :class:`DoPr` with those options: ``build(model, "adamw", ap={"damping": 1e-4}, lr=1e-3)``.
 
     The old form ``build(model, "dopr_adamw", lr=1e-3, damping=1e-4)`` (the DoPr options among the
     keywords) still works, with a DeprecationWarning.
     """
-    if ap is None and gp not in GPS:
+    is_class = isinstance(gp, type) and issubclass(gp, torch.optim.Optimizer)
+    if not is_class and not isinstance(gp, str):
+        raise TypeError(f"gp must be a registered GP name ({', '.join(GPS)}) or a torch.optim.Optimizer class, "
+                        f"got {gp!r}")
+    if ap is None and not is_class and gp not in GPS:
         gp, ap, gp_kwargs = _read_old_form(gp, gp_kwargs)
-    if gp not in GPS:
+    if not is_class and gp not in GPS:
         raise ValueError(f"Unknown gradient preconditioner {gp!r}; valid names: {list(GPS)}")
     if ap is not None and not isinstance(ap, (DoPrOptions, Mapping)):
         raise TypeError(f"ap must be None (the GP alone), a DoPrOptions or a dict of its fields ({{}}: the "
                         f"defaults), got {type(ap).__name__} {ap!r}")
     misplaced = sorted(set(gp_kwargs) & set(DOPR_KWARGS))
     if misplaced:
-        raise TypeError(f"{misplaced} are DoPr options, not arguments of GP {gp!r}: pass them as ap={{...}}")
-    base = build_gp(model, gp, **gp_kwargs)
+        raise TypeError(f"{misplaced} are DoPr options, not arguments of GP {getattr(gp, '__name__', gp)!r}: "
+                        "pass them as ap={...}")
+    base = (gp([p for p in model.parameters() if p.requires_grad], **gp_kwargs) if is_class
+            else build_gp(model, gp, **gp_kwargs))
     return base if ap is None else DoPr(model, base, ap)
 
 

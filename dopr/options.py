@@ -61,8 +61,11 @@ class DoPrOptions:
     """The activation preconditioner's options (every keyword of ``DoPr`` besides model and base).
 
     Frozen: ``options.replace(damping=1e-3)`` is a copy with one value changed, checked again. An
-    invalid value raises ``ValueError("Invalid <name>: <value> (<what it must be>)")``. The fields,
-    their defaults and meaning are listed below (generated from the field declarations).
+    invalid value raises ``ValueError("Invalid <name>: <value> (<what it must be>)")``. A float-valued
+    option given as a numeric string (``damping: 1e-4`` in YAML loads as the string "1e-4") is read as
+    the float; another string given for a number is refused naming its type (``Invalid damping: got str
+    'abc' (...)``). The fields, their defaults and meaning are listed below (generated from the field
+    declarations).
     """
 
     damping: Union[float, Schedule] = _option(
@@ -159,7 +162,7 @@ class DoPrOptions:
             except TypeError:
                 pass   # not iterable: the check below names it
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+            value = _numeric_string(f, getattr(self, f.name))
             if not (f.metadata["scheduled"] and callable(value)):
                 check(f, value)
                 object.__setattr__(self, f.name, _plain(value))
@@ -231,6 +234,18 @@ class DoPrOptions:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DoPrOptions)}
+#: the float-valued options: a numeric string is read as its float (PyYAML loads 1e-4 as a string)
+_FLOATS = frozenset(f.name for f in dataclasses.fields(DoPrOptions) if "float" in str(f.type))
+
+
+def _numeric_string(f: dataclasses.Field, value):
+    """float(value) for a float-valued option given as a numeric string, else value unchanged."""
+    if f.name in _FLOATS and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def check(f: dataclasses.Field, value, where: str = "") -> None:
@@ -240,7 +255,9 @@ def check(f: dataclasses.Field, value, where: str = "") -> None:
         rule = m["rule"]() if callable(m["rule"]) else m["rule"]
         if type(value) not in (int, float, bool, str, tuple, list, type(None)):   # its type: np.array(2) prints 2
             rule = f"a {type(value).__module__}.{type(value).__qualname__}: {rule}"
-        raise ValueError(f"Invalid {m['label'] or f.name}: {m['show'](value)}{where} ({rule})")
+        text = isinstance(value, str) and m["show"] is str      # a string for a number: name its type
+        shown = f"got str {value!r}" if text else m["show"](value)
+        raise ValueError(f"Invalid {m['label'] or f.name}: {shown}{where} ({rule})")
 
 
 def check_options(options: dict) -> dict:

@@ -10,9 +10,15 @@ Woodbury gives, for lam > 0,
 at n^2 d for K, n^3/3 for its Cholesky factor and 2 rows n d + rows n^2 for the apply, where the
 feature-space solve costs n d^2 to form Sigma, d^3/3 to factor it and 2 rows d^2 to apply it: for n < d
 every term is smaller (Llama-8B widths, n = 2048 tokens for d = 4096 and 14336). The d x d Sigma is
-never formed. The n x n side (K, its factor, the solve against it) runs in float64: K + lam I has
-the condition number of Sigma + lam I, and the cancellation in G - (G Xs^T)(...)Xs costs what the
-feature-space solve's rounding costs.
+never formed. Xs, K, its factor and the apply run in float64 (M is returned in G's dtype): G - (G Xs^T)(...)Xs
+is lam M, so the subtraction cancels all but a share ~lam / (e + lam) of G in each direction of Sigma
+(e its eigenvalue), and its rounding costs ~eps * cond(Sigma + lam I) of M's digits. In float32 that was
+57-1000x the feature-space solve's error at the default damping on inputs whose columns span 1e-4..1e4
+(issue 73; the Cholesky solve is insensitive to column scaling, the cancellation is not), and Xs = X / sqrt(n)
+rounded to float32 moves the rows' span by eps, which the 1/lam amplifies the same way. In float64 the
+error is the float32 rounding of M (tests/lib/test_sample_space.py); the cost is the apply's two n x d
+products in float64 (2-4.7x the float32 apply on one CPU thread at n = 64, d = 1024, 1024 gradient rows)
+and Xs's 8 n d bytes (the cached operator's too; the captured rows stay in the statistics dtype).
 
 Which layers: ``solve_space`` (dopr.options). "auto" chooses sample space for a statistics group
 whose rows this step are fewer than d, when the solver is cholesky and nothing needs the d x d Sigma
@@ -25,8 +31,10 @@ counts: padded to the longest). Compiled forwards (probes) keep the feature-spac
 
 Failures: a non-finite X makes its diagonal non-finite (the optimizer's skip / raise rules, as for a
 non-finite Sigma); a factor of K + lam I that failed or lost lam to rounding (``dopr.solvers.unreliable``),
-and lam <= 0, are flagged on the device with the other trouble flags (no host sync of their own) and
-solved in feature space from Sigma = Xs^T Xs by the configured solver, retries and fallbacks included.
+an apply whose cancellation would cost more than APPLY_LOSS of M (eps64 tr(K) / lam bounds
+eps64 cond(Sigma + lam I)), and lam <= 0, are flagged on the device with the other trouble flags (no host
+sync of their own) and solved in feature space from Sigma = Xs^T Xs by the configured solver (in float64;
+retries and fallbacks included, counted as the feature-space solve's are).
 """
 from __future__ import annotations
 
@@ -44,8 +52,11 @@ from .distributed import is_distributed
 from .options import sample_space_blocker
 from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, statistics_dtype
 
-#: the precision of the n x n side (K, its Cholesky factor, the solve against it)
+#: the precision of the solve: Xs, K, its Cholesky factor and the apply (module docstring)
 SAMPLE_SPACE_DTYPE = torch.float64
+#: the share of M's digits the apply's cancellation may cost (bound: eps64 * tr(K) / lam) before the solve
+#: is trouble: solved in feature space, counted in sample_space_fallbacks (1e-2: lam down to ~2e-14 tr(Sigma))
+APPLY_LOSS = 1e-2
 
 
 class SampleRows(ActivationStatistics):
@@ -83,17 +94,19 @@ class SampleRows(ActivationStatistics):
         return self.auto and self.rows.shape[0] >= self.rows.shape[1]
 
     def mean(self) -> tuple:
-        """(Xs,) = X / sqrt(n): Sigma = Xs^T Xs. A new tensor (the rows may be shared)."""
-        return (torch.mul(self.rows, torch.scalar_tensor(self.count ** -0.5, dtype=self.rows.dtype)),)
+        """(Xs,) = X / sqrt(n) in SAMPLE_SPACE_DTYPE (float32 rounding would move the rows' span): Sigma =
+        Xs^T Xs. A new tensor (the rows may be shared)."""
+        scale = torch.scalar_tensor(self.count ** -0.5, dtype=SAMPLE_SPACE_DTYPE)
+        return (torch.mul(self.rows.to(SAMPLE_SPACE_DTYPE), scale),)
 
     mean_ = mean
 
     @staticmethod
     def stacked_mean(stats: list) -> Tensor:
-        """The Xs of each of `stats` (same shape), stacked (B, n, d): one stack and one product with their
-        count^-1/2 held as a tensor, where :meth:`mean` per member takes two ops each (the same product, bit
-        for bit). The stack is a copy: the rows, which may be shared, are not changed."""
-        rows = torch.stack([s.rows for s in stats])
+        """The Xs of each of `stats` (same shape), stacked (B, n, d) in SAMPLE_SPACE_DTYPE: one stack and one
+        product with their count^-1/2 held as a tensor, where :meth:`mean` per member takes two ops each (the
+        same product, bit for bit). The stack is a copy: the rows, which may be shared, are not changed."""
+        rows = torch.stack([s.rows for s in stats]).to(SAMPLE_SPACE_DTYPE)
         scale = torch.tensor([s.count ** -0.5 for s in stats], dtype=rows.dtype).to(rows.device, non_blocking=True)
         return rows.mul_(scale[:, None, None])
 
@@ -162,16 +175,18 @@ def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationSt
 # ------------------------------------------------------------------------------ the solve
 class SampleSpaceBatch(solvers.Deferred):
     """The Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch of same-size rows, in float64.
-    Trouble: a failed or unreliable factor, or lam <= 0; :meth:`finish` solves those in feature space."""
+    Trouble: a failed or unreliable factor, an apply losing over APPLY_LOSS of M to its cancellation, or
+    lam <= 0; :meth:`finish` solves those in feature space."""
 
     def __init__(self, xs: Tensor, lam: Tensor, factor) -> None:
         self.xs, self.lam, self.factor = xs, lam, factor
         x = xs.to(SAMPLE_SPACE_DTYPE)
         k = torch.matmul(x, x.mT)
         lam64 = lam.to(SAMPLE_SPACE_DTYPE)
+        lossy = torch.finfo(k.dtype).eps * k.diagonal(dim1=-2, dim2=-1).sum(-1) > APPLY_LOSS * lam64
         k.diagonal(dim1=-2, dim2=-1).add_(lam64[:, None])
         l, info = torch.linalg.cholesky_ex(k)
-        self.trouble = (info > 0) | (lam <= 0) | solvers.unreliable(l.diagonal(dim1=-2, dim2=-1), lam64)
+        self.trouble = (info > 0) | (lam <= 0) | lossy | solvers.unreliable(l.diagonal(dim1=-2, dim2=-1), lam64)
         self.whole = (xs, l, lam)    # what the operators share: a batch applies in one call
 
     def ops(self) -> list:
@@ -185,14 +200,15 @@ class SampleSpaceBatch(solvers.Deferred):
             return ops
         counts["sample_space_fallbacks"] += idx.numel()
         x = self.xs[idx]
-        res = self.factor(torch.matmul(x.mT, x), self.lam[idx], counts)     # Sigma, the feature-space solver
+        res = self.factor(torch.matmul(x.mT, x), self.lam[idx], counts)     # Sigma, the feature-space solver (float64)
         for j, op in zip(idx.tolist(), res.finish(counts) if isinstance(res, solvers.Deferred) else res):
             ops[j] = op
         return ops
 
 
 class SampleSpaceInverse:
-    """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T (float64)."""
+    """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T, in float64 (the cancellation:
+    module docstring), M in G's dtype."""
 
     OWN_DTYPE = ("l",)   # L stays float64 (SAMPLE_SPACE_DTYPE) in a checkpoint and a model's dtype change
 
@@ -219,10 +235,12 @@ class SampleSpaceInverse:
             return torch.stack([op.apply(g) for op, g in zip(ops, gs.unbind(0))])
         else:
             x, l, lam = (torch.stack([getattr(op, a) for op in ops]) for a in ("x", "l", "lam"))
-        w = torch.matmul(gs, x.mT).to(l.dtype)                                # G Xs^T (B, rows, n)
+        f = SAMPLE_SPACE_DTYPE
+        g, x, l = gs.to(f), x.to(f), l.to(f)
+        w = torch.matmul(g, x.mT)                                              # G Xs^T (B, rows, n)
         y = solvers.CholeskyFactor.apply_stack([solvers.CholeskyFactor(batch=l, index=i) for i in range(len(l))], w)
-        m = torch.baddbmm(gs, y.to(gs.dtype), x, alpha=-1.0)                  # G - Y Xs
-        return m.div_(lam.to(m.dtype)[:, None, None])
+        m = torch.baddbmm(g, y, x, alpha=-1.0)                                 # G - Y Xs, lam M: the cancellation
+        return m.div_(lam.to(f)[:, None, None]).to(gs.dtype)
 
     def cached(self) -> "SampleSpaceInverse":
         """Reused until the next refresh (precond_every > 1): the rows and the n x n factor, whose apply

@@ -58,7 +58,8 @@ CHOLESKY_RETRIES = 3
 
 class ExplicitInverse:
     """M = G P with P the (pseudo-)inverse, formed once: one GEMM per apply, the cheapest to reuse between
-    refreshes. P itself, or member `index` of a batch of them (applied to a whole batch without a stack)."""
+    refreshes. P itself, or member `index` of a batch of them (applied to a whole batch without a stack).
+    Applied in P's dtype, M in G's (a sample-space solve's feature-space fallback is float64)."""
 
     def __init__(self, p: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
         self._p, self.batch, self.index = p, batch, index
@@ -70,14 +71,14 @@ class ExplicitInverse:
         return self._p
 
     def apply(self, g: Tensor) -> Tensor:
-        return g @ self.p
+        return (g.to(self.p.dtype) @ self.p).to(g.dtype)
 
     @staticmethod
     def apply_stack(ops: list, gs: Tensor) -> Tensor:
         p = _whole_batch(ops)
         if p is None:
             p = torch.stack([op.p for op in ops]) if len(ops) > 1 else ops[0].p.unsqueeze(0)
-        return torch.bmm(gs, p)
+        return torch.bmm(gs.to(p.dtype), p).to(gs.dtype)
 
     def cached(self):
         return self
@@ -104,7 +105,8 @@ LAPACK_DEVICES = {"cpu"}
 class CholeskyFactor:
     """M = G A^-1 by two triangular solves with A = L L^T, on G^T: ``cholesky_solve`` on the CPU (see
     LAPACK_DEVICES), elsewhere the same two trsm through ``solve_triangular``, which has no info check,
-    so no host sync, where ``cholesky_solve`` reads its status back (bit for bit the same on the CPU)."""
+    so no host sync, where ``cholesky_solve`` reads its status back (bit for bit the same on the CPU).
+    Applied in L's dtype, M in G's (as ExplicitInverse)."""
 
     def __init__(self, l: Optional[Tensor] = None, batch: Optional[Tensor] = None, index: int = 0) -> None:
         self._l, self.batch, self.index = l, batch, index   # L itself, or member `index` of a batch of them
@@ -123,10 +125,12 @@ class CholeskyFactor:
         l = _whole_batch(ops)                                    # the factor batch as it is: no stack
         if l is None:
             l = torch.stack([op.l for op in ops]) if len(ops) > 1 else ops[0].l.unsqueeze(0)
+        g = gs.to(l.dtype)
         if l.device.type in LAPACK_DEVICES:
-            return torch.cholesky_solve(gs.mT, l).mT
-        y = torch.linalg.solve_triangular(l, gs.mT, upper=False)          # L Y = G^T
-        return torch.linalg.solve_triangular(l.mT, y, upper=True).mT       # L^T M^T = Y: cholesky_solve's two trsm
+            return torch.cholesky_solve(g.mT, l).mT.to(gs.dtype)
+        y = torch.linalg.solve_triangular(l, g.mT, upper=False)           # L Y = G^T
+        m = torch.linalg.solve_triangular(l.mT, y, upper=True).mT          # L^T M^T = Y: cholesky_solve's two trsm
+        return m.to(gs.dtype)
 
     def cached(self):  # reused many times: one matmul per step beats two triangular solves
         return ExplicitInverse(inverse_from_factor(self.l.unsqueeze(0))[0])

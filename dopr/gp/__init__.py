@@ -1,6 +1,7 @@
 """Gradient preconditioners (GPs): the optimizers that take the step after DoPr's activation
 preconditioner has rewritten the gradients."""
 
+import difflib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = No
     GPS[name] = GradientPreconditioner(name, build, frozenset(kwargs) - {"lr", "weight_decay"}, needs_module, named)
 
 
-def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float = 0.0,
+def build_gp(model_or_params_source, name: str, lr: Optional[float] = None, weight_decay: float = 0.0,
              **kwargs) -> torch.optim.Optimizer:
     """Build the gradient preconditioner ``name`` over the trainable parameters of a model.
 
@@ -66,7 +67,7 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
     (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
     to AdaMuon too). "soap", "shampoo", "kron" are pytorch-optimizer's SOAP, Shampoo and Kron with the
     package's defaults (:mod:`dopr.gp.peers`; an nn.Module, parameters or param groups). Keywords a GP does
-    not take raise ``TypeError``.
+    not take raise ``TypeError`` naming them (and the closest option), as does a missing ``lr``.
     """
     gp = GPS.get(name)
     if gp is None:
@@ -74,8 +75,12 @@ def build_gp(model_or_params_source, name: str, lr: float, weight_decay: float =
                          f"valid names: {list(GPS)}")
     unknown = sorted(set(kwargs) - gp.kwargs)
     if unknown:
-        raise TypeError(f"Unexpected arguments for GP {name!r}: {unknown}; "
-                        f"it accepts {sorted(gp.kwargs)}")
+        options = ["lr", "weight_decay", *sorted(gp.kwargs)]
+        close = [m for k in unknown for m in difflib.get_close_matches(k, options, n=1)]
+        raise TypeError(f"unexpected keyword{'s' * (len(unknown) > 1)} {', '.join(unknown)} for {name} (its options: "
+                        f"{', '.join(options)}{'; did you mean ' + ', '.join(close) + '?' if close else ''})")
+    if lr is None:
+        raise TypeError(f"missing keyword lr for {name} (the learning rate)")
 
     source = model_or_params_source
     if gp.needs_module and not isinstance(source, nn.Module):

@@ -281,3 +281,46 @@ def test_build_refuses_bad_identities_with_the_reason():
         dopr.build(_mlp(), "adam", ap={}, lr=0.1)
     with pytest.raises(ValueError, match=r"Unknown optimizer 'adam'; valid names: \['sgd'"):
         dopr.build(_mlp(), "adam", lr=0.1)
+
+
+def test_build_takes_a_torch_optimizer_class_and_refuses_none_in_one_line():
+    """build(model, torch.optim.AdamW, lr=...) is that class over the trainable parameters (as DoPr(model, base)
+    takes an instance; the class's own defaults: AdamW's weight_decay is 0.01, the "adamw" GP's 0), wrapped with
+    ap; gp=None is refused naming the accepted forms (it raised an
+    AttributeError from the name parser)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    model[0].bias.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    plain = dopr.build(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    assert type(plain) is torch.optim.AdamW and plain.defaults["weight_decay"] == 0.1
+    assert [p for g in plain.param_groups for p in g["params"]] == [p for p in model.parameters() if p.requires_grad]
+    wrapped = dopr.build(model, torch.optim.AdamW, ap={"damping": 1e-3}, lr=0.01, weight_decay=0.1)
+    named = dopr.build(twin, "adamw", ap={"damping": 1e-3}, lr=0.01, weight_decay=0.1)
+    assert isinstance(wrapped, DoPr) and type(wrapped.base) is torch.optim.AdamW and wrapped.options.damping == 1e-3
+    for opt, m in ((wrapped, model), (named, twin)):
+        opt.zero_grad()
+        _loss(m, 0).backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    with pytest.raises(TypeError, match=r"^gp must be a registered GP name \(sgd, adamw, .*\) or a torch\.optim\."
+                                        r"Optimizer class, got None$"):
+        dopr.build(_mlp(), None, lr=0.1)
+    with pytest.raises(TypeError, match=r"\['damping'\] are DoPr options, not arguments of GP 'AdamW'"):
+        dopr.build(_mlp(), torch.optim.AdamW, lr=0.1, damping=1e-3)
+
+
+def test_build_names_an_unexpected_keyword_and_the_option_it_resembles():
+    """build(..., lrr=1e-3) said "build_gp() missing 1 required positional argument: 'lr'", never naming lrr."""
+    for ap in (None, {}):
+        with pytest.raises(TypeError) as err:
+            dopr.build(_mlp(), "adamw", ap=ap, lrr=1e-3)
+        assert str(err.value) == ("unexpected keyword lrr for adamw (its options: lr, weight_decay, betas, eps; "
+                                  "did you mean lr?)")
+    with pytest.raises(TypeError) as err:
+        dopr.build(_mlp(), "sgd", lr=0.1, nesterow=True, foo=1)
+    assert str(err.value) == ("unexpected keywords foo, nesterow for sgd (its options: lr, weight_decay, momentum, "
+                              "nesterov; did you mean nesterov?)")
+    with pytest.raises(TypeError) as err:
+        dopr.build(_mlp(), "adamw")
+    assert str(err.value) == "missing keyword lr for adamw (the learning rate)"

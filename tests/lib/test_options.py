@@ -72,10 +72,24 @@ def test_unknown_options_and_a_positional_damping_are_refused_naming_them():
                                     ({"warmup_steps": True}, r"Invalid warmup_steps: True"),
                                     ({"clip_precond_norm": 0}, r"Invalid clip_precond_norm: 0 \(must be > 0 or None\)"),
                                     ({"skip_layers": "0"}, r"Invalid skip_layers: '0'"),
-                                    ({"precond_ema": "0.9"}, r"Invalid precond_ema: 0.9 \(must be in \[0, 1\)\)")])
+                                    ({"precond_ema": "1.5"}, r"Invalid precond_ema: 1.5 \(must be in \[0, 1\)\)")])
 def test_each_check_names_the_option_and_the_bad_value(kw, msg):
     with pytest.raises(ValueError, match=msg):
         DoPrOptions(**kw)
+
+
+def test_a_float_option_given_as_a_numeric_string_is_read_and_another_string_is_named_as_text():
+    """PyYAML loads ``damping: 1e-4`` as the string "1e-4" (YAML 1.1 wants a dot in the mantissa); it was
+    refused as "Invalid damping: 1e-4 (must be a finite number >= 0)", a message that hid the type."""
+    opts = DoPrOptions(damping="1e-4", precond_ema="0.9", span_cap="inf", clip_precond_norm=" 2 ")
+    assert (opts.damping, opts.precond_ema, opts.span_cap, opts.clip_precond_norm) == (1e-4, 0.9, math.inf, 2.0)
+    assert type(opts.damping) is float and DoPrOptions.from_dict({"damping": "1e-4"}) == DoPrOptions(damping=1e-4)
+    for kw, message in [({"damping": "abc"}, "Invalid damping: got str 'abc' (must be a finite number >= 0)"),
+                        ({"precond_ema": "1.5"}, "Invalid precond_ema: 1.5 (must be in [0, 1))"),
+                        ({"rank": "4"}, "Invalid rank: got str '4' (must be an integer >= 1)")]:
+        with pytest.raises(ValueError) as err:
+            DoPrOptions(**kw)
+        assert str(err.value) == message
 
 
 def test_the_docs_options_table_is_the_dataclass():

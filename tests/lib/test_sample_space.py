@@ -208,6 +208,80 @@ def test_float32_rows_keep_the_feature_space_accuracy():
         assert errs["samples"] <= 10 * errs["features"], (damping, errs)
 
 
+# ------------------------------------------------------------------ float32 against the float64 formula
+U32, U64 = 2.0 ** -24, 2.0 ** -53      # unit roundoffs
+
+
+def _one_layer(x, **options):
+    """One float32 Linear(d, 5) on rows x, one step: (G, M, stats) with G = [W.grad | b.grad] as the
+    backward gave it and M what DoPr handed the GP (both float64 copies of the float32 matrices)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(x.shape[1], 5)
+    y = torch.randn(len(x), 5, generator=torch.Generator().manual_seed(2))
+    opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), **options)
+    ((layer(x) - y) ** 2).sum().backward()
+    g = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double()
+    opt.step()
+    return g, torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double(), opt.stats()
+
+
+def _formula(x, g, damping, mode="trace"):
+    """(M, cond(Sigma + lam I)) of M = G (Sigma + lam I)^-1 in float64, Sigma = [x, 1]^T [x, 1] / n."""
+    z = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], 1)
+    sigma = z.T @ z / len(z)
+    a = sigma + (damping * sigma.trace() if mode == "trace" else damping) * torch.eye(len(sigma), dtype=torch.float64)
+    e = torch.linalg.eigvalsh(a)
+    return torch.linalg.solve(a, g.T).T, float(e[-1] / e[0])
+
+
+def _error(m, exact):
+    return float((m - exact).norm() / exact.norm())
+
+
+def test_float32_rows_at_a_small_absolute_damping_keep_the_float64_formula():
+    """Inputs of scale 1e4, absolute damping 1e-3: cond(Sigma + lam I) ~ 6e11. The apply's cancellation
+    G - (G Xs^T)(K + lam I)^-1 Xs = lam M runs in float64 (and Xs = X / sqrt(n) is not rounded to float32), so M
+    is the formula's to float32's rounding plus float64's times cond (1.9e-5); in float32 it was off by 2.3x
+    (relative), not counted. (float32's roundoff times cond, 3e4, would bound nothing here.)"""
+    x = torch.randn(12, 24, generator=torch.Generator().manual_seed(1)) * 1e4
+    g, m, stats = _one_layer(x, damping=1e-3, damping_mode="absolute", solve_space="samples")
+    exact, cond = _formula(x, g, 1e-3, "absolute")
+    assert cond > 1e11 and _error(m, exact) <= 2 * (U32 + U64 * cond), (_error(m, exact), cond)
+    assert stats["sample_space_solves"] == 1 and stats["sample_space_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("damping", [1e-4, 1e-6])
+def test_float32_rows_with_columns_spanning_1e8_keep_the_feature_space_accuracy(damping):
+    """Unnormalised features (columns of scale 1e-4..1e4) at 8 rows for d = 33: against the float64 formula the
+    sample-space M is no worse than 10x the feature-space solve's (the Cholesky solve is insensitive to the
+    column scales, the cancellation is not): in float32 it was 290-1000x at 1e-4 and 2800-5000x at 1e-6; in
+    float64 it is M's float32 rounding (2-3e-8)."""
+    for seed in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-4, 4, 32)
+        errs = {}
+        for space in ("samples", "features"):
+            g, m, _ = _one_layer(x, damping=damping, solve_space=space)
+            exact, cond = _formula(x, g, damping)
+            errs[space] = _error(m, exact)
+        assert errs["samples"] <= 10 * errs["features"], (seed, errs)
+        assert errs["samples"] <= 2 * (U32 + U64 * cond), (seed, errs, cond)
+
+
+def test_a_sample_space_solve_that_would_lose_its_digits_is_solved_in_feature_space_and_counted():
+    """Absolute damping 1e-9 on inputs of scale 1e4: eps64 tr(Sigma) / lam ~ 500, float64 keeps no digit of
+    the cancellation. The solve is trouble (solved from Sigma, whose factor lost lam and is retried at 10x the
+    damping floor, as the feature-space solve's is), counted; it went uncounted before."""
+    x = torch.randn(12, 24, generator=torch.Generator().manual_seed(1)) * 1e4
+    _, m, stats = _one_layer(x, damping=1e-9, damping_mode="absolute", solve_space="samples")
+    g, m_features, fstats = _one_layer(x, damping=1e-9, damping_mode="absolute", solve_space="features")
+    assert stats["sample_space_fallbacks"] == 1
+    assert stats["cholesky_retries"] == fstats["cholesky_retries"] == 1
+    z = torch.cat([x.double(), torch.ones(12, 1, dtype=torch.float64)], 1)
+    retried = 10 * 1e-6 * float((z.square().sum() / 12)) / 25        # 10x the floor, 1e-6 tr(Sigma) / d
+    exact, cond = _formula(x, g, retried, "absolute")
+    assert _error(m, exact) <= 2 * (U32 + U64 * cond) and _error(m_features, exact) <= 2 * U32 * cond
+
+
 def test_forced_sample_space_names_what_it_cannot_do():
     for kw, why in [(dict(solver="eigh"), "solver='eigh' factors Sigma itself"),
                     (dict(precond_ema=0.9), "precond_ema keeps an EMA of Sigma itself"),
