@@ -8,8 +8,10 @@ package alone; this package imports it, never the reverse). Run from the checkou
     peers.py               DoPr's published peers (SOAP, Shampoo, PSGD-Kron) against AdamW on a bench task,
                            timed as bench.py times DoPr (the GPU check's peers parts)
     gpu_check.py           the GPU check (docs/gpu.md; scripts/gpu_check.sh runs it without a venv)
-    bench_solvers.py       the factorisations per size and device (dopr.solvers' route table)
+    bench_solvers.py       the factorisations per size and device; --routes and --space-crossover measure the
+                           tables of dopr/tables (dopr.solvers' Cholesky routes, dopr.solve_space's crossover)
     bench_sample_space.py  DoPr's sample-space solve against the feature-space one
     bench_bc.py            one real BC job per optimizer, timed
     bench_before_after.py  the CPU step benchmarks of two commits side by side
+    bench_step_compare.py  DoPr-AdamW's CPU step against AdamW's on several commits, their steps interleaved
 """

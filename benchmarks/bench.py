@@ -433,6 +433,14 @@ UNET_NOTE = """\
 The unet has no nn.Linear, so its "muon" / "adamuon" is AdamW on every parameter (gp.route_matrix_params)."""
 
 
+def write_report(text: str, out) -> None:
+    """Print a benchmark's report and, given a path ``out`` (--out), write it there too."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+
+
 def environment(device):
     """(git commit with -dirty, device name)."""
     root = Path(__file__).resolve().parents[1]
@@ -577,10 +585,7 @@ def main(argv=None, command=None):
     # a smoke run checks that the benchmark runs: 3 steps say nothing about the targets
     lines += ["smoke run: no verdict on the targets (3 steps a row)"] if args.smoke else target_checks(results)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import defaultdict
 from typing import Mapping, Union
@@ -42,6 +43,7 @@ from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
 from .sample_space import SampleRows, gather_rows, row_statistic
+from .solve_space import choose as choose_space, group_rows
 from .statistics import STATISTICS
 
 
@@ -52,6 +54,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
+
+
+def _factor_for(solver, factor, keys: tuple, grads: dict):
+    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
+    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
+    them (dopr.solvers.cholesky_route)."""
+    if not solver.takes_rows or factor is None:
+        return factor
+    rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
+    return functools.partial(factor, rows=rows or None)
 
 
 def _without(cache: dict, names) -> dict:
@@ -354,7 +366,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         collective, out = self._sharded and is_distributed(), []
         flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
                  if self._damping.reads_homogeneous else None)
-        for (kind, shape, _, _), items in self._batches(groups).items():
+        for (kind, shape, _, _), items in self._batches(choose_space(groups, grads)).items():   # "auto": which space
             keys = tuple(key for key, _, _ in items)
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
@@ -365,7 +377,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 lam = self._damping.lam(b)
                 for warning in self._health.record_batch(b, lam) if report else ():    # on request (syncs)
                     self._warn_once("health", warning)
-                out.append((keys, finite, kind.factor(batch, lam, self._factor_with, self._counts)))
+                out.append((keys, finite, kind.factor(batch, lam, _factor_for(self._solver, self._factor_with, keys, grads), self._counts)))
         self._counts["refreshes"] += int(refresh)
         self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
         return out

@@ -90,8 +90,9 @@ class DoPrOptions:
         lambda v: v in solvers.SOLVERS, lambda: f"choose from {tuple(solvers.SOLVERS)}", show=repr)
     solve_space: str = _option(
         "auto", "where the cholesky solve runs: auto (in sample space, n x n, for a layer whose rows this step are "
-        "fewer than its dim d, where nothing needs the d x d Sigma; dopr/sample_space.py), features (always the d x d "
-        "Sigma) or samples (always the rows)",
+        "fewer than its dim d where the device's measured table, else a FLOP rule, says it is the faster, and nothing "
+        "needs the d x d Sigma; dopr/solve_space.py, dopr/sample_space.py), features (always the d x d Sigma) or "
+        "samples (always the rows)",
         lambda v: v in SOLVE_SPACES, f"choose from {SOLVE_SPACES}", show=repr)
     precond_every: int = _option(
         1, "refactor every k steps, gathering statistics on those steps, and reuse each layer's last good "

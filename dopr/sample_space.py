@@ -21,9 +21,10 @@ products in float64 (2-4.7x the float32 apply on one CPU thread at n = 64, d = 1
 and Xs's 8 n d bytes (the cached operator's too; the captured rows stay in the statistics dtype).
 
 Which layers: ``solve_space`` (dopr.options). "auto" chooses sample space for a statistics group
-whose rows this step are fewer than d, when the solver is cholesky and nothing needs the d x d Sigma
-(no statistics EMA, no health report, no weak_share_bound, damping not the constant 0). The capture
-keeps a forward's rows instead of summing z z^T when they are fewer than d (:class:`RowsOrCovariance`);
+whose rows this step are fewer than d where the device's rule says it is the faster (dopr/solve_space.py:
+its measured table, else a FLOP rule; decided at the step), when the solver is cholesky and nothing needs
+the d x d Sigma (no statistics EMA, no health report, no weak_share_bound, damping not the constant 0).
+The capture keeps a forward's rows instead of summing z z^T when they are fewer than d (:class:`RowsOrCovariance`);
 micro-batches append their rows, and once a layer's rows reach d they become Sigma's sums (the
 feature-space solve from there on). "samples" keeps the rows whatever their number; "features" never.
 Under data parallelism every rank's rows are needed: :func:`gather_rows` all-gathers them (uneven row

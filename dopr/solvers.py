@@ -11,7 +11,8 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
   the span of the inputs. Every retry and fallback is counted. By size (issue 61): a batch's members are
   factored one call each from CHOLESKY_LOOP_FROM on, and the route to M (two triangular solves per apply,
   or an explicit inverse by potri or by the GEMM-bound blocked Cholesky of dopr.inverse, applied by one
-  GEMM) is CHOLESKY_ROUTE_TABLE's for the device, else the rate-weighted FLOP count's (:func:`cholesky_route`).
+  GEMM) is CHOLESKY_ROUTE_TABLE's for the device at the batch's gradient rows, within its measured sizes only,
+  else the rate-weighted FLOP count's (:func:`cholesky_route`, issue 73).
 * ``eigh``: the pseudo-inverse with a relative eigenvalue cutoff: eigenvalues below
   rcond * max eigenvalue are treated as exact zeros and their directions stay zero (damping boosts
   only the directions the activations do span), the open problem the paper names.
@@ -43,7 +44,6 @@ gamma * tr(Sigma) by default, as Algorithms 1-2 print it). Every solver takes a 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
@@ -51,6 +51,7 @@ from torch import Tensor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from dopr import tables
 from dopr.inverse import blocked_inverse
 
 CHOLESKY_RETRIES = 3
@@ -319,20 +320,24 @@ def cholesky_by_size(a: Tensor) -> tuple:
 #:   blocked_inverse   P = A^-1 by dopr.inverse.blocked_inverse (GEMMs), one GEMM per apply
 CHOLESKY_ROUTES = ("cholesky_solve", "cholesky_inverse", "blocked_inverse")
 
-#: The route per device type, measured on that device: {(d, rows): route} at the measured points (the
-#: nearest one in log d, log rows is taken), or one route name for every size (to force a route:
-#: ``dopr.solvers.CHOLESKY_ROUTE_TABLE["cuda"] = "blocked_inverse"``). A device type without an entry gets
-#: :func:`flop_route`. The CPU's: ``python -m benchmarks.bench_solvers --routes`` (results/bench/solvers_cpu_routes.md,
-#: 1 thread; a route other than cholesky_solve only where it was >10% faster).
-CHOLESKY_ROUTE_TABLE: dict = {"cpu": {
-    (64, 16): "cholesky_solve", (64, 64): "cholesky_inverse", (64, 256): "cholesky_inverse",
-    (256, 64): "cholesky_solve", (256, 256): "cholesky_solve", (256, 1024): "cholesky_inverse",
-    (512, 128): "cholesky_solve", (512, 512): "cholesky_solve", (512, 2048): "cholesky_inverse",
-    (1024, 256): "cholesky_solve", (1024, 1024): "cholesky_solve", (1024, 4096): "blocked_inverse"}}
+#: The route per device type, measured on that device (dopr/tables: the module cholesky_routes_<device type>.py,
+#: written by ``python -m benchmarks.bench_solvers --routes --table-out ...``): {(d, rows): route} at the measured
+#: points, a route other than the FLOP default kept only where its slowest repeat beat the default's fastest
+#: (dopr.tables.keep, :func:`route_table`); read by :func:`cholesky_route` at the nearest point, and never
+#: outside the measured sizes. One route name instead of a table forces it for every size
+#: (``dopr.solvers.CHOLESKY_ROUTE_TABLE["cuda"] = "blocked_inverse"``). A device type without an entry gets
+#: :func:`flop_route`.
+CHOLESKY_ROUTE_TABLE: dict = tables.load("cholesky_routes")
 
 #: The rate of each kernel class relative to a GEMM's, for devices without a measured table: on an H100
 #: (issue 61) fp32 GEMMs run ~50 TFLOP/s, large potrf ~12 ((6, 4096) looped in 11.4 ms), trsm 1.2-7.
 KERNEL_RATES = {"gemm": 1.0, "potrf": 0.25, "trsm": 0.1}
+
+#: KERNEL_RATES per device type where they differ: on the CPU, LAPACK's potrf and trsm are blocked into the
+#: same BLAS as the GEMMs, so FLOPs are counted alike and the FLOP default is cholesky_solve at every size (the
+#: fewest FLOPs: potri or the blocked inverse only add to them; issue 73: the blocked inverse taken at d >= 2049
+#: from a table point measured at d = 1024 was 2.5-3.5x slower than cholesky_solve at d = 2100).
+DEVICE_KERNEL_RATES = {"cpu": {"gemm": 1.0, "potrf": 1.0, "trsm": 1.0}}
 
 
 def route_cost(route: str, d: int, rows: int, lapack: bool = False, rates: Optional[dict] = None) -> float:
@@ -351,20 +356,36 @@ def route_cost(route: str, d: int, rows: int, lapack: bool = False, rates: Optio
 
 
 def flop_route(device_type: str, d: int, rows: int) -> str:
-    """The route of least rate-weighted FLOPs (:func:`route_cost`): the default where nothing was measured."""
-    return min(CHOLESKY_ROUTES, key=lambda r: route_cost(r, d, rows, device_type in LAPACK_DEVICES))
+    """The route of least rate-weighted FLOPs (:func:`route_cost`, the device type's DEVICE_KERNEL_RATES, else
+    KERNEL_RATES): the default where nothing was measured (on the CPU: cholesky_solve)."""
+    rates = DEVICE_KERNEL_RATES.get(device_type, KERNEL_RATES)
+    return min(CHOLESKY_ROUTES, key=lambda r: route_cost(r, d, rows, device_type in LAPACK_DEVICES, rates))
+
+
+def _route_coordinates(point: tuple) -> tuple:
+    """(d, rows / d): the grid the route benchmark measures (rows as multiples of d)."""
+    d, rows = point
+    return d, max(rows, 1) / d
 
 
 def cholesky_route(device_type: str, d: int, rows: Optional[int] = None) -> str:
-    """The route for a (d x d) batch applied to ``rows`` gradient rows (default d): CHOLESKY_ROUTE_TABLE's
-    nearest measured point for the device type, else :func:`flop_route`."""
+    """The route for a (d x d) batch applied to ``rows`` gradient rows per member (the rows of the gradients
+    each factor is applied to: the layers' d_out summed over a group sharing one Sigma; default d): the
+    nearest measured point of CHOLESKY_ROUTE_TABLE for the device type where (d, rows / d) lies within its
+    measured sizes (dopr.tables.lookup), else :func:`flop_route`."""
     rows = d if rows is None else rows
     table = CHOLESKY_ROUTE_TABLE.get(device_type)
-    if table is None:
-        return flop_route(device_type, d, rows)
     if isinstance(table, str):
         return table
-    return table[min(table, key=lambda k: math.hypot(math.log(k[0] / d), math.log(max(k[1], 1) / max(rows, 1))))]
+    default = flop_route(device_type, d, rows)
+    return default if table is None else tables.lookup(table, (d, rows), _route_coordinates, default)
+
+
+def route_table(records: list, device_type: str) -> dict:
+    """The table to keep from route timings: ``records`` [{"d", "rows", "ms": {route: [repeats]}}] ->
+    {(d, rows): route}, each point's route the FLOP default unless another beat it beyond the spread of the
+    repeats (dopr.tables.keep)."""
+    return {(r["d"], r["rows"]): tables.keep(r["ms"], flop_route(device_type, r["d"], r["rows"])) for r in records}
 
 
 def _factor_route(a: Tensor, route: str) -> tuple:
@@ -531,6 +552,9 @@ class Solver:
     finite_inputs: bool = True
     #: the DoPr options (dopr.options.DoPrOptions fields) that ``factor`` takes as keywords
     options: tuple = ()
+    #: ``factor`` takes ``rows``: the gradient rows each member's operator is applied to (the optimizer
+    #: passes them, dopr.optimizer.DoPr._factor; the Cholesky route depends on them)
+    takes_rows: bool = False
 
     def bind(self, options) -> Optional[Callable]:
         """``factor(sigma, lam, counts)`` with this solver's option values from ``options`` (a DoPrOptions)."""
@@ -543,13 +567,14 @@ SOLVERS: dict = {}
 
 
 def register_solver(name: str, statistic: str, factor: Optional[Callable] = None, finite_inputs: bool = True,
-                    options: tuple = ()) -> None:
+                    options: tuple = (), takes_rows: bool = False) -> None:
     """Add a solver: ``DoPr(..., solver=name)`` then factors with ``factor`` (see :class:`Solver`)."""
-    SOLVERS[name] = Solver(name, statistic, factor, finite_inputs, tuple(options))
+    SOLVERS[name] = Solver(name, statistic, factor, finite_inputs, tuple(options), takes_rows)
 
 
-register_solver("cholesky", "dense", lambda sigma, lam, counts, eigh_rcond: CholeskyBatch(sigma, lam, eigh_rcond),
-                finite_inputs=False, options=("eigh_rcond",))
+register_solver("cholesky", "dense",
+                lambda sigma, lam, counts, eigh_rcond, rows=None: CholeskyBatch(sigma, lam, eigh_rcond, rows),
+                finite_inputs=False, options=("eigh_rcond",), takes_rows=True)
 register_solver("eigh", "dense", lambda sigma, lam, counts, eigh_rcond: factor_eigh(sigma, lam, eigh_rcond),
                 options=("eigh_rcond",))
 register_solver("rank1_diag", "moments")

@@ -14,6 +14,15 @@ from dopr.statistics import DenseCovariance
 RTOL = 1e-10
 
 
+@pytest.fixture(autouse=True)
+def _auto_takes_sample_space_wherever_n_is_below_d(monkeypatch):
+    """These layers are small, where the CPU's rule for "auto" (dopr/solve_space.py: the measured table, else
+    the FLOP rule) takes the feature space: here "auto" takes the sample space wherever n < d (the rule before
+    issue 73), so that what is tested is the sample-space solve. The rule itself: tests/lib/test_routes_and_space.py."""
+    from dopr import solve_space
+    monkeypatch.setitem(solve_space.SOLVE_SPACE_TABLE, "cpu", "samples")
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 30, bias=False), nn.Tanh(),
@@ -344,6 +353,8 @@ def _rank_worker(rank, world, init_file, out):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    from dopr import solve_space
+    solve_space.SOLVE_SPACE_TABLE["cpu"] = "samples"     # this process's: the module fixture's rule
     x, y = _global_batch()
     mine = slice(sum(ROWS[:rank]), sum(ROWS[:rank + 1]))
     result = {}

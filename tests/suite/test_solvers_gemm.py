@@ -180,8 +180,10 @@ def test_the_route_is_the_measured_tables_nearest_point_or_the_flop_default(monk
                                                               (4096, 4096): "blocked_inverse",
                                                               (4096, 64): "cholesky_solve"})
     assert solvers.cholesky_route("cpu", 300) == "cholesky_inverse"
-    assert solvers.cholesky_route("cpu", 3000, 5000) == "blocked_inverse"
+    assert solvers.cholesky_route("cpu", 3000, 2900) == "blocked_inverse"
     assert solvers.cholesky_route("cpu", 3000, 50) == "cholesky_solve"
+    # rows / d = 1.7, past the measured 1/64..1 (issue 73: never extrapolated): the CPU's FLOP default
+    assert solvers.cholesky_route("cpu", 3000, 5000) == solvers.flop_route("cpu", 3000, 5000) == "cholesky_solve"
     monkeypatch.setitem(solvers.CHOLESKY_ROUTE_TABLE, "cpu", "blocked_inverse")   # forced for every size
     assert solvers.cholesky_route("cpu", 16, 1) == "blocked_inverse"
     monkeypatch.delitem(solvers.CHOLESKY_ROUTE_TABLE, "cuda", raising=False)
@@ -213,20 +215,28 @@ def test_dopr_on_a_forced_route_takes_the_same_step(monkeypatch):
 
 def test_the_route_benchmark_writes_the_table_it_measured(tmp_path):
     import ast
+    import re
     from benchmarks import bench_solvers as bench
-    out = tmp_path / "routes.md"
-    text = bench.main(["--routes", "--dims", "16,40", "--row-factors", "0.5,2", "--repeats", "1", "--threads", "1",
-                       "--batch", "2", "--out", str(out)])
+    from dopr import tables
+    out, module = tmp_path / "routes.md", tmp_path / "cholesky_routes_cpu.py"
+    text = bench.main(["--routes", "--dims", "16,40", "--row-factors", "0.5,2", "--repeats", "3", "--threads", "1",
+                       "--batch", "2", "--out", str(out), "--table-out", str(module)])
     assert out.read_text() == text and "python -m benchmarks.bench_solvers --routes" in text
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines() if ln[:4] in ("| 16", "| 40")]
-    table = ast.literal_eval(text.split("CHOLESKY_ROUTE_TABLE['cpu']): `")[1].split("`")[0])
+    table = ast.literal_eval(text.split("CHOLESKY_ROUTE_TABLE['cpu'], what --table-out writes): `")[1].split("`")[0])
+    scope = {}
+    exec(module.read_text(), scope)
+    assert scope["TABLE"] == table and "--routes" in scope["SOURCE"]
     kept = [r for r in rows if len(r) == 11]
     assert [(int(r[0]), int(r[1])) for r in kept] == [(16, 8), (16, 32), (40, 20), (40, 80)] == list(table)
     for d, n, cond, *cells in kept:
-        times, errs, route = [float(x) for x in cells[:3]], [float(x) for x in cells[3:6]], cells[6]
+        spreads = [[float(x) for x in re.fullmatch(r"(\S+) \[(\S+)-(\S+)\]", c).groups()] for c in cells[:3]]
+        errs, route, default = [float(x) for x in cells[3:6]], cells[6], cells[7]
         assert table[(int(d), int(n))] == route and route in solvers.CHOLESKY_ROUTES
-        best = min(range(3), key=times.__getitem__)                 # kept: the fastest by > MARGIN, or today's
-        assert route == (solvers.CHOLESKY_ROUTES[best] if times[best] < (1 - bench.MARGIN) * times[0]
-                         else "cholesky_solve")
+        assert all(lo <= med <= hi for med, lo, hi in spreads)
+        assert default == solvers.flop_route("cpu", int(d), int(n)) == "cholesky_solve"
+        # kept: another route only where its slowest repeat beat the default's fastest (dopr.tables.keep)
+        times = {r: [lo, med, hi] for r, (med, lo, hi) in zip(solvers.CHOLESKY_ROUTES, spreads)}
+        assert route == tables.keep(times, default)
         assert max(errs) < float(cond) * int(d) * 2.0**-24          # float32 solves: cond * d * u
     assert [ln.split("|")[1].strip() for ln in text.splitlines()[-2:]] == ["16", "40"]   # batched vs looped rows
