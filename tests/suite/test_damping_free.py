@@ -202,7 +202,7 @@ def test_span_keeps_the_affine_invariance_of_prop_precondinvariance(n):
 
 # ------------------------------------------------------------------ options and end to end
 @pytest.mark.parametrize("kw,msg", [({"span_cap": 0.5}, r"Invalid span_cap: 0.5 \(must be a number >= 1"),
-                                    ({"span_cap": "10"}, r"Invalid span_cap: 10"),
+                                    ({"span_cap": "ten"}, r"Invalid span_cap: got str 'ten'"), ({"span_cap": "0.5"}, r"Invalid span_cap: 0.5 \(must"),
                                     ({"span_rcond": 1.0}, r"Invalid span_rcond: 1.0 \(must be in \[0, 1\)\)"),
                                     ({"damping_mode": "trace_activation"}, r"Invalid damping_mode: 'trace_activation'")])
 def test_the_new_options_are_checked(kw, msg):
