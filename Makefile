@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: setup test test-fast test-kernels demo demo-check mission bench gpu-check gpu-deps experts bc
+.PHONY: setup test test-fast test-kernels fuzz demo demo-check mission bench gpu-check gpu-deps experts bc
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,18 @@ test-fast: setup
 KERNELS ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
 test-kernels: setup
 	$(KERNELS) TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -m numerics
+
+# The oracle (issue 73; docs/library.md, "The oracle"): DoPr against the float64 reference of
+# tests/lib/oracle_reference.py on random models and options (Hypothesis), with random seeds, in rounds of
+# ORACLE_EXAMPLES examples until FUZZ_MINUTES have passed; the first failure stops it, shrunk to a minimal
+# example (Hypothesis keeps it in .hypothesis/ and replays it first next time). A change to dopr/ runs this
+# before it lands; `make test` runs the oracle's fixed-seed tier.
+FUZZ_MINUTES ?= 30
+fuzz: setup
+	end=$$(( $$(date +%s) + 60 * $(FUZZ_MINUTES) )); round=0; \
+	while [ $$(date +%s) -lt $$end ]; do round=$$((round + 1)); echo "oracle round $$round"; \
+		HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/lib/test_oracle.py || exit 1; \
+	done
 
 # DEMO_ARGS go to every run.py line and DEMO_OUT is where the tables go: `make demo-check` (CI) runs the
 # same lines with DEMO_ARGS=debug=default into a temporary folder, so a broken main job cannot land.

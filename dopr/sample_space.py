@@ -211,7 +211,7 @@ class SampleSpaceInverse:
     """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T, in float64 (the cancellation:
     module docstring), M in G's dtype."""
 
-    OWN_DTYPE = ("l",)   # L stays float64 (SAMPLE_SPACE_DTYPE) in a checkpoint and a model's dtype change
+    OWN_DTYPE = ("x", "l")   # Xs and L stay float64 (SAMPLE_SPACE_DTYPE) in a checkpoint and a dtype change
 
     def __init__(self, x: Optional[Tensor] = None, l: Optional[Tensor] = None, lam: Optional[Tensor] = None,
                  whole: Optional[tuple] = None, index: int = 0) -> None:

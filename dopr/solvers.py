@@ -148,11 +148,17 @@ def inverse_from_factor(l: Tensor) -> Tensor:
 
 
 def cached(ops: dict) -> dict:
-    """{key: op.cached()}, the Cholesky factors of one batch inverted in one batched call."""
+    """{key: op.cached()}, the Cholesky factors of one batch inverted in one batched call. A member whose
+    factor failed (a zero or non-finite diagonal: solved by a fallback, never applied) is inverted as I:
+    cholesky_inverse raises on it, which crashed a cached step (issue 73's oracle: a LoRA input that
+    dropout zeroed, precond_every 2)."""
     whole = {}
     for op in ops.values():
         if isinstance(op, CholeskyFactor) and op.batch is not None and id(op.batch) not in whole:
-            whole[id(op.batch)] = inverse_from_factor(op.batch)
+            l = op.batch
+            failed = ~(l.diagonal(dim1=-2, dim2=-1).isfinite() & (l.diagonal(dim1=-2, dim2=-1) > 0)).all(-1)
+            eye = torch.eye(l.shape[-1], dtype=l.dtype, device=l.device)
+            whole[id(op.batch)] = inverse_from_factor(torch.where(failed[:, None, None], eye, l))
     return {key: ExplicitInverse(batch=whole[id(op.batch)], index=op.index)
             if isinstance(op, CholeskyFactor) and op.batch is not None else op.cached() for key, op in ops.items()}
 

@@ -225,3 +225,17 @@ def test_a_device_move_between_refreshes_keeps_preconditioning_with_the_cached_f
     model, seen, raw = _step_after_a_change(move, solve_space, 1e-3, device=start)
     assert model[0].weight.grad.device != torch.device(start)
     _assert_cached_formula(model, seen, raw, 1e-3, torch.finfo(torch.float32).eps / 2)
+
+
+def test_a_cached_factor_batch_with_a_failed_member_inverts_the_others():
+    # issue 73's oracle: precond_every=2, a LoRA adapter whose input dropout zeroed (Sigma = 0, lambda = 0): the
+    # batch's failed member (L = 0, solved by a fallback) made cholesky_inverse raise "the input matrix is
+    # singular" when the batch was cached; the members in use must get their exact inverse
+    from dopr import solvers
+
+    l = torch.tensor([[[1.5, 0.0], [0.5, 2.0]], [[0.0, 0.0], [0.0, 0.0]], [[float("nan"), 0.0], [1.0, 1.0]]],
+                     dtype=torch.float64)
+    out = solvers.cached({"a": solvers.CholeskyFactor(batch=l, index=0)})
+    a = l[0] @ l[0].T
+    got = out["a"].apply(torch.eye(2, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.linalg.inv(a), rtol=1e-14, atol=0)
