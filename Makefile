@@ -60,7 +60,7 @@ DEMO_ARGS ?=
 DEMO_OUT ?= results
 DEMO_REPLACE := $(if $(filter results,$(DEMO_OUT)),--replace-results,)
 demo: setup
-	mkdir -p $(DEMO) && date +%s > $(DEMO)/started
+	rm -rf $(DEMO) && mkdir -p $(DEMO) && date +%s > $(DEMO)/started   # fresh runs: a job resumes from its folder's checkpoint
 	$(PY) run.py -m sweep=lds hydra.sweep.dir=$(DEMO)/lds $(DEMO_ARGS)
 	$(PY) run.py -m task=feature_learning '+tuned/feature_learning_protocol=glob(*)' 'seed=range(1,11)' \
 		sweep_name=feature_learning_protocol hydra.sweep.dir=$(DEMO)/feature_learning $(DEMO_ARGS)   # the protocol stage's runs, in one folder

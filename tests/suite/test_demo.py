@@ -49,3 +49,12 @@ def test_the_demo_writes_the_tables_its_results_readme_names():
     assert "sweep_name=feature_learning_protocol" in line.split()
     readme = (ROOT / "results" / "feature_learning" / "README.md").read_text()
     assert "`feature_learning_protocol/feature_learning.png` (`make demo`" in readme
+
+
+def test_each_demo_runs_its_jobs_afresh():
+    # a job resumes from its folder's checkpoint: a second `make demo` into the same folder re-reported the first
+    # one's runs (made by older code) instead of running them
+    out = subprocess.run(["make", "-n", "demo", "DEMO=TMP/demo"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    first = next(line for line in out.splitlines() if "TMP/demo" in line)
+    assert first.startswith("rm -rf TMP/demo && mkdir -p TMP/demo")
