@@ -35,7 +35,11 @@ def test_the_crossover_benchmark_writes_the_table_it_measured(tmp_path):
     for r, point in zip(rows, points):
         med = {s: float(c.split()[0]) for s, c in zip(("features", "samples"), r[4:6])}
         lo_hi = {s: [float(x) for x in c.split("[")[1].rstrip("]").split("-")] for s, c in zip(("features", "samples"), r[4:6])}
-        assert r[7] == table[point] == tables.keep({s: [lo_hi[s][0], med[s], lo_hi[s][1]] for s in med}, "features")
+        assert r[7] == table[point]
+        # the noise rule re-derived from the printed times (3 significant digits): where the samples' slowest
+        # and the features' fastest print within rounding of each other, the printed digits cannot decide it
+        if abs(lo_hi["samples"][1] - lo_hi["features"][0]) > 5e-3 * max(lo_hi["samples"][1], lo_hi["features"][0]):
+            assert r[7] == tables.keep({s: [lo_hi[s][0], med[s], lo_hi[s][1]] for s in med}, "features")
         assert r[8] == solve_space.flop_space("cpu", *point)
 
 
