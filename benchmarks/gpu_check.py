@@ -78,6 +78,7 @@ def setup_paths() -> None:
 PARTS = {
     "env": (15, 60, "device, torch, CUDA and the packages found"),
     "bench_sit": (65, 120, "SiT-S/2 b256 bf16 autocast: rows and profiles"),
+    "graphs": (75, 120, "dopr/graphs.py: replayed vs eager refresh, bit for bit; SiT-S/2, Tool Hang cost"),
     "bench_toolhang": (65, 120, "Tool Hang policy b256, Conv2d by SUA: rows and profiles"),
     "bench_llama": (75, 120, "Llama-3.1-8B widths, 2 layers, LoRA r=64, bf16, 1x2048 tokens: rows and profiles"),
     "bench_llama_step": (35, 120, "the same at the paper's step, 32 x 2 x 4096 tokens: measured at 4, extrapolated"),
@@ -602,6 +603,36 @@ def part_rehearsal_table(ctx) -> str:
     return f"{len(sweeps)} sweeps"
 
 
+def part_graphs(ctx) -> str:
+    """dopr/graphs.py on the device: the replayed refresh against the eager one, bit for bit (a model of several
+    sizes, k = 1 and 3), then SiT-S/2 and Tool Hang at batch 256: AdamW and DoPr-AdamW k=1, eager and replayed."""
+    from benchmarks import bench as B
+    from benchmarks import bench_graphs as G
+    from dopr import graphs
+
+    if ctx.smoke:   # the CPU: a plan's core runs eagerly on its buffers (the plan logic, not a capture)
+        graphs.DEVICES = graphs.DEVICES | {ctx.device}
+    width, batch = (64, 512) if ctx.smoke else (1024, 2048)
+    results = [G.agreement(ctx.device, k, steps=4 if ctx.smoke else 8, width=width, batch=batch) for k in (1, 3)]
+    ctx.write(f"Agreement: Sizes(width={width}), DoPr-AdamW, batch {batch}, cuda_graphs auto vs off from one seed:",
+              G.agreement_table(results))
+    ctx.save({"agreement": results})
+    timing = BENCH_SMOKE if ctx.smoke else BENCH
+    for task in (task_sit, task_toolhang):
+        name, make, options = task(ctx)
+        B.register_task(name, make, options)
+        rows = G.cost(name, ctx.device, timing["repeats"], timing["budget"])
+        ctx.write(G.cost_table(name, rows))
+        ctx.save({"agreement": results, name: rows})
+        if ctx.cuda:
+            import torch
+            torch.cuda.empty_cache()
+    bad = [r["every"] for r in results if not r["equal"]]
+    if bad:
+        raise RuntimeError(f"the replayed step differs from the eager one at k = {bad}")
+    return f"bit for bit at k = 1, 3; {sum(r['graph_captures'] for r in results)} captures"
+
+
 def part_solvers(ctx) -> str:
     if not (ROOT / "benchmarks" / "bench_solvers.py").exists():
         raise Skipped("benchmarks/bench_solvers.py is not in this checkout")
@@ -761,6 +792,7 @@ def target_rows(bench: dict, smoke: bool) -> list:
 
 SECTIONS = [("Environment", ["env"]),
             ("Bench rows and profiles", ["bench_sit", "bench_toolhang", "bench_llama", "bench_llama_step"]),
+            ("The CUDA-graph replay of the refresh (dopr/graphs.py)", ["graphs"]),
             ("Agreement: device vs CPU, compiled vs eager, bf16", ["agreement"]),
             ("Rehearsals of the paper sweeps at their real batch",
              ["rehearse_paper_sit", "rehearse_paper_toolhang", "rehearse_sft_llama31_8b", "rehearsal_table"]),

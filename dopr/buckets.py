@@ -64,6 +64,12 @@ class GradientBucket:
             w = torch.cat([w, torch.cat([p[1] for p in parts]).view(b, rows, 1)], dim=2)
         return w if w.dtype == self.dtype else w.to(self.dtype)
 
+    def fill(self, parts: list) -> None:
+        """G into the bucket's buffer, the inverse of :meth:`write` (a CUDA graph's static input, dopr/graphs.py)."""
+        torch._foreach_copy_(self.weight_views, [p[0] for p in parts])
+        if self.homogeneous:
+            torch._foreach_copy_(self.bias_views, [p[1] for p in parts])
+
     def write(self, parts: list, m: Tensor) -> None:
         """M (B, rows, d) into the layers' gradients (weight block and bias column)."""
         self.m.copy_(m)

@@ -320,6 +320,8 @@ class ActivationCapture:
         no: a dtype or device change of the model (``model.double()``, ``.to(torch.bfloat16)``,
         ``.cpu()``: ``Module._apply`` sets ``param.data`` or swaps the tensors) gives the weight a new
         node, and the cached one is in no graph. Only a backward that skips the weight pays for the check."""
+        if not weight.requires_grad:   # frozen since the last step: no gradient (re-attached at the step)
+            return False
         node = self._accumulator(index, weight)
         if node is None:
             return _receives_grad(weight)

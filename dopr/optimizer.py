@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from . import apply, damping, sharding, solvers
+from . import apply, damping, graphs, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, cache_on_layers, load_ap_state
@@ -86,6 +86,21 @@ def _means(kind, items: list, report: bool) -> tuple:
     return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
 
 
+def _unfactored_after(opt_state: tuple, grads: dict, collected: bool, refresh: bool, gathered: set,
+                      attached_now: set, cache: dict) -> tuple:
+    """precond_every > 1: (unfactored, idle) after a step. Unfactored: the layers the next step gathers statistics
+    for, those with a gradient and no factor (not run on a refresh step yet, added or thawed, a first Sigma not
+    finite), until they get one; idle: a layer with a gradient but no statistics on a collecting step waits for
+    the next refresh."""
+    unfactored, idle = opt_state
+    if refresh:
+        idle = set()
+    if collected:
+        idle = idle | {n for n in grads if n not in gathered and n not in attached_now}
+    covered = {n for key in cache for n in key}
+    return {n for n in (unfactored | grads.keys()) if n not in covered and n not in idle}, idle
+
+
 class DoPr(WrapsBase, torch.optim.Optimizer):
     r"""Double Preconditioning: AP on the gradient, then the base optimizer (GP) unchanged.
 
@@ -107,7 +122,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     #: DoPr optimizers (experiments/common/run.py). "steps" is the AP step counter itself.
     COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries",
                 "unreliable_factors", "eigh_fallbacks", "nonfinite_skips", "damping_choices", "damping_raises",
-                "sample_space_solves", "sample_space_fallbacks")
+                "sample_space_solves", "sample_space_fallbacks", *graphs.COUNTERS)
 
     def __init__(self, model: nn.Module, base: torch.optim.Optimizer,
                  options: Union[DoPrOptions, Mapping, None] = None, **overrides) -> None:
@@ -158,8 +173,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     # ----------------------------------------------------------- torch.optim.Optimizer surface
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The base's zero_grad, and the statistics committed since the last step go with the
-        gradients they belong to (a step skipped by GradScaler leaves nothing pending)."""
+        """The base's zero_grad; the statistics since the last step go with their gradients (GradScaler's skip)."""
         self.base.zero_grad(set_to_none=set_to_none)
         if self._capture is not None:
             self._capture.reset()
@@ -178,8 +192,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.describe().items())
-        return f"DoPr({type(self.base).__name__}, {opts})"
+        return f"DoPr({type(self.base).__name__}, {', '.join(f'{k}={v}' for k, v in self.options.describe().items())})"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -205,9 +218,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def _undone_on_raise(self):
-        """on_nonfinite="raise": a step that raises leaves no trace, as if its batch had not been seen
-        (counters, the damping rule's state, health reports, EMA buffers and cached factors as
-        before it). A few dict copies per step, in that mode only; the others have nothing to undo."""
+        """on_nonfinite="raise": a step that raises leaves no trace (counters, the damping rule's state, health
+        reports, EMA buffers, cached factors as before it): a few dict copies per step, in that mode only."""
         if self.options.on_nonfinite != "raise":
             yield
             return
@@ -256,7 +268,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             old.close()
         self._capture.collecting = self.collecting
         self._layers_signature = self._signature()
-        self._buckets = {}
+        self._buckets = {}   # and the CUDA graphs' plans (their counters kept)
+        self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._damping, self._sharded),
+                                         getattr(self, "_graphs", None))
 
     # ------------------------------------------------------------------ statistics collection
     @property
@@ -273,13 +287,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
     def precondition(self) -> None:
-        """Algorithm 2 on every preconditioned layer; called by :meth:`step`. G is replaced by
-        M = Gbar (Sigmabar + lambda I)^-1, which the GP then receives.
-
-        Work is grouped by shape, not by layer: one stack, factorisation and solve per size. The step
-        reads one flag back from the device (a non-finite Sigma or G, a Cholesky factor to retry), after
-        every factor and solve is queued; only when it is set does the repair path run, deciding layer
-        by layer as :meth:`_repair` says."""
+        """Algorithm 2 on every preconditioned layer (called by :meth:`step`): G becomes M = Gbar (Sigmabar +
+        lambda I)^-1 for the GP. One stack, factorisation and solve per size, a refresh replayed from a CUDA graph
+        where its plan is static (dopr/graphs.py); one flag read back (a non-finite Sigma or G, a Cholesky factor
+        to retry) after everything is queued, and only when it is set the repair path (dopr.apply.repair)."""
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
         self._precond_ema.pending.clear()                     # proposals of a step that raised are not kept
         self._grad_ema.pending.clear()
@@ -306,8 +317,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
                                 "or mask, an expert no token was routed to): their gradients go to the GP raw "
                                 "(see DoPr.stats()['no_samples'])")
-            batches = self._factor(groups, grads, self.options.at("damping", step), refresh)   # Sigmabar, lambda, factors:
-                                                                                      # nothing read back yet
+            gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
+            graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
+            batches = (graphed.batches if graphed else []) + self._factor(   # Sigmabar, lambda, factors: nothing read back yet
+                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh)
             ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
                    for k, op in zip(keys, res)}
             ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
@@ -315,7 +328,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             if not refresh:
                 ops = {**self._cache, **ops}
         else:                                                 # in between: the cached inverses
-            batches, ops, self._empty = [], self._cache, set()
+            batches, ops, self._empty, graphed = [], self._cache, set(), None
             covered = {n for key in ops for n in key}
             raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
             if raw - self._attached_now:
@@ -323,7 +336,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                 "on a refresh step so far): raw this step, factored from the statistics of their "
                                 "next forward (see docs/library.md, precond_every)")
         members = self._members(ops, grads, raw)     # Gbar, M = Gbar A^-1 for every layer, speculatively:
-        solved, gflags, self._buckets = apply.solve(members, grads, self._grad_ema, self._buckets)
+        solved, gflags, self._buckets = apply.solve({n: op for n, op in members.items() if not graphed or n not in graphed.names},
+                                                    grads, self._grad_ema, self._buckets)
+        solved, gflags = (graphed.solved + solved, graphed.gflags + gflags) if graphed else (solved, gflags)
         flags = apply.step_flags(batches, gflags)
         if flags and apply.any_set(flags, self._sharded):     # the one read-back of the step
             ops, skipped = apply.repair(batches, ops, grads, self._skip, self._counts, self._sharded)
@@ -341,20 +356,20 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
         if self.options.precond_every > 1:
-            self._track_unfactored(grads, collected, refresh, gathered if collected else set())
+            self._unfactored, self._idle = _unfactored_after((self._unfactored, self._idle), grads, collected, refresh,
+                                                             gathered if collected else set(), self._attached_now, self._cache)
         self._capture.collecting = self.collecting
         self._capture.reset()
 
-    def _track_unfactored(self, grads: dict, collected: bool, refresh: bool, gathered: set) -> None:
-        """precond_every > 1: the layers the next step gathers statistics for, those with a gradient and no
-        factor (not run on a refresh step yet, added or thawed, a first Sigma not finite), until they get one;
-        a layer with a gradient but no statistics on a collecting step waits for the next refresh."""
-        if refresh:
-            self._idle = set()
-        if collected:
-            self._idle |= {n for n in grads if n not in gathered and n not in self._attached_now}
-        covered = {n for key in self._cache for n in key}
-        self._unfactored = {n for n in (self._unfactored | grads.keys()) if n not in covered and n not in self._idle}
+    def _graphed(self, groups: dict, grads: dict, gamma: float):
+        """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
+        if self._graphs.off is not None or self._health.due(self._counts["refreshes"]):
+            return None
+        out = self._graphs.run(groups, grads, gamma, lambda keys: _factor_for(self._solver, self._factor_with, keys, grads),
+                               self._damping.reads_homogeneous and {l.helper.name: l.helper.homogeneous
+                                                                    for l in self._capture.layers}, self.options.damping_mode)
+        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
+        return out
 
     def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
         """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
@@ -448,12 +463,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return self._capture.pending_samples()
 
     def stats(self) -> dict:
-        """The :attr:`COUNTERS`, and the layers with no forward / no samples on the last step (and the
-        health reports, once made)."""
+        """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
         out = {k: 0 for k in self.COUNTERS}
-        out.update(self._counts, **self._damping.counters(), steps=self._step)
-        out["no_forward"] = list(self._no_forward)
-        out["no_samples"] = sorted(self._empty)
+        out.update(self._counts, **self._damping.counters(), **self._graphs.counts, steps=self._step,
+                   no_forward=list(self._no_forward), no_samples=sorted(self._empty))
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out
@@ -506,12 +519,12 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.close()
 
     # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_buckets", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_buckets", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
                   "load_state_dict") for when in ("pre", "post")))
 
     def __getstate__(self) -> dict:
-        """Everything but the hooks (as torch.optim drops its hook registries) and the statistics
-        gathered since the last step; copy or pickle between steps. The copy's model is a copy too."""
+        """Everything but the hooks (torch.optim drops its hook registries), the statistics gathered since the
+        last step and the CUDA graphs; copy or pickle between steps. The copy's model is a copy too."""
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:

@@ -151,6 +151,11 @@ class DoPrOptions:
         "edge, damping then a floor; dopr.damping.SampleCountRule, docs/library.md 'The sample-count damping rule'; "
         "sample_count_seen: the same, at q > 1 tr(Sigma) / (4 N_eff) instead of tr(Sigma) / (4 d))",
         lambda v: v in damping.rules(), lambda: f"choose from {damping.rules()}", show=repr)
+    cuda_graphs: str = _option(
+        "auto", "auto: on CUDA, a refresh step whose plan (layers, sizes, routes) repeats is captured into a CUDA graph "
+        "and replayed (the default path only: cholesky, trace rule, no EMA; dopr/graphs.py), the same M bit for bit; "
+        "off: every step eager",
+        lambda v: v in ("auto", "off"), "choose from ('auto', 'off')", show=repr)
     skip_layers: Tuple[str, ...] = _option(
         (), "module names (a name covers the modules inside it) or class names left to the GP with raw gradients",
         lambda v: isinstance(v, tuple) and all(isinstance(k, str) and k for k in v),
