@@ -267,13 +267,13 @@ def gram_blocks(n: int, d: int) -> int:
 GRAM_CHUNK_ROWS = 4096
 
 
-#: devices where Sigma is formed from half-precision activations as they are, by a GEMM with a float32 output
-#: and accumulator (``out_dtype``), with no float32 copy; elsewhere z is upcast and multiplied in float32. Both are
-#: exact on the inputs (their products are exact in float32). Empty by default: on an H200 (torch 2.11, CUDA 13,
-#: issue 77) the bf16 GEMM with a float32 output ran a CUTLASS sm75 kernel, 24 + 7.8 ms per SiT-S/2 b256 step
-#: against 4.7 ms for the float32 GEMM of the upcast (DoPr-AdamW R 1.69 against 1.43 before issue 62 item 7
-#: cast autocast inputs to bf16; results/bench/gpu_nvidia_h200_77.md). Add "cuda" where that GEMM is fast.
-LOW_PRECISION_GRAM_DEVICES: set = set()
+#: devices whose GEMM takes half-precision inputs with a float32 output and accumulator (``out_dtype``):
+#: Sigma is formed there from the autocast activations as they are, on the tensor cores, with no
+#: float32 copy. Exact on the inputs (their products are exact in float32); elsewhere z is upcast. On an H200
+#: (issue 77, benchmarks/bench_gram.py, results/bench/gpu_nvidia_h200_77.md) the bf16 batched GEMM with a float32
+#: output was the fastest of three ways (0.27 ms at 65536 x 385 against 0.75 for the float32 GEMM of the upcast),
+#: and SiT-S/2 b256's DoPr-AdamW step with the upcast took 217 ms against 128 ms.
+LOW_PRECISION_GRAM_DEVICES = {"cuda"}
 
 
 def _low_precision_gram(z: Tensor, dtype: torch.dtype = None) -> bool:
