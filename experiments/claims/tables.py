@@ -1,0 +1,75 @@
+"""Reading the committed per-seed tables a claims row rests on, and the page's spread rule.
+
+Every table here is a file under results/ that a report wrote: a tuning protocol's `protocol.csv` (one row per
+arm: `<metric>_min`, `_median`, `_max` over the fresh seeds), a BC grid's `<task>_dopr_vs_gp.csv` (one row per
+GP x trajectory count), a report's own csv. Paths are relative to the repository's root."""
+import csv
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rows(path: str) -> list:
+    with open(ROOT / path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def arm(path: str, name: str) -> dict:
+    """The row of arm `name` in a tuning protocol's table, numbers as floats where they parse."""
+    for r in rows(path):
+        if r["arm"] == name:
+            return {k: _number(v) for k, v in r.items()}
+    raise KeyError(f"{path} has no arm {name!r}")
+
+
+def selection(path: str) -> dict:
+    return json.loads((ROOT / path).read_text(encoding="utf-8"))
+
+
+def _number(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def num(x: float) -> str:
+    """A headline number, three significant digits, as the page prints them."""
+    x = float(x)
+    if x != 0 and abs(x) < 1e-4:
+        m, e = f"{x:.2g}".split("e")
+        return f"{m}e{int(e)}"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def num_range(cell: str) -> str:
+    """A report's 'median [min, max]' cell, each number as `num` prints it, signed."""
+    med, rest = cell.split(" [")
+    lo, hi = rest.rstrip("]").split(", ")
+    signed = lambda v: ("+" if float(v) > 0 else "") + num(v).replace("-", "−")
+    return f"{signed(med)} [{signed(lo)}, {signed(hi)}]"
+
+
+def pct(x: float) -> str:
+    return f"{100 * float(x):.2g}%"
+
+
+def spread(r: dict, metric: str) -> str:
+    """`median [min-max]` of one arm."""
+    return f"{num(r[metric + '_median'])} [{num(r[metric + '_min'])}-{num(r[metric + '_max'])}]"
+
+
+def compare(a: dict, b: dict, metric: str, mode: str) -> str:
+    """Arm `a` against arm `b` by the page's rule: 'better' or 'worse' when the seeds' ranges do not overlap,
+    else 'inconclusive'."""
+    lo_a, hi_a, lo_b, hi_b = (a[metric + "_min"], a[metric + "_max"], b[metric + "_min"], b[metric + "_max"])
+    if hi_a < lo_b or hi_b < lo_a:
+        ahead = a[metric + "_median"] < b[metric + "_median"] if mode == "min" else \
+            a[metric + "_median"] > b[metric + "_median"]
+        return "better" if ahead else "worse"
+    return "inconclusive"
+
+
+# a paper's claim that DoPr (or a variant) is better: the comparison's word, in the page's vocabulary
+CLAIM_WORD = {"better": "reproduced", "worse": "not reproduced", "inconclusive": "inconclusive"}
