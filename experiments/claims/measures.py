@@ -5,6 +5,7 @@ A function that returns `recomputed=False` holds numbers typed once here: the ro
 (a benchmark's markdown, a probe), or the per-run files were never committed; its `ours` cell says which."""
 import math
 
+from dopr import optimizer_name, split_name
 from experiments.appendix.report import graft_verdict
 from experiments.claims.row import NOT_RECOMPUTABLE, Measured
 from experiments.claims.tables import CLAIM_WORD, arm, compare, num, num_range, pct, rows, selection, spread
@@ -45,7 +46,8 @@ NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD", "signum": "Signum", "ad
 
 
 def name(arm_name: str) -> str:
-    return "DoPr-" + NAMES[arm_name[5:]] if arm_name.startswith("dopr_") else NAMES[arm_name]
+    gp, ap = split_name(arm_name)
+    return ("DoPr-" if ap else "") + NAMES[gp]
 
 
 def typed(ours: str, clauses: tuple, headline: str) -> Measured:
@@ -135,7 +137,7 @@ def contraction() -> Measured:
 def feature_learn() -> Measured:
     d = {a: arm(FEATURE_LONG, a) for a in ("sgd", "dopr_sgd", "adamw", "dopr_adamw", "muon", "dopr_muon")}
     n = len(str(d["sgd"]["seeds"]).split())
-    words = {gp: compare(d["dopr_" + gp], d[gp], "subspace_distance", "min") for gp in ("sgd", "adamw")}
+    words = {gp: compare(d[optimizer_name(gp, True)], d[gp], "subspace_distance", "min") for gp in ("sgd", "adamw")}
     conv = {a: round(r["converged_mean"] * n) for a, r in d.items()}
     gp_conv = max(conv[g] for g in ("sgd", "adamw", "muon"))
     distance = CLAIM_WORD["better" if set(words.values()) == {"better"} else "inconclusive"]
@@ -192,8 +194,8 @@ def _gp_ratios(path: str):
     out = []
     for n in sorted({r["num_trajectories"] for r in grid}, key=int):
         at = [r for r in grid if r["num_trajectories"] == n]
-        gps = [r for r in at if not r["optimizer"].startswith("dopr_")]
-        doprs = [r for r in at if r["optimizer"].startswith("dopr_")]
+        gps = [r for r in at if not split_name(r["optimizer"])[1]]
+        doprs = [r for r in at if split_name(r["optimizer"])[1]]
         med = lambda rs: [float(r["seed_return_median"]) for r in rs]
         disjoint = any(float(a["seed_return_max"]) < float(b["seed_return_min"]) for a in gps for b in gps)
         out.append((max(med(gps)) / min(med(gps)), max(med(doprs)) / min(med(doprs)), disjoint))
@@ -238,8 +240,8 @@ def inherited() -> Measured:
             pairs.append(sel["arms"][gp]["winner"].get("optim.lr") == sel["arms"][dopr]["winner"].get("optim.lr"))
     grid = rows(HUMANOID_GRID)
     lr = {(r["optimizer"], r["num_trajectories"]): r["lr"] for r in grid}
-    cells = [(g, n) for g, n in lr if not g.startswith("dopr_")]
-    paper_equal = sum(float(lr[(g, n)]) == float(lr[("dopr_" + g, n)]) for g, n in cells)
+    cells = [(g, n) for g, n in lr if not split_name(g)[1]]
+    paper_equal = sum(float(lr[(g, n)]) == float(lr[(optimizer_name(g, True), n)]) for g, n in cells)
     mnist = {a: arm(SIT_MNIST, a) for a in ("adamw", "dopr_adamw", "dopr_adamw_at_gp_setting")}
     share = sum(pairs) / len(pairs)
     return Measured(f"committed protocol selections: DoPr's rate equals its GP's in {sum(pairs)} of {len(pairs)} "
@@ -269,7 +271,7 @@ def _lift_range(r: dict) -> str:
 
 def robomimic() -> Measured:
     d = {a: _lift(a) for a in LIFT}
-    word = {gp: CLAIM_WORD[compare({f"s_{k}": d["dopr_" + gp][f"seed_best_{k}"] for k in ("min", "median", "max")},
+    word = {gp: CLAIM_WORD[compare({f"s_{k}": d[optimizer_name(gp, True)][f"seed_best_{k}"] for k in ("min", "median", "max")},
                                    {f"s_{k}": d[gp][f"seed_best_{k}"] for k in ("min", "median", "max")}, "s", "max")]
             for gp in ("muon", "adamw")}
     return Measured(f"Lift analogue, best success median [range], 3 seeds: Muon {_lift_range(d['muon'])} vs DoPr-Muon "
@@ -284,7 +286,7 @@ def robomimic() -> Measured:
 def robomimic_train_loss() -> Measured:
     d = {a: _lift(a) for a in LIFT}
     loss = {a: d[a]["train_loss_median"] for a in d}
-    word = {gp: "reproduced" if loss["dopr_" + gp] >= loss[gp] else "not reproduced" for gp in ("muon", "adamw")}
+    word = {gp: "reproduced" if loss[optimizer_name(gp, True)] >= loss[gp] else "not reproduced" for gp in ("muon", "adamw")}
     return Measured(f"Lift, training loss, median of 3 seeds (no spread: {NOT_RECOMPUTABLE}): DoPr-Muon "
                     f"{num(loss['dopr_muon'])} vs Muon {num(loss['muon'])}; DoPr-AdamW {num(loss['dopr_adamw'])} vs "
                     f"AdamW {num(loss['adamw'])}",
