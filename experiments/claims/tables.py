@@ -51,6 +51,12 @@ def num_range(cell: str) -> str:
     return f"{signed(med)} [{signed(lo)}, {signed(hi)}]"
 
 
+def rate(x: float) -> str:
+    """A learning rate as the page prints it: 3e-3."""
+    m, e = f"{float(x):.0e}".split("e")
+    return f"{m}e{int(e)}"
+
+
 def pct(x: float) -> str:
     return f"{100 * float(x):.2g}%"
 
