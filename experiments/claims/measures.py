@@ -8,7 +8,8 @@ import math
 from dopr import optimizer_name, split_name
 from experiments.appendix.report import graft_verdict
 from experiments.claims.row import NOT_RECOMPUTABLE, Measured
-from experiments.claims.tables import CLAIM_WORD, arm, compare, num, num_range, pct, rate, rows, selection, spread
+from experiments.claims.tables import (CLAIM_WORD, arm, compare, md_rows, median_range, num, num_range, pct, probe,
+                                       rate, rows, selection, spread)
 
 HUMANOID = "results/humanoid/paper_humanoid/humanoid_dopr_vs_gp.csv"
 HALFCHEETAH = "results/halfcheetah/paper_halfcheetah/halfcheetah_dopr_vs_gp.csv"
@@ -20,6 +21,11 @@ CONV = {v: f"results/conv_digits/protocol_{v}/protocol.csv" for v in ("full", "s
 DROPOUT = "results/conv_digits/conv_digits_dropout/dropout.csv"
 SIT_MNIST = "results/sit_mnist/protocol/protocol.csv"
 SIT_DIGITS_MUON = "results/sit_digits/muon_protocol_46/protocol.csv"
+SIT_SHARED_RATE = "results/sit_mnist/lr1e-4_46/sit_mnist/sit_mnist_protocol/sit_quality.csv"   # lr 1e-4, one seed
+PROBE_MNIST = "results/damping_free/probe_sit_mnist.json"
+PROBE_DIGITS = "results/damping_free/probe_sit_digits.json"
+ADALN_PROBE = "results/sit_digits/damping_probe.json"
+HUMANOID_EMA = "results/damping_free/humanoid_ema.md"
 SFT = "results/sft_arith/protocol/protocol.csv"
 SFT_REBASE = "results/sft_arith/protocol_rebase_46/protocol.csv"
 SFT_LR_AXIS = "results/sft_arith/sft_arith_protocol/sft_arith.csv"
@@ -408,29 +414,56 @@ def sit() -> Measured:
     a, d = arm(SIT_MNIST, "adamw"), arm(SIT_MNIST, "dopr_adamw")
     m, dm = arm(SIT_DIGITS_MUON, "muon"), arm(SIT_DIGITS_MUON, "dopr_muon")
     wa, wm = compare(d, a, "quality", "min"), compare(dm, m, "quality", "min")
+    shared = _shared_rate()
     return Measured(f"tuned, seeds 3-5: FD-mnist AdamW {spread(a, 'quality')} vs DoPr-AdamW {spread(d, 'quality')}; "
                     f"digits Muon {spread(m, 'quality')} vs DoPr-Muon {spread(dm, 'quality')}; the paper's shared lr "
-                    "1e-4 (one seed): 798.5 vs 528.6",
+                    f"1e-4 (one seed): {num(shared['adamw']['final_median'])} vs {num(shared['dopr_adamw']['final_median'])}",
                     ("ImageNet: not run here (GPUs)", f"analogues, AdamW: {CLAIM_WORD[wa]} (both tuned)",
                      f"analogues, Muon: {CLAIM_WORD[wm]} (and lr 1e-4: one seed)"),
                     f"FD-mnist {num(a['quality_median'])} AdamW vs {num(d['quality_median'])} DoPr-AdamW")
 
 
+def _shared_rate() -> dict:
+    return {r["optimizer"]: {k: _f(v) for k, v in r.items()} for r in rows(SIT_SHARED_RATE)}
+
+
 def sit_loss_fid() -> Measured:
-    a, d = arm(SIT_MNIST, "adamw"), arm(SIT_MNIST, "dopr_adamw")
-    fd = d["quality_median"] / a["quality_median"] - 1
-    return typed(f"MNIST, lr 1e-4, one seed: DoPr's FD 34% lower, its training loss 13% lower; tuned (seeds 3-5): FD "
-                 f"{pct(fd)} higher at equal loss ({num(a['train_loss_median'])} vs {num(d['train_loss_median'])}); "
-                 "digits: FD 69% higher, loss 4% higher",
-                 ("inconclusive (same sign in 2 of 3, sizes far from proportional)",),
-                 "lr 1e-4: FD 34% lower, loss 13% lower (one seed)")
+    """The sign and size of DoPr's change in FD against its change in training loss, three comparisons."""
+    shared = _shared_rate()
+    change = lambda d, g: d / g - 1
+    pairs = {"MNIST, lr 1e-4, one seed": (change(shared["dopr_adamw"]["final_median"], shared["adamw"]["final_median"]),
+                                          change(shared["dopr_adamw"]["train_loss_median"],
+                                                 shared["adamw"]["train_loss_median"]))}
+    for label, path in (("tuned (seeds 3-5)", SIT_MNIST), ("digits", SIT_DIGITS)):
+        a, d = arm(path, "adamw"), arm(path, "dopr_adamw")
+        pairs[label] = (change(d["quality_median"], a["quality_median"]),
+                        change(d["train_loss_median"], a["train_loss_median"]))
+    say = lambda x: f"{pct(abs(x))} {'lower' if x < 0 else 'higher'}"
+    same = sum((fd < 0) == (loss < 0) for fd, loss in pairs.values() if abs(loss) >= 0.005)
+    signed = sum(abs(loss) >= 0.005 for _, loss in pairs.values())
+    ratios = [fd / loss for fd, loss in pairs.values() if abs(loss) >= 0.005]
+    return Measured("; ".join(f"{k}: FD {say(fd)}, loss {say(loss) if abs(loss) >= 0.005 else 'equal'}"
+                              for k, (fd, loss) in pairs.items()),
+                    (f"inconclusive (same sign in {same} of {signed}; FD moves {min(ratios):.1f}-{max(ratios):.0f}x "
+                     "the loss, and at equal loss too)",),
+                    f"lr 1e-4: FD {say(pairs['MNIST, lr 1e-4, one seed'][0])}, loss "
+                    f"{say(pairs['MNIST, lr 1e-4, one seed'][1])} (one seed)")
 
 
 def adaln() -> Measured:
-    return typed("SiT digits, 2 seeds, last-window loss: damping 1e-3 0.507-0.508 (AdamW 0.524-0.527); 1e-4 1.11-1.91; "
-                 "1e-4 after 300 GP-only warm-up steps 0.743-0.774",
-                 ("damping 1e-3: reproduced (unmodified)", "warm-up: not reproduced (it does not rescue 1e-4)"),
-                 "warm-up leaves damping 1e-4 at 0.74-0.77 vs AdamW 0.52")
+    """SiT digits' damping probe: DoPr unmodified at damping 1e-3, and damping 1e-4 with and without a GP-only
+    warm-up, by the last window's loss over the two seeds (works: inside or below AdamW's range)."""
+    runs = {k: probe(ADALN_PROBE, k) for k in ("adamw", "dopr 1e-3", "dopr 1e-4 (the suite's default)",
+                                                "dopr 1e-4, 300 GP-only warm-up steps")}
+    g, tuned, default, warm = runs.values()
+    works = lambda r: min(r) <= max(g)
+    span = lambda r: f"{min(r):.3f}-{max(r):.3f}"
+    return Measured(f"SiT digits, 2 seeds, last-window loss: damping 1e-3 {span(tuned)} (AdamW {span(g)}); 1e-4 "
+                    f"{span(default)}; 1e-4 after 300 GP-only warm-up steps {span(warm)}",
+                    (f"damping 1e-3: {'reproduced' if works(tuned) else 'not reproduced'} (unmodified)",
+                     f"warm-up: {'reproduced' if works(warm) else 'not reproduced'} (it "
+                     f"{'rescues' if works(warm) else 'does not rescue'} 1e-4)"),
+                    f"warm-up leaves damping 1e-4 at {span(warm)} vs AdamW {max(g):.2f}")
 
 
 # --- cost ------------------------------------------------------------------------------------------------------
@@ -450,18 +483,38 @@ def memory() -> Measured:
 
 
 def solver_damping() -> Measured:
-    return typed("SiT MNIST probe, 2 seeds, training loss: damping 1e-3·tr(Σ) 0.288 [0.285-0.290] vs 1e-4·tr(Σ) "
-                 "1.377 [1.361-1.393] (AdamW 0.308); span solver, SiT digits: cap 3 0.511 [0.501-0.522] vs cap 100 "
-                 "2.10 [1.53-2.67]; no two solvers at equal damping",
-                 ("damping: reproduced", "solvers: inconclusive (no two solvers compared at equal damping)"),
-                 "SiT MNIST loss 0.288 at damping 1e-3 vs 1.38 at 1e-4")
+    """The probes' last-window training loss over two seeds: the damping on SiT MNIST, the span solver's cap on SiT
+    digits; no two solvers were run at equal damping."""
+    tuned, weak, g = (probe(PROBE_MNIST, k) for k in ("dopr 1e-3 trace (tuned)", "dopr 1e-4 trace", "adamw"))
+    cap3, cap100 = (probe(PROBE_DIGITS, k) for k in ("dopr span, cap 3", "dopr span (default floor, cap)"))
+    med = lambda r: sum(r) / len(r)   # two seeds: the median is the mean
+    fmt = lambda r: f"{num(med(r))} [{num(min(r))}-{num(max(r))}]"
+    apart = max(tuned) < min(weak) or max(weak) < min(tuned)
+    return Measured(f"SiT MNIST probe, 2 seeds, training loss: damping 1e-3·tr(Σ) {fmt(tuned)} vs 1e-4·tr(Σ) "
+                    f"{fmt(weak)} (AdamW {num(med(g))}); span solver, SiT digits: cap 3 {fmt(cap3)} vs cap 100 "
+                    f"{fmt(cap100)}; no two solvers at equal damping",
+                    (f"damping: {'reproduced' if apart else 'inconclusive'}",
+                     "solvers: inconclusive (no two solvers compared at equal damping)"),
+                    f"SiT MNIST loss {num(med(tuned))} at damping 1e-3 vs {num(med(weak))} at 1e-4")
 
 
 def ema_small_batch() -> Measured:
-    return typed("Humanoid, batch 256 = width 256, 3 seeds: Σ EMA 0.99 at the tuned damping, DoPr-AdamW 1667 "
-                 "[1576-1671] vs 2102 [1930-2501], DoPr-Muon 1781 [1684-1915] vs 2213 [2029-2519]",
-                 ("inconclusive (batch ≪ width not run; at batch = width the Σ EMA loses)",),
-                 "at batch = width the Σ EMA loses: 1667 vs 2102")
+    """Humanoid at batch 256 = width 256: the Σ EMA 0.99 at the tuned damping against the tuned damping alone."""
+    table = md_rows(HUMANOID_EMA, "optimizer")
+    cell = lambda o, rule: median_range(next(r for r in table if r["optimizer"] == o and r["rule"] == rule)
+                                        ["return median [min-max]"])
+    ema = {o: cell(o, "the tuned damping, Σ EMA 0.99") for o in ("dopr_adamw", "dopr_muon")}
+    damped = {o: cell(o, next(r["rule"] for r in table if r["optimizer"] == o and r["rule"].startswith("damping")))
+              for o in ("dopr_adamw", "dopr_muon")}
+    words = {compare(ema[o], damped[o], "v", "max") for o in ema}
+    outcome = {"worse": "loses", "better": "wins"}.get(words.pop(), "does not differ") if len(words) == 1 else "mixed"
+    fmt = lambda r: f"{num(r['v_median'])} [{num(r['v_min'])}-{num(r['v_max'])}]"
+    return Measured(f"Humanoid, batch 256 = width 256, 3 seeds: Σ EMA 0.99 at the tuned damping, DoPr-AdamW "
+                    f"{fmt(ema['dopr_adamw'])} vs {fmt(damped['dopr_adamw'])}, DoPr-Muon {fmt(ema['dopr_muon'])} vs "
+                    f"{fmt(damped['dopr_muon'])}",
+                    (f"inconclusive (batch ≪ width not run; at batch = width the Σ EMA {outcome})",),
+                    f"at batch = width the Σ EMA {outcome}: {num(ema['dopr_adamw']['v_median'])} vs "
+                    f"{num(damped['dopr_adamw']['v_median'])}")
 
 
 # --- appendix --------------------------------------------------------------------------------------------------

@@ -79,3 +79,36 @@ def compare(a: dict, b: dict, metric: str, mode: str) -> str:
 
 # a paper's claim that DoPr (or a variant) is better: the comparison's word, in the page's vocabulary
 CLAIM_WORD = {"better": "reproduced", "worse": "not reproduced", "inconclusive": "inconclusive"}
+
+
+def probe(path: str, variant: str) -> list:
+    """A probe's last-window training loss per seed: the entries `<variant> | seed <s> | steps <n>[ | ...]` of its
+    json, each a curve {step: window mean} (or {"curve": ...})."""
+    out = []
+    for key, run in selection(path).items():
+        if key.split(" | ")[0] == variant:
+            curve = run.get("curve", run)
+            out.append(float(curve[max(curve, key=int)]))
+    if not out:
+        raise KeyError(f"{path} has no variant {variant!r}")
+    return out
+
+
+def md_rows(path: str, first_column: str) -> list:
+    """The rows of the markdown table in `path` whose header starts `| <first_column> |`, as dicts of cells."""
+    lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    header = [c.strip() for c in lines[start].strip().strip("|").split("|")]
+    out = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append(dict(zip(header, (c.strip() for c in line.strip().strip("|").split("|")))))
+    return out
+
+
+def median_range(cell: str) -> dict:
+    """'2102 [1930-2501]' as an arm row {'v_median', 'v_min', 'v_max'} for `compare` and `spread`."""
+    med, rest = cell.split(" [")
+    lo, hi = rest.rstrip("]").split("-")
+    return {"v_median": float(med), "v_min": float(lo), "v_max": float(hi)}
