@@ -94,17 +94,29 @@ def probe(path: str, variant: str) -> list:
     return out
 
 
-def md_rows(path: str, first_column: str) -> list:
-    """The rows of the markdown table in `path` whose header starts `| <first_column> |`, as dicts of cells."""
+def md_tables(path: str, first_column: str) -> list:
+    """Every markdown table in `path` whose header starts `| <first_column> |`: [(the heading above it, [rows as
+    dicts of cells])]."""
     lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
-    header = [c.strip() for c in lines[start].strip().strip("|").split("|")]
-    out = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        out.append(dict(zip(header, (c.strip() for c in line.strip().strip("|").split("|")))))
+    out, heading = [], ""
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if not line.startswith(f"| {first_column} |"):
+            continue
+        header = [c.strip() for c in line.strip().strip("|").split("|")]
+        table = []
+        for row in lines[i + 2:]:
+            if not row.startswith("|"):
+                break
+            table.append(dict(zip(header, (c.strip() for c in row.strip().strip("|").split("|")))))
+        out.append((heading, table))
     return out
+
+
+def md_rows(path: str, first_column: str) -> list:
+    """The rows of the first such table."""
+    return md_tables(path, first_column)[0][1]
 
 
 def median_range(cell: str) -> dict:
