@@ -694,7 +694,7 @@ def peers() -> Measured:
                     f"Humanoid return {spread(h['dopr_adamw'], 'return_mean')} vs "
                     f"{spread(h['soap'], 'return_mean')} (seeds 1-5); DoPr-SOAP val loss "
                     f"{num(f['dopr_soap']['val_loss_median'])} vs {num(f['soap']['val_loss_median'])}",
-                    (f"val loss: {fw}" + (f" (a {gap:.0f}x grid gap beside SOAP's winner)" if gap > 3 else ""), f"distance: {fd}", f"Humanoid: {hw}",
+                    (f"val loss: {fw}" + (f" (SOAP's winner: a {gap:.0f}x grid gap)" if gap > 3 else ""), f"distance: {fd}", f"Humanoid: {hw}",
                      f"DoPr-SOAP vs SOAP: {sw}", "SiT digits, SFT: not run here"),
                     f"DoPr-AdamW vs SOAP: val loss {num(f['dopr_adamw']['val_loss_median'])} vs "
                     f"{num(f['soap']['val_loss_median'])}; return {num(h['dopr_adamw']['return_mean_median'])} vs "
