@@ -203,8 +203,8 @@ def invariance_layers() -> Measured:
     return Measured("largest relative val-loss gap, DoPr-SGD at damping 0, float64, 3 seeds x 40 steps: "
                     + ", ".join(f"{c} {num(max(gap(c, 'dopr_sgd')))}" for c in cases)
                     + f" (SGD {min(sgd):.2f}-{max(sgd):.2f})",
-                    (("reproduced" if under else "not reproduced") + (" (SUA too: beyond the paper)" if any("sua" in c for c in cases)
-                                                                         else ""),),
+                    (("reproduced" if under else "not reproduced")
+                     + (" (SUA too: beyond the paper)" if any("sua" in c for c in cases) else ""),),
                     "DoPr-SGD trajectories agree to " + ", ".join(f"{num(max(gap(c, 'dopr_sgd')))} ({c})"
                                                                   for c in cases if "sua" not in c))
 
@@ -312,9 +312,8 @@ def _lift_range(r: dict) -> str:
 
 def robomimic() -> Measured:
     d = {a: _lift(a) for a in LIFT}
-    word = {gp: CLAIM_WORD[compare({f"s_{k}": d[optimizer_name(gp, True)][f"seed_best_{k}"] for k in ("min", "median", "max")},
-                                   {f"s_{k}": d[gp][f"seed_best_{k}"] for k in ("min", "median", "max")}, "s", "max")]
-            for gp in ("muon", "adamw")}
+    best = lambda a: {f"s_{k}": d[a][f"seed_best_{k}"] for k in ("min", "median", "max")}
+    word = {gp: CLAIM_WORD[compare(best(optimizer_name(gp, True)), best(gp), "s", "max")] for gp in ("muon", "adamw")}
     return Measured(f"Lift analogue, best success median [range], 3 seeds: Muon {_lift_range(d['muon'])} vs DoPr-Muon "
                     f"{_lift_range(d['dopr_muon'])}; AdamW {_lift_range(d['adamw'])} vs DoPr-AdamW "
                     f"{_lift_range(d['dopr_adamw'])}",
@@ -327,7 +326,8 @@ def robomimic() -> Measured:
 def robomimic_train_loss() -> Measured:
     d = {a: _lift(a) for a in LIFT}
     loss = {a: d[a]["train_loss_median"] for a in d}
-    word = {gp: "reproduced" if loss[optimizer_name(gp, True)] >= loss[gp] else "not reproduced" for gp in ("muon", "adamw")}
+    word = {gp: "reproduced" if loss[optimizer_name(gp, True)] >= loss[gp] else "not reproduced"
+            for gp in ("muon", "adamw")}
     return Measured(f"Lift, training loss, median of 3 seeds (no spread: {NOT_RECOMPUTABLE}): DoPr-Muon "
                     f"{num(loss['dopr_muon'])} vs Muon {num(loss['muon'])}; DoPr-AdamW {num(loss['dopr_adamw'])} vs "
                     f"AdamW {num(loss['adamw'])}",
@@ -394,7 +394,8 @@ def sft_8b() -> Measured:
     word = compare(d, a, "accuracy", "max")
     rebase = compare(rd, ra, "accuracy", "max")
     both = "both bases" if word == rebase == "inconclusive" else "committed base"
-    return Measured(f"analogue, seeds 3-7 (6, 7 added later; no table of the pre-registered 3-5 alone): exact match AdamW {acc(a)} vs DoPr-AdamW {acc(d)}; re-pretrained "
+    return Measured("analogue, seeds 3-7 (6, 7 added later; no table of the pre-registered 3-5 alone): exact match "
+                    f"AdamW {acc(a)} vs DoPr-AdamW {acc(d)}; re-pretrained "
                     f"base: {100 * ra['accuracy_median']:.1f} vs {100 * rd['accuracy_median']:.1f} %",
                     (f"{CLAIM_WORD[word]} (seed ranges {'overlap' if word == 'inconclusive' else 'apart'}, {both})",
                      "matched-NLL pattern: not reproduced (lr axis)"),
@@ -445,7 +446,8 @@ def sit() -> Measured:
     shared = _shared_rate()
     return Measured(f"tuned, seeds 3-5: FD-mnist AdamW {spread(a, 'quality')} vs DoPr-AdamW {spread(d, 'quality')}; "
                     f"digits Muon {spread(m, 'quality')} vs DoPr-Muon {spread(dm, 'quality')}; the paper's shared lr "
-                    f"1e-4 (one seed): {num(shared['adamw']['final_median'])} vs {num(shared['dopr_adamw']['final_median'])}",
+                    f"1e-4 (one seed): {num(shared['adamw']['final_median'])} vs "
+                    f"{num(shared['dopr_adamw']['final_median'])}",
                     ("ImageNet: not run here (GPUs)", f"analogues, AdamW: {CLAIM_WORD[wa]} (both tuned)",
                      f"analogues, Muon: {CLAIM_WORD[wm]} (and lr 1e-4: one seed)"),
                     f"FD-mnist {num(a['quality_median'])} AdamW vs {num(d['quality_median'])} DoPr-AdamW")
@@ -694,7 +696,8 @@ def peers() -> Measured:
                     f"Humanoid return {spread(h['dopr_adamw'], 'return_mean')} vs "
                     f"{spread(h['soap'], 'return_mean')} (seeds 1-5); DoPr-SOAP val loss "
                     f"{num(f['dopr_soap']['val_loss_median'])} vs {num(f['soap']['val_loss_median'])}",
-                    (f"val loss: {fw}" + (f" (SOAP's winner: a {gap:.0f}x grid gap)" if gap > 3 else ""), f"distance: {fd}", f"Humanoid: {hw}",
+                    (f"val loss: {fw}" + (f" (SOAP's winner: a {gap:.0f}x grid gap)" if gap > 3 else ""),
+                     f"distance: {fd}", f"Humanoid: {hw}",
                      f"DoPr-SOAP vs SOAP: {sw}", "SiT digits, SFT: not run here"),
                     f"DoPr-AdamW vs SOAP: val loss {num(f['dopr_adamw']['val_loss_median'])} vs "
                     f"{num(f['soap']['val_loss_median'])}; return {num(h['dopr_adamw']['return_mean_median'])} vs "

@@ -94,7 +94,8 @@ def test_the_rows_read_their_numbers_from_the_committed_tables(measured):
     # ttf-feature: 3 of 72 grid points with ≪ a factor 10, 12 with plain <
     assert "3 of 72 grid points order this way with ≪ a factor 10, 12 with plain <" in measured["ttf-feature"].ours
     # inherited: counted over the committed selections, the paper's own Humanoid table beside them
-    assert re.search(r"equals its GP's in \d+ of 16 pairs \(the paper's own Humanoid table: 8 of 20", measured["inherited"].ours)
+    assert re.search(r"equals its GP's in \d+ of 16 pairs \(the paper's own Humanoid table: 8 of 20",
+                     measured["inherited"].ours)
     # grafting: the README's rule applied to AdamW
     assert "AdamW: reproduced (by the rule" in ";".join(measured["grafting"].clauses)
 
