@@ -177,11 +177,11 @@ def feature_learn() -> Measured:
                     f"{spread(d['dopr_sgd'], 'subspace_distance')} vs SGD {spread(d['sgd'], 'subspace_distance')}; "
                     f"DoPr-AdamW {num(d['dopr_adamw']['subspace_distance_median'])} vs AdamW "
                     f"{num(d['adamw']['subspace_distance_median'])}; loss converged: DoPr-SGD {conv['dopr_sgd']}/{n}, "
-                    f"the GPs at most {gp_conv}/{n}",
+                    f"{'each GP' if gp_conv == 0 else 'the GPs at most'} {gp_conv}/{n}",
                     (f"distance: {distance} (for SGD only at DoPr's own rate)", f"loss half: {loss}"),
                     f"subspace distance DoPr-SGD {num(d['dopr_sgd']['subspace_distance_median'])} vs SGD "
                     f"{num(d['sgd']['subspace_distance_median'])}; loss converged: DoPr-SGD {conv['dopr_sgd']}/{n}, "
-                    f"GPs ≤ {gp_conv}/{n}")
+                    f"{'each GP' if gp_conv == 0 else 'the GPs at most'} {gp_conv}/{n}")
 
 
 def invariance() -> Measured:
@@ -493,7 +493,7 @@ def adaln() -> Measured:
                     (f"damping 1e-3: {'reproduced' if works(tuned) else 'not reproduced'} (unmodified)",
                      f"warm-up: {'reproduced' if works(warm) else 'not reproduced'} (it "
                      f"{'rescues' if works(warm) else 'does not rescue'} 1e-4)"),
-                    f"warm-up leaves damping 1e-4 at {span(warm)} vs AdamW {max(g):.2f}")
+                    f"warm-up leaves damping 1e-4 at {span(warm)} vs AdamW {span(g)}")
 
 
 # --- cost ------------------------------------------------------------------------------------------------------
@@ -691,13 +691,16 @@ def peers() -> Measured:
     hw = compare(h["dopr_adamw"], h["soap"], "return_mean", "max")
     sw = compare(f["dopr_soap"], f["soap"], "val_loss", "min")
     gap = _grid_gap(selection(PEERS_FL_SELECTION)["arms"]["soap"])
+    caveat = f"; SOAP's winner: a {gap:.0f}x grid gap" if gap > 3 else ""
     return Measured(f"{NOT_RECOMPUTABLE}; DoPr-AdamW vs SOAP: val loss "
                     f"{spread(f['dopr_adamw'], 'val_loss')} vs {spread(f['soap'], 'val_loss')} (seeds 1-10); "
                     f"Humanoid return {spread(h['dopr_adamw'], 'return_mean')} vs "
-                    f"{spread(h['soap'], 'return_mean')} (seeds 1-5); DoPr-SOAP val loss "
+                    f"{spread(h['soap'], 'return_mean')} (seeds 1-5); DoPr-SOAP "
                     f"{num(f['dopr_soap']['val_loss_median'])} vs {num(f['soap']['val_loss_median'])}",
-                    (f"val loss: {fw}" + (f" (SOAP's winner: a {gap:.0f}x grid gap)" if gap > 3 else ""),
-                     f"distance: {fd}", f"Humanoid: {hw}",
+                    (*((f"feature learning: {fw} (val loss, distance{caveat})",) if fw == fd else
+                       (f"feature learning, val loss: {fw}" + (f" ({caveat[2:]})" if caveat else ""),
+                        f"feature learning, distance: {fd}")),
+                     f"Humanoid: {hw}",
                      f"DoPr-SOAP vs SOAP: {sw}", "SiT digits, SFT: not run here"),
                     f"DoPr-AdamW vs SOAP: val loss {num(f['dopr_adamw']['val_loss_median'])} vs "
                     f"{num(f['soap']['val_loss_median'])}; return {num(h['dopr_adamw']['return_mean_median'])} vs "
