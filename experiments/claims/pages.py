@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from experiments.claims.made import EXPERIMENTS
-from experiments.claims.row import Claim, Measured
+from experiments.claims.row import Claim
 from experiments.claims.rows import ROWS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,4 +131,3 @@ def unrecomputed(measured: dict) -> list:
     return [c.id for c in ROWS if not measured[c.id].recomputed]
 
 
-__all__ = ["Measured", "pages", "measure_all", "first_difference", "unrecomputed", "families", "short"]
