@@ -129,5 +129,3 @@ def first_difference(page: str, committed: str, written: str):
 
 def unrecomputed(measured: dict) -> list:
     return [c.id for c in ROWS if not measured[c.id].recomputed]
-
-
