@@ -28,8 +28,8 @@ def main(argv=None) -> int:
         return 0
     for page, text in written.items():
         (ROOT / page).write_text(text, encoding="utf-8")
-    print(f"wrote {len(written)} pages; rows with numbers typed in experiments/claims/measures.py, not read from a "
-          f"table: {', '.join(unrecomputed(measured))}")
+    print(f"wrote {len(written)} pages; rows not recomputed from per-run files (typed, or an aggregate table): "
+          f"{', '.join(unrecomputed(measured))}")
     return 0
 
 
