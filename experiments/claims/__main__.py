@@ -1,6 +1,6 @@
 """python -m experiments.claims [--check]: write every claims row, verdict and headline number into
-results/CLAIMS.md, README.md and the family READMEs from the committed tables (experiments/claims/rows.yaml, measures.py);
---check writes nothing and exits 1 naming the first line the committed text differs in."""
+results/CLAIMS.md, README.md and the family READMEs from the committed tables (experiments/claims/rows.yaml,
+measures.py); --check writes nothing and exits 1 naming the first line the committed text differs in."""
 import argparse
 import sys
 
