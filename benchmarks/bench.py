@@ -156,7 +156,7 @@ TASKS = {"mlp": (_mlp, {}), "transformer": (_transformer, {}), "unet": (_unet, {
 def register_task(name: str, make, dopr_options: dict | None = None) -> None:
     """Add a model to the benchmark: ``make()`` returns (model, inputs, targets, loss_fn) with
     ``loss_fn(model(inputs), targets)`` the training loss; ``dopr_options`` go to the DoPr rows
-    (e.g. ``{"conv2d": "sua"}``). A family's own benchmark registers its model and calls ``main``."""
+    (e.g. ``{"conv2d": "sua"}``). bench_family.py registers a family's model (its ``bench_model``) and calls ``main``."""
     TASKS[name] = (make, dict(dopr_options or {}))
 
 
