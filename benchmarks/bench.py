@@ -267,14 +267,6 @@ def cpu_transient_bytes(fn) -> int:
     return peak
 
 
-def tensor_bytes(obj):
-    """Bytes of every tensor in nested dicts / lists / tuples."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in items)
-
-
 def soap_refreshed(opt) -> bool:
     """pytorch_optimizer's SOAP only sets up its statistics on its first step, then (step counting from
     that one) re-bases its eigenvectors by one power iteration and a QR when (step - 1) is a multiple of
@@ -352,6 +344,8 @@ class Row:
                 and len(self.refresh) >= refreshes and (self.k == 1 or len(self.other) >= 1))
 
     def result(self):
+        from experiments.common.rehearsal import tensor_bytes   # the suite's, loaded when a row reports
+
         if self.k == 1:
             t = statistics.median(self.refresh)
         else:  # amortised over a cycle of k steps
