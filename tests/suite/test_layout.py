@@ -328,3 +328,126 @@ def test_the_library_tests_import_nothing_of_the_suite():
     assert lib, "tests/lib is empty"
     found = [f"{p.relative_to(ROOT)}:{line} {m}" for p in lib for line, m in _suite_imports(p.read_text(), suite)]
     assert not found, f"a library test imports the suite (move it to tests/suite): {found}"
+
+
+# ------------------------------------------------------------------ a test of dopr alone lives in tests/lib (issue 75 item 4)
+#: the helpers of tests/ by side: the suite's (a task outside the suite, a run of the suite's loop) and the library's
+#: (the AP's reference formulas, the process groups); conftest.py and require_optional.py are pytest's plugins
+SUITE_HELPERS, LIBRARY_HELPERS, PLUGINS = {"toy_task", "evaluating_task"}, {"reference", "ranks"}, {"conftest", "require_optional"}
+
+
+def _sides(tests: Path) -> tuple:
+    """(suite, library): the top-level module names that make a test the suite's (experiments, benchmarks, the
+    suite's configuration by hydra / omegaconf, a tests/suite module, a suite helper) and the library's (dopr,
+    a tests/lib module, a library helper)."""
+    suite = {"experiments", "benchmarks", "hydra", "omegaconf"} | {p.stem for p in (tests / "suite").glob("*.py")}
+    return suite | SUITE_HELPERS, {"dopr"} | {p.stem for p in (tests / "lib").glob("*.py")} | LIBRARY_HELPERS
+
+
+def _imported(node) -> list:
+    """The modules `node` itself imports: import, from-import (absolute), pytest.importorskip("...") and
+    importlib.import_module("...")."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.module and not node.level else []
+    if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("importorskip", "import_module")
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return [node.args[0].value]
+    return []
+
+
+def _reached_modules(source: str, given: dict = None, roots=lambda name: name.startswith(("test", "Test"))) -> dict:
+    """{name: the top-level names of the modules it reaches} for each module-level def or class of `source` whose
+    name `roots` accepts. A def reaches what it imports itself, the fixtures it asks for by argument (a def of the
+    module, or one of `given`: {fixture: modules}), the module's autouse fixtures and bare statements (a module-level
+    importorskip), and, in turn, what every module-level name it reads reaches (an import, def, class, assignment)."""
+    tree, given = ast.parse(source), given or {}
+    bindings, everywhere = {}, []
+
+    def bind(stmt):
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names = [(a.asname or a.name).split(".")[0] for a in stmt.names]
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [stmt.name]
+            if any(k.arg == "autouse" and getattr(k.value, "value", False) for d in stmt.decorator_list
+                   if isinstance(d, ast.Call) for k in d.keywords):
+                everywhere.append(stmt)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            for inner in [*stmt.body, *getattr(stmt, "orelse", []), *getattr(stmt, "finalbody", []),
+                          *(s for h in getattr(stmt, "handlers", []) for s in h.body)]:
+                bind(inner)
+            return
+        else:
+            everywhere.append(stmt)
+            return
+        for name in names:
+            bindings.setdefault(name, []).append(stmt)
+
+    for stmt in tree.body:
+        bind(stmt)
+
+    def reach(nodes) -> set:
+        modules, seen, todo = set(), set(), list(nodes) + everywhere
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for n in ast.walk(node):
+                modules |= {m.split(".")[0] for m in _imported(n)}
+                names = [n.id] if isinstance(n, ast.Name) else [a.arg for a in n.args.args + n.args.kwonlyargs] \
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+                for name in names:
+                    modules |= given.get(name, set())
+                    todo += bindings.get(name, [])
+        return modules
+
+    return {s.name: reach([s]) for s in tree.body
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and roots(s.name)}
+
+
+def _library_only_tests(source: str, suite: set, library: set, given: dict = None) -> list:
+    """The tests of `source` that reach the library (`library`) and nothing of the suite (`suite`, or a fixture of
+    `given` that reaches it): tests of dopr alone, which belong in tests/lib."""
+    return [name for name, modules in _reached_modules(source, given).items() if modules & library and not modules & suite]
+
+
+def test_the_library_only_finder_finds_what_the_suite_does_not_need():
+    suite, library = {"experiments", "benchmarks", "hydra"}, {"dopr", "reference"}
+    source = ('import pytest\nimport torch\nimport dopr\nfrom experiments.common import run\nfrom reference import ap_reference\n'
+              'def _model():\n    return torch.nn.Linear(2, 2)\n'
+              'def _job():\n    return run.main()\n'
+              '@pytest.fixture\ndef job():\n    return _job()\n'
+              'def test_library():\n    dopr.build(_model(), "sgd")\n'
+              '@pytest.mark.parametrize("m", [_model()])\ndef test_library_helper(m):\n    ap_reference(m)\n'
+              'def test_suite_by_helper():\n    dopr.build(_job(), "sgd")\n'
+              'def test_suite_by_fixture(job):\n    dopr.build(job, "sgd")\n'
+              'def test_suite_by_conftest(compose):\n    dopr.build(compose(), "sgd")\n'
+              'def test_suite_inside():\n    from benchmarks import bench\n    dopr.build(bench, "sgd")\n'
+              'def test_neither():\n    assert torch.ones(1)\n')
+    given = {"compose": {"hydra"}}
+    assert _library_only_tests(source, suite, library, given) == ["test_library", "test_library_helper"]
+    autouse = '@pytest.fixture(autouse=True)\ndef _config():\n    pytest.importorskip("experiments.sit")\n'
+    assert _library_only_tests(source + autouse, suite, library, given) == []   # every test asks for it
+    assert _library_only_tests(source + 'pytest.importorskip("hydra")\n', suite, library, given) == []
+
+
+def test_a_test_of_dopr_alone_is_not_in_the_suite_tests():
+    """Issue 75 item 4: a test in tests/suite needs the suite: by what it imports, the fixtures it asks for and
+    the module-level names it reads (in turn), it reaches experiments, benchmarks, hydra / omegaconf, a module of
+    tests/suite or a suite helper. One that reaches dopr (or a tests/lib module or a library helper) and none of
+    those is a test of dopr alone: it goes to tests/lib, and a suite test may import its helpers from there."""
+    tests = ROOT / "tests"
+    assert {p.stem for p in tests.glob("*.py")} == SUITE_HELPERS | LIBRARY_HELPERS | PLUGINS, "a new helper of tests/: name its side"
+    suite, library = _sides(tests)
+    given = _reached_modules((tests / "conftest.py").read_text(), roots=lambda name: True)
+    assert given["compose"] & suite and given["demo_file"] & suite and not given["_seed"] & suite
+    found = {p.name: _library_only_tests(p.read_text(), suite, library, given) for p in sorted((tests / "suite").glob("test_*.py"))}
+    assert not {name: tests for name, tests in found.items() if tests}, "tests of dopr alone: move them to tests/lib"
+    lib = {p.name: [t for t, m in _reached_modules(p.read_text(), given).items() if m & suite]
+           for p in sorted((tests / "lib").glob("test_*.py"))}
+    assert not {name: tests for name, tests in lib.items() if tests}, "tests of tests/lib that need the suite"
