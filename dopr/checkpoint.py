@@ -72,6 +72,7 @@ def ap_state(opt) -> dict:
         "damping_scale": rule["damping_scale"],
         "unfactored": sorted(opt._unfactored),
         "idle": sorted(opt._idle),
+        "refresh_policy": opt._policy.state_dict(),
         "options": opt.options.describe(),
     }
 
@@ -114,4 +115,5 @@ def load_ap_state(opt, ours: dict) -> None:
                                     if k != "steps" and k not in opt._damping.COUNTERS})
     opt._damping.load_state_dict(ours)
     opt._unfactored, opt._idle = set(ours.get("unfactored", ())), set(ours.get("idle", ()))
+    opt._policy.load_state_dict(ours.get("refresh_policy", {}))
     opt._capture.collecting = opt.collecting

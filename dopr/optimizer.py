@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from . import apply, damping, graphs, sharding, solvers
+from . import apply, damping, graphs, refresh_policy, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, cache_on_layers, load_ap_state
@@ -147,12 +147,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
-        # AP state: step counter, EMA buffers, cached inverses (precond_every > 1), counters
         self._step = 0            # AP steps taken so far (stats()["steps"])
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
         self._grad_ema = GradientEMA(self.options.grad_ema)
         self._precond_ema = CovarianceEMA(self.options.precond_ema)
-        self._cache: dict = {}     # precond_every > 1: {group key: its last good factor}, kept until a new one
+        self._cache: dict = {}     # a caching refresh policy: {group key: its last good factor}, kept until a new one
         self._unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
         self._idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
                                         # step since the last refresh: they wait for the next refresh
@@ -160,10 +159,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
         self._damping = damping.build(self.options)   # lambda per group, its state and counters (dopr/damping.py)
-        self._no_forward: list = []
-        self._empty: set = set()
-        self._warned: set = set()
-        self._capture = None
+        self._policy = refresh_policy.build(self.options)   # when factors are refreshed (dopr/refresh_policy.py)
+        self._no_forward, self._empty, self._warned, self._capture = [], set(), set(), None
         self._attach()
         if not self._capture.layers:
             self.close()
@@ -280,9 +277,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @property
     def collecting(self) -> bool:
-        """Whether forwards now gather statistics: not while warming up; when precond_every > 1, on
-        refresh steps and on the steps after a layer had a gradient but no factor (it gets one then)."""
-        return not self.warming_up and (self._step % self.options.precond_every == 0 or bool(self._unfactored))
+        """Whether forwards now gather statistics: not while warming up; when the refresh policy says, and on the
+        steps after a layer had a gradient but no factor (it gets one then)."""
+        return not self.warming_up and (self._policy.gathers(self._step) or bool(self._unfactored))
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -298,7 +295,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         for ema, name in ((self._grad_ema, "grad_ema"), (self._precond_ema, "precond_ema")):
             if ema.scheduled:                                 # a rate given as a function of the step
                 ema.beta = self.options.at(name, step)
-        collected, refresh = self.collecting, self._step % self.options.precond_every == 0
+        collected, refresh = self.collecting, self._policy.gathers(self._step)
         raw = frozenset()
         self._cache = cache_on_layers(self._cache, grads)   # model.double(), .cuda() since the refresh: cast once
         if collected:                                         # new statistics, new factors
@@ -308,9 +305,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
                                   self._damping.reads_samples)
             gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
-            if not refresh:                                   # between refreshes: factors for the layers without one
+            due = self._policy.due(self._step, groups) if refresh else set()   # the policy's groups to refresh
+            refresh = refresh and len(due) == len(groups)
+            if not refresh:                                   # between refreshes: factors for those and the layers without one
                 groups = {sub: stat for key, stat in groups.items()
-                          if (sub := tuple(n for n in key if n in self._unfactored))}
+                          if (sub := key if key in due else tuple(n for n in key if n in self._unfactored))}
             self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
             if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
                 groups = {key: stat for key, stat in groups.items() if stat.count > 0}
@@ -350,12 +349,12 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._precond_ema.commit()
             self._grad_ema.commit()
         apply.write_back(solved, self._helpers_now)           # each layer's M as its grad
-        if collected and self.options.precond_every > 1:   # new factors replace their layers' old ones only
+        if collected and self._policy.caches:   # new factors replace their layers' old ones only
             fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
             self._cache = {**_without(self._cache, {n for key in fresh for n in key}), **fresh}
         self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
-        if self.options.precond_every > 1:
+        if self._policy.caches:
             self._unfactored, self._idle = _unfactored_after((self._unfactored, self._idle), grads, collected, refresh,
                                                              gathered if collected else set(), self._attached_now, self._cache)
         self._capture.collecting = self.collecting
@@ -539,6 +538,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._factor_with = self._solver.bind(self.options)
         if self._damping is None:   # a copy pickled before dopr/damping.py
             self._damping = damping.from_pickled(self.options, state)
+        if "_policy" not in state:   # ... or before dopr/refresh_policy.py
+            self._policy = refresh_policy.build(self.options)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()

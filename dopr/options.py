@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-from . import damping, solvers
+from . import damping, refresh_policy, solvers
 
 DAMPING_MODES = damping.TRACE_MODES
 CONV2D_MODES = ("full", "sua")
@@ -98,6 +98,10 @@ class DoPrOptions:
         1, "refactor every k steps, gathering statistics on those steps, and reuse each layer's last good "
         "inverse in between (a layer with none gets one from the next step it runs on); 1 is the exact algorithm",
         lambda v: _integer(v) and v >= 1, "must be an integer >= 1")
+    refresh_policy: str = _option(
+        "every", "when a layer's factor is refreshed: every (every precond_every-th step, every layer) or any policy "
+        "registered with dopr.refresh_policy.register_policy",
+        lambda v: v in refresh_policy.policies(), lambda: f"choose from {refresh_policy.policies()}", show=repr)
     conv2d: str = _option(
         "full", "Conv2d covariance: full (im2col patches) or sua (channels, spatially uncorrelated)",
         lambda v: v in CONV2D_MODES, f"choose from {CONV2D_MODES}", label="conv2d mode", show=repr)

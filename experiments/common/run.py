@@ -211,12 +211,17 @@ def ap_record(cfg: DictConfig) -> dict:
 
 def optimizer_record(cfg: DictConfig, optimizers: list) -> dict:
     """What summary.json says of the optimizer: the conventions that change its update (the AP's
-    damping form, Muon's step scale and which layers it gets) and DoPr's counters (summed over the
-    job's DoPr optimizers), so an effective damping other than the table's shows (Cholesky retries)."""
+    damping form, Muon's step scale and which layers it gets), DoPr's options in full (`dopr_options`, as
+    the library reports them) and its counters (summed over the job's DoPr optimizers), so an effective
+    damping other than the table's shows (Cholesky retries)."""
     conventions = {k: cfg.optim[k] for k in ("adjust_lr_fn", "input_layer") if k in cfg.optim}
     if optim_identity(cfg.optim)[1]:
         conventions["damping_mode"] = cfg.ap.damping_mode
     out = {"conventions": conventions}
+    # every option as the library holds it (DoPrOptions.describe: the damping rule included; issue 74)
+    options = [o.options.describe() for o in optimizers if isinstance(o, dopr.DoPr)]
+    if options:
+        out["dopr_options"] = options[0] if all(o == options[0] for o in options) else options
     stats = [o.stats() for o in optimizers if isinstance(o, dopr.DoPr)]
     if stats:
         out["dopr"] = {k: sum(int(s[k]) for s in stats) for k in DOPR_COUNTERS}

@@ -44,6 +44,8 @@ import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
+from dopr.options import DoPrOptions
+
 from .arms import AT_GP_SETTING, Arm
 from .optim import optim_name
 from .report import load_records, make_stamp, write_table
@@ -96,11 +98,24 @@ def _score(value, mode: str) -> float:
     return v if mode == "min" else -v
 
 
-#: DoPr's own knobs (conf/ap/) a tune grid may sweep or hold fixed, as the verdict names them
-DOPR_KNOBS = {"ap.damping": "damping", "ap.damping_mode": "damping mode", "ap.precond_ema": "statistics EMA",
-              "ap.grad_ema": "gradient EMA", "ap.solver": "solver", "ap.span_cap": "span cap",
-              "ap.weak_share_bound": "weak-share bound", "ap.health_every": "health report interval",
-              "ap.weak_share_estimate": "weak-share estimate"}
+#: DoPr's own knobs a tune grid may sweep or hold fixed: the `ap` group, every field of the library's DoPrOptions
+DOPR_KNOBS = tuple(f"ap.{name}" for name in DoPrOptions.names())
+_KNOB_DEFAULTS = {f"ap.{name}": value for name, value in DoPrOptions().as_dict().items()}
+#: the verdict's words for a knob whose option name is not them (the rest: the name, "_" read as " ")
+_KNOB_WORDS = {"ap.precond_ema": "statistics EMA", "ap.grad_ema": "gradient EMA", "ap.weak_share_bound": "weak-share bound",
+               "ap.health_every": "health report interval", "ap.weak_share_estimate": "weak-share estimate"}
+#: the knobs every verdict names, recorded or not; the others only where they differ from the library's default
+_ALWAYS_NAMED = ("ap.damping", "ap.damping_mode", "ap.precond_ema", "ap.grad_ema")
+
+
+def knob_words(knob: str) -> str:
+    return _KNOB_WORDS.get(knob, knob.split(".", 1)[1].replace("_", " "))
+
+
+def _at_default(knob: str, value) -> bool:
+    value = tuple(value) if isinstance(value, list) else _value(value) if isinstance(value, str) else value
+    default = _KNOB_DEFAULTS[knob]
+    return value == default or (isinstance(default, str) and str(value) == default)
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
 AT_GP = f"_{AT_GP_SETTING}"
 # resolved-config keys that differ between two arms without being part of what they trained
@@ -240,9 +255,9 @@ def dopr_knobs(arm: dict) -> tuple:
     given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
     resolved = arm.get("resolved") or {}
     fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
-    for k in ("ap.solver", "ap.span_cap", "ap.weak_share_bound", "ap.weak_share_estimate"):   # absent from older
-        if fixed.get(k) is None:                                                                # configs: not recorded
-            fixed.pop(k, None)
+    # a knob neither the config nor the command line records (an older config; None, the default, of an optional
+    # one) is left out, save those every verdict names
+    fixed = {k: v for k, v in fixed.items() if v is not None or k in _ALWAYS_NAMED}
     if "ap.weak_share_bound" not in fixed:   # the report's interval and the share's estimate: knobs of that rule only
         fixed.pop("ap.health_every", None)
         fixed.pop("ap.weak_share_estimate", None)
@@ -253,7 +268,9 @@ def describe_knobs(arm: dict) -> str:
     """'DoPr's damping 0.001 (trace), statistics EMA 0 (none) and gradient EMA 0 (none) held fixed'."""
     if "dopr_knobs_fixed" not in arm:
         return "DoPr's own knobs: not recorded (selection made before they were)"
-    fixed = dict(arm["dopr_knobs_fixed"])
+    # read again from the winner's resolved config where the selection kept it: the record may predate a knob
+    # (selections before issue 74 left out the damping rule and named a sample-count run "damping 0.0 (trace)")
+    fixed = dict(dopr_knobs(arm)[0] if arm.get("resolved") and "grid" in arm else arm["dopr_knobs_fixed"])
     say = lambda k, v: "(value not recorded)" if v is None else (f"{v} (none)" if "ema" in k and v == 0 else f"{v}")
     parts = []
     solver = fixed.pop("ap.solver", None)
@@ -273,11 +290,18 @@ def describe_knobs(arm: dict) -> str:
         mode = fixed.pop("ap.damping_mode", None)
         parts.append(f"damping set by the health report (weak share <= {bound}, every {say('', every)} steps, "
                      f"floor {say('ap.damping', fixed.pop('ap.damping', None))}" + (f" ({mode}))" if mode else ")"))
+    rule = fixed.pop("ap.damping_rule", "trace")
+    if rule != "trace":   # lambda from the rule, the damping its floor (dopr/damping.py)
+        mode = fixed.pop("ap.damping_mode", None)
+        parts.append(f"damping rule {rule} (floor {say('ap.damping', fixed.pop('ap.damping', None))}"
+                     + (f" ({mode}))" if mode else ")"))
     if "ap.damping" in fixed:
         mode = fixed.pop("ap.damping_mode", None)
         parts.append(f"damping {say('ap.damping', fixed.pop('ap.damping'))}" + (f" ({mode})" if mode else ""))
-    parts += [f"{DOPR_KNOBS[k]} {say(k, v)}" for k, v in fixed.items()]
-    tuned = [DOPR_KNOBS[k] for k in arm.get("dopr_knobs_tuned", [])]
+    order = [k for k in _ALWAYS_NAMED if k in fixed] + [k for k in fixed if k not in _ALWAYS_NAMED]
+    parts += [f"{knob_words(k)} {say(k, fixed[k])}" for k in order
+              if k in _ALWAYS_NAMED or fixed[k] is None or not _at_default(k, fixed[k])]
+    tuned = [knob_words(k) for k in arm.get("dopr_knobs_tuned", [])]
     text = ("DoPr's " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
             + " held fixed, not tuned") if parts else "none of DoPr's own knobs held fixed"
     return text + (f" ({', '.join(tuned)} tuned)" if tuned else "")

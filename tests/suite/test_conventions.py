@@ -42,4 +42,19 @@ def test_summary_carries_conventions_and_dopr_counters(tmp_path, compose):
     assert s["conventions"] == {"damping_mode": "absolute"}
     assert s["dopr"]["eigh_fallbacks"] >= 1 and s["dopr"]["cholesky_retries"] == 0 and s["dopr"]["refreshes"] == 2
     plain = run_job(compose("task=feature_learning", "optim=adamw", "debug=default"), tmp_path / "plain")
-    assert plain["conventions"] == {} and "dopr" not in plain
+    assert plain["conventions"] == {} and "dopr" not in plain and "dopr_options" not in plain
+
+
+def test_summary_records_every_dopr_option_the_damping_rule_included(tmp_path, compose):
+    # issue 74: summary.json held four hand-picked AP values, never the rule, so a sample-count run read as
+    # "damping 0.0 (trace)"; it now holds every field of DoPrOptions as the optimizer has it
+    from dopr.options import DoPrOptions
+    from experiments.common.launch import run_job
+
+    cfg = compose("task=feature_learning", "optim=dopr_adamw", "debug=default", "ap.damping=0.0",
+                  "ap.damping_rule=sample_count")
+    run_job(cfg, tmp_path / "rule")
+    s = json.loads((tmp_path / "rule" / "summary.json").read_text())
+    assert list(s["dopr_options"]) == list(DoPrOptions.names())
+    assert s["dopr_options"]["damping_rule"] == "sample_count" and s["dopr_options"]["damping"] == 0.0
+    assert s["dopr_options"]["solver"] == "cholesky" and s["dopr_options"]["skip_layers"] == []

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -446,3 +447,59 @@ def test_report_finds_the_fresh_runs_of_configs_that_carry_no_name():
     recs = [fresh(n, ap, s, v) for n, ap in (("sgd", False), ("dopr_sgd", True)) for s, v in ((5, 1.0), (6, 3.0))]
     rows = {r["arm"]: r for r in tuning.report(recs, sel, ["val"])}
     assert rows["sgd"]["seeds"] == rows["dopr_sgd"]["seeds"] == "5 6" and rows["dopr_sgd"]["val_median"] == 2.0
+
+
+def test_the_knobs_are_the_library_options_and_a_sample_count_run_is_named_by_its_rule():
+    # issue 74: the tool kept its own list of DoPr's knobs, without the damping rule, and named the winners of a
+    # sample-count tuning "DoPr's damping 0.0 (trace)"; the knobs are now DoPrOptions' fields
+    from dopr.options import DoPrOptions
+
+    assert tuning.DOPR_KNOBS == tuple(f"ap.{n}" for n in DoPrOptions.names()) and "ap.damping_rule" in tuning.DOPR_KNOBS
+    gp = [_job("adamw", 0, v, lr) for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    rule = [_job("dopr_adamw", 0, v, lr, ap={"damping": 0.0, "damping_rule": "sample_count"})
+            for lr, v in (("1e-3", 2.0), ("3e-3", 1.0), ("1e-2", 3.0))]
+    arm = tuning.select(gp + rule, "val", fresh_seeds=[3, 4, 5])["arms"]["dopr_adamw"]
+    assert arm["dopr_knobs_fixed"]["ap.damping_rule"] == "sample_count"
+    assert tuning.describe_knobs(arm) == ("DoPr's damping rule sample_count (floor 0.0 (trace)), statistics EMA 0.0 "
+                                          "(none) and gradient EMA 0.0 (none) held fixed, not tuned")
+    # a selection recorded before the rule was a knob: read again from the winner's resolved config
+    old = {**arm, "dopr_knobs_fixed": {k: v for k, v in arm["dopr_knobs_fixed"].items() if k != "ap.damping_rule"}}
+    assert tuning.describe_knobs(old).startswith("DoPr's damping rule sample_count (floor 0.0 (trace))")
+
+
+def test_the_committed_selections_name_each_winners_damping_rule():
+    # the 14 lines under results/damping_free/sample_count/ that called sample-count runs "damping 0.0 (trace)",
+    # rewritten by experiments/common/relabel_knobs.py from each selection.json
+    root = Path(__file__).resolve().parents[2] / "results"
+    named = 0
+    for path in sorted(root.rglob("selection.json")):
+        sel = json.loads(path.read_text())
+        text = (path.parent / "selection.md").read_text() + (path.parent / "protocol.md").read_text()
+        for _, dopr in sel["pairs"]:
+            rule = (sel["arms"][dopr].get("resolved") or {}).get("ap.damping_rule", "trace")
+            if rule != "trace":
+                lines = [l for l in text.splitlines() if l.startswith((f"{dopr}: DoPr's", f"Verdict, {dopr} vs"))
+                         and "DoPr's" in l]
+                assert lines and all(f"damping rule {rule} (floor" in l for l in lines), (path, lines)
+                named += len(lines)
+    assert named == 14
+
+
+def test_relabel_rewrites_a_mislabelled_selection_from_its_json(tmp_path, monkeypatch):
+    import shutil
+
+    from experiments.common import relabel_knobs
+
+    src = Path(__file__).resolve().parents[2] / "results" / "damping_free" / "sample_count" / "humanoid"
+    folder = tmp_path / "results" / "humanoid"
+    shutil.copytree(src, folder)
+    for name in ("selection.md", "protocol.md"):
+        f = folder / name
+        f.write_text(f.read_text().replace("DoPr's damping rule sample_count (floor 0.0 (trace))",
+                                           "DoPr's damping 0.0 (trace)"))
+    monkeypatch.setattr(relabel_knobs, "ROOT", tmp_path)
+    changed = relabel_knobs.relabel(folder)
+    assert len(changed) == 2 and all("damping rule sample_count (floor 0.0 (trace))" in c for c in changed)
+    for name in ("selection.md", "protocol.md"):
+        assert (folder / name).read_text() == (src / name).read_text()
+    assert relabel_knobs.relabel(folder) == []

@@ -1,0 +1,122 @@
+"""Issue 74: every verdict and headline number on results/CLAIMS.md, the README's front page and the family
+READMEs is written by `python -m experiments.claims` from the committed tables; the check fails when a page
+differs from what the rows write."""
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from experiments.claims import pages
+from experiments.claims.__main__ import main
+from experiments.claims.row import Claim, Measured, NOT_RECOMPUTABLE
+from experiments.claims.rows import ROWS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return pages.measure_all()
+
+
+def test_the_committed_pages_are_what_the_rows_write(capsys):
+    assert main(["--check"]) == 0, capsys.readouterr().err
+    assert "17 pages agree" in capsys.readouterr().out
+
+
+def test_the_check_names_the_first_line_a_page_differs_in(measured):
+    written = pages.pages(measured)[pages.CLAIMS_PAGE]
+    edited = written.replace("| inconclusive (three GPs at the ceiling", "| not reproduced (three GPs at the ceiling")
+    assert edited != written
+    line = next(i for i, l in enumerate(edited.splitlines(), 1) if 'id="halfcheetah"' in l)
+    why = pages.first_difference(pages.CLAIMS_PAGE, edited, written)
+    assert why.startswith(f"results/CLAIMS.md:{line}, column") and "not reproduced (three GPs" in why
+    assert pages.first_difference(pages.CLAIMS_PAGE, written, written) is None
+
+
+def test_the_check_fails_on_the_pages_before_issue_74(tmp_path, monkeypatch, capsys, measured):
+    # the page as it stood at 1809f28: no markers, its bottom table calling grafting "reproduced for Muon and AdamW"
+    old = (ROOT / pages.CLAIMS_PAGE).read_text(encoding="utf-8")
+    start, stop = old.index(pages.begin("made")), old.index(pages.end("made")) + len(pages.end("made"))
+    old = old[:start] + "| Figure \"Moment graft\" | ... | **reproduced for Muon and AdamW (maps on)** (0.081) |" + old[stop:]
+    (tmp_path / "results").mkdir()
+    (tmp_path / pages.CLAIMS_PAGE).write_text(old, encoding="utf-8")
+    monkeypatch.setattr(pages, "ROOT", tmp_path)
+    for page in pages.blocks(measured):
+        if page != pages.CLAIMS_PAGE:
+            (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / page).write_text((ROOT / page).read_text(encoding="utf-8"), encoding="utf-8")
+    import experiments.claims.__main__ as cli
+    monkeypatch.setattr(cli, "ROOT", tmp_path)
+    assert main(["--check"]) == 1
+    assert "results/CLAIMS.md: needs one '<!-- claims:begin made -->'" in capsys.readouterr().err
+
+
+def test_no_verdict_contradicts_its_row_on_another_page(measured):
+    # the contradictions issue 74 found: the bottom table's grafting line (0.081), the overhead "not reproduced on a
+    # GPU", results/halfcheetah/README.md's "not reproduced", the front page's heading "What reproduced"
+    claims = (ROOT / pages.CLAIMS_PAGE).read_text(encoding="utf-8")
+    assert "0.081" not in claims and "not reproduced on a GPU" not in claims
+    assert "**not reproduced**" not in (ROOT / "results/halfcheetah/README.md").read_text(encoding="utf-8")
+    front = (ROOT / pages.FRONT_PAGE).read_text(encoding="utf-8")
+    assert "## What reproduced" not in front
+    by = {c.id: c for c in ROWS}
+    # every clause of every row, negative ones included, is on the front page (reasons in parentheses dropped)
+    for c in ROWS:
+        line = next(l for l in front.splitlines() if f"(results/CLAIMS.md#{c.id})" in l)
+        assert pages.short(c.verdict(measured[c.id])) in line, c.id
+    assert "SGD: inconclusive" in front and "analogues, AdamW: not reproduced" in front
+    assert by["halfcheetah"].verdict(measured["halfcheetah"]).startswith("inconclusive")
+
+
+def test_rows_beyond_the_paper_state_a_hypothesis_and_never_say_reproduced(measured):
+    beyond = [c for c in ROWS if c.beyond]
+    assert {c.id for c in beyond} >= {"peers", "damping", "rank1-diag"}
+    for c in beyond:
+        assert c.paper.startswith("hypothesis: "), c.id
+        v = c.verdict(measured[c.id])
+        assert v.startswith("beyond the paper: ") and "reproduced" not in v, (c.id, v)
+    row = beyond[0]
+    with pytest.raises(ValueError, match="does not start with one of"):
+        row.verdict(Measured("x", ("reproduced",), "x"))
+
+
+def test_the_rows_read_their_numbers_from_the_committed_tables(measured):
+    # HalfCheetah: the counts are the table's
+    with open(ROOT / "results/halfcheetah/paper_halfcheetah/halfcheetah_dopr_vs_gp.csv", newline="") as f:
+        cells = list(csv.DictReader(f))
+    inside = sum(c["seed_ranges_overlap"] == "yes" for c in cells)
+    assert (inside, len(cells)) == (15, 20)
+    assert f"{inside} inside the seed spread" in measured["halfcheetah"].ours
+    # the AdamW pair is not at the ceiling: 35% of the expert at 20 trajectories
+    assert "AdamW at 35%-94%" in measured["halfcheetah"].ours
+    # ttf-feature: 3 of 72 grid points with ≪ a factor 10, 12 with plain <
+    assert "3 of 72 grid points order this way with ≪ a factor 10, 12 with plain <" in measured["ttf-feature"].ours
+    # inherited: counted over the committed selections, the paper's own Humanoid table beside them
+    assert re.search(r"equals its GP's in \d+ of 16 pairs \(the paper's own Humanoid table: 8 of 20",
+                     measured["inherited"].ours)
+    # grafting: the README's rule applied to AdamW
+    assert "AdamW: reproduced (by the rule" in ";".join(measured["grafting"].clauses)
+
+
+def test_rows_without_per_run_files_say_so(measured):
+    for row in ("peers", "damping", "robomimic-train-loss"):
+        assert NOT_RECOMPUTABLE in measured[row].ours, row
+        assert not measured[row].recomputed
+    assert measured["humanoid"].recomputed and measured["sit"].recomputed
+
+
+def test_every_family_readme_with_a_row_carries_its_block():
+    for family in pages.families():
+        text = (ROOT / "results" / family / "README.md").read_text(encoding="utf-8")
+        assert pages.begin("family") in text, family
+        ids = [c.id for c in ROWS if family in c.families]
+        assert ids and all(f"(../CLAIMS.md#{i})" in text for i in ids), family
+
+
+def test_a_claim_rejects_a_word_outside_the_vocabulary():
+    c = Claim("x", '§1: "a quoted claim of four words"', "p", "f", "-", ("results/lds/README.md",),
+              lambda: Measured("o", ("consistent with the paper",), "h"))
+    with pytest.raises(ValueError, match="row x"):
+        c.verdict(c.measure())
