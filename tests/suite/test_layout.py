@@ -382,3 +382,44 @@ def test_a_test_of_dopr_alone_is_not_in_the_suite_tests():
     lib = {p.name: [t for t, m in _reached_modules(p.read_text(), given).items() if m & suite]
            for p in sorted((tests / "lib").glob("test_*.py"))}
     assert not {name: tests for name, tests in lib.items() if tests}, "tests of tests/lib that need the suite"
+
+
+# ------------------------------------------------------------------ the module map of docs/suite.md (issue 75 item 6)
+def _module_map(text: str, top: str = "dopr/") -> list:
+    """[(path, description)] of the entries under `top` in a layout block (docs/suite.md): `top`'s own line
+    (its __init__.py) and the lines below it indented two spaces a level, each `name.py` (a module) or `name/`
+    (a package: its __init__.py) with its description on the line; a line indented deeper than the next level,
+    or not starting with such a name, continues a description; the next unindented line ends the block."""
+    import re
+
+    lines = text.splitlines()
+    (first,) = [k for k, line in enumerate(lines) if line.startswith(top + " ")]
+    out, folders = [(top + "__init__.py", lines[first][len(top):].strip())], [top]
+    for line in lines[first + 1:]:
+        if not line.startswith(" "):
+            break
+        indent = len(line) - len(line.lstrip(" "))
+        name, _, description = line.strip().partition(" ")
+        if indent % 2 or indent // 2 > len(folders) or not re.fullmatch(r"\w+(\.py|/)", name):
+            continue
+        folders = folders[:indent // 2]
+        out.append(("".join(folders) + (name + "__init__.py" if name.endswith("/") else name), description.strip()))
+        if name.endswith("/"):
+            folders.append(name)
+    return out
+
+
+def test_the_module_map_of_docs_suite_names_every_module_of_dopr():
+    """Issue 75 item 6: the layout block of docs/suite.md names every module of dopr/ (a package by its folder's
+    line), each once with its one-line description, and no module that is not there."""
+    sample = ("dopr/   the library\n  a.py   one\n  sub/   a package\n    b.py   two\n"
+              "                 its continuation, c.py\n  c.py   three\nexamples/  x\n  d.py  not the library's\n")
+    assert _module_map(sample) == [("dopr/__init__.py", "the library"), ("dopr/a.py", "one"),
+                                   ("dopr/sub/__init__.py", "a package"), ("dopr/sub/b.py", "two"), ("dopr/c.py", "three")]
+    mapped = _module_map((ROOT / "docs" / "suite.md").read_text())
+    paths = [path for path, _ in mapped]
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dopr").rglob("*.py")}
+    assert len(modules) > 40 and {"dopr/damping.py", "dopr/graphs.py", "dopr/gp/muon.py"} <= modules
+    assert sorted(modules - set(paths)) == [], "docs/suite.md's module map misses these modules of dopr/"
+    assert sorted(set(paths) - modules) == [], "docs/suite.md's module map names modules dopr/ does not have"
+    assert len(paths) == len(set(paths)) and all(description for _, description in mapped)
