@@ -17,9 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from experiments.common.checks import (ConfigError, check_job, discard_fresh_folder, refuse_base_task,
-                                       refuse_empty_protocol_sweep, refuse_multirun_that_prints,
-                                       refuse_renamed_at_gp_preset, refuse_sweep_without_multirun,
-                                       refuse_unwritable_output, suggest_key)
+                                       refuse_multirun_that_prints, refuse_renamed_at_gp_preset,
+                                       refuse_sweep_without_multirun, refuse_unwritable_output, suggest_key)
 from experiments.common.launch import run_job, submitted, write_status
 from experiments.common.resume import with_resume
 
@@ -70,7 +69,6 @@ if __name__ == "__main__":
     sys.argv = [sys.argv[0], *with_resume(sys.argv[1:], Path.cwd())]   # outputs/ and multirun/ are the cwd's
     refuse(refuse_unwritable_output, sys.argv[1:], Path.cwd())
     refuse(refuse_base_task, sys.argv[1:], Path(__file__).resolve().parent / "conf")
-    refuse(refuse_empty_protocol_sweep, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     refuse(refuse_renamed_at_gp_preset, sys.argv[1:])
     refuse(suggest_key, sys.argv[1:], Path(__file__).resolve().parent / "conf")
     main()

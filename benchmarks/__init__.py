@@ -2,9 +2,9 @@
 package alone; this package imports it, never the reverse). Run from the checkout's root:
 ``python -m benchmarks.<name>``.
 
-    bench.py               the per-step cost of DoPr against its base optimizer and the paper's cost model;
-                           a family's benchmark adds its model with ``bench.register_task`` and calls
-                           ``bench.main`` (experiments/sit/bench.py, experiments/robomimic/bench.py)
+    bench.py               the per-step cost of DoPr against its base optimizer and the paper's cost model
+    bench_family.py        bench.py on a family's training step: the model from the family's ``bench_model``
+                           (experiments/sit/bench.py, experiments/robomimic/bench.py), registered here
     peers.py               DoPr's published peers (SOAP, Shampoo, PSGD-Kron) against AdamW on a bench task,
                            timed as bench.py times DoPr (the GPU check's peers parts)
     gpu_check.py           the GPU check (docs/gpu.md; scripts/gpu_check.sh runs it without a venv)

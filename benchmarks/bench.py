@@ -156,7 +156,7 @@ TASKS = {"mlp": (_mlp, {}), "transformer": (_transformer, {}), "unet": (_unet, {
 def register_task(name: str, make, dopr_options: dict | None = None) -> None:
     """Add a model to the benchmark: ``make()`` returns (model, inputs, targets, loss_fn) with
     ``loss_fn(model(inputs), targets)`` the training loss; ``dopr_options`` go to the DoPr rows
-    (e.g. ``{"conv2d": "sua"}``). A family's own benchmark registers its model and calls ``main``."""
+    (e.g. ``{"conv2d": "sua"}``). bench_family.py registers a family's model (its ``bench_model``) and calls ``main``."""
     TASKS[name] = (make, dict(dopr_options or {}))
 
 
@@ -267,14 +267,6 @@ def cpu_transient_bytes(fn) -> int:
     return peak
 
 
-def tensor_bytes(obj):
-    """Bytes of every tensor in nested dicts / lists / tuples."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in items)
-
-
 def soap_refreshed(opt) -> bool:
     """pytorch_optimizer's SOAP only sets up its statistics on its first step, then (step counting from
     that one) re-bases its eigenvectors by one power iteration and a QR when (step - 1) is a multiple of
@@ -352,6 +344,8 @@ class Row:
                 and len(self.refresh) >= refreshes and (self.k == 1 or len(self.other) >= 1))
 
     def result(self):
+        from experiments.common.rehearsal import tensor_bytes   # the suite's, loaded when a row reports
+
         if self.k == 1:
             t = statistics.median(self.refresh)
         else:  # amortised over a cycle of k steps

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: name -> the module and arguments of the committed benchmark (its --out added here)
 BENCHES = {
     "dopr": ["benchmarks.bench"],
-    "sit": ["experiments.sit.bench", "step", "--batch", "16", "--gps", "adamw,muon", "--precond-every", "1,10",
+    "sit": ["benchmarks.bench_family", "sit", "--batch", "16", "--gps", "adamw,muon", "--precond-every", "1,10",
             "--repeats", "3", "--budget", "1", "--threads", "1"],
-    "robomimic": ["experiments.robomimic.bench", "step", "--batch", "256", "--gps", "adamw,muon",
+    "robomimic": ["benchmarks.bench_family", "robomimic", "--batch", "256", "--gps", "adamw,muon",
                   "--precond-every", "1", "--repeats", "2", "--budget", "1", "--threads", "1"],
 }
 
@@ -35,6 +35,8 @@ def run(tree: Path, bench: list, out: Path) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": "disabled"}
     if bench[0] == "benchmarks.bench" and not (tree / "benchmarks" / "bench.py").exists():
         bench = ["dopr.bench", *bench[1:]]   # a commit from before the bench left the library
+    if bench[0] == "benchmarks.bench_family" and not (tree / "benchmarks" / "bench_family.py").exists():
+        bench = [f"experiments.{bench[1]}.bench", "step", *bench[2:]]   # from before the family's step moved here
     subprocess.run([sys.executable, "-m", *bench, "--out", str(out)], cwd=tree, env=env, check=True)
     return out.read_text()
 

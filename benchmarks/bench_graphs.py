@@ -90,7 +90,7 @@ def agreement_table(results: list) -> str:
 
 
 def cost_table(name: str, rows: list) -> str:
-    lines = [f"{name}:", "", "| row | n | t_step (ms) | R vs AdamW | from a plan | captures | eager because |",
+    lines = [f"{name}:", "", "| graphs row | n | t_step (ms) | R vs AdamW | from a plan | captures | eager because |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['label']} | {r['n']} | {1e3 * r['t']:.2f} | {r.get('R', float('nan')):.3f} | "

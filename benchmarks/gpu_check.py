@@ -209,48 +209,28 @@ def part_env(ctx) -> str:
     return info["device"]
 
 
-def _task_config(task, overrides=()):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"task={task}", *overrides]).task
-
-
 def task_sit(ctx):
     """SiT-S/2 on 32x32x4 latents at batch 256, bf16 autocast on CUDA (experiments/sit/bench.py);
     smoke: a 2-block SiT of width 64 on 8x8 latents, batch 2."""
-    import torch
+    from experiments.sit.bench import bench_model
+    from experiments.sit.model import SiT
 
-    from experiments.sit.bench import loss_module
-    from experiments.sit.model import SiT, SiT_models
-
-    size, n = (8, 2) if ctx.smoke else (32, 256)
-
-    def make():
-        model = (SiT(input_size=8, depth=2, hidden_size=64, num_heads=2, patch_size=2) if ctx.smoke
-                 else SiT_models["SiT-S/2"](input_size=32))
-        batch = {"x1": torch.randn(n, 4, size, size), "y": torch.randint(1000, (n,))}
-        return loss_module(model, ctx.cuda), batch, None, lambda loss, _: loss
-
-    name = ("SiT_tiny" if ctx.smoke else "SiT-S_2") + f"_b{n}" + ("_bf16" if ctx.cuda else "")
-    return name, make, {}
+    if not ctx.smoke:
+        return bench_model(256, "SiT-S/2", bf16=ctx.cuda)
+    _, make, options = bench_model(2, bf16=ctx.cuda, size=8,
+                                   build=lambda: SiT(input_size=8, depth=2, hidden_size=64, num_heads=2, patch_size=2))
+    return "SiT_tiny_b2" + ("_bf16" if ctx.cuda else ""), make, options
 
 
 def task_toolhang(ctx):
     """Tool Hang's paper-size policy (ChiUNet + two ResNet-18s, 84x84 cameras) at batch 256, Conv2d
     by SUA (experiments/robomimic/bench.py); smoke: the test suite's tiny policy at batch 2."""
     ctx.need("hydra", "omegaconf")
-    from experiments.robomimic import rehearse
-    from experiments.robomimic.bench import loss_module, paper_policy
+    from experiments.robomimic.bench import bench_model, task_config
 
-    t = _task_config("robomimic_toolhang", TINY_TOOLHANG if ctx.smoke else ())
+    t = task_config("robomimic_toolhang", TINY_TOOLHANG if ctx.smoke else ())
     n = 2 if ctx.smoke else int(t.batch_size)
-
-    def make():
-        low_dim, action_dim = rehearse.shapes(t)
-        return loss_module(paper_policy(t)), rehearse.synthetic_batch(t, n, low_dim, action_dim), None, lambda l, _: l
-
-    return f"toolhang_policy_b{n}", make, {"conv2d": "sua"}
+    return bench_model(t, n, f"toolhang_policy_b{n}")
 
 
 def sft_task() -> dict:

@@ -95,6 +95,8 @@ def _state_after_one_step(make, precond_ema: float) -> tuple:
 
 
 def measure(key: str) -> dict:
+    from experiments.common.rehearsal import tensor_bytes
+
     name, make = MODELS[key]
     plain = _state_after_one_step(make, 0.0)[0]
     state, coverage, trainable, factor = _state_after_one_step(make, EMA_RATE)
@@ -103,8 +105,8 @@ def measure(key: str) -> dict:
     formula = sum(d * d / 2 for d in dims)
     return {"model": name, "preconditioned_layers": len(dims), "ema_buffers": len(state["precond_ema"]),
             "largest_d": max(dims), "trainable_M": trainable / 1e6,
-            "dopr_state_MB_no_ema": bench.tensor_bytes(plain) / 2**20,
-            "dopr_state_MB_ema": bench.tensor_bytes(state) / 2**20,
+            "dopr_state_MB_no_ema": tensor_bytes(plain) / 2**20,
+            "dopr_state_MB_ema": tensor_bytes(state) / 2**20,
             "ema_floats_M": ema_floats / 1e6, "formula_d2_over_2_M": formula / 1e6,
             "ema_over_formula": ema_floats / formula, "ema_over_trainable": ema_floats / trainable, "factor": factor}
 

@@ -72,8 +72,8 @@ def ap_state(opt) -> dict:
         "damping_scale": rule["damping_scale"],
         "unfactored": sorted(opt._unfactored),
         "idle": sorted(opt._idle),
-        "refresh_policy": opt._policy.state_dict(),
         "options": opt.options.describe(),
+        **({"refresh_policy": policy} if (policy := opt._policy.state_dict()) else {}),   # a stateful policy's
     }
 
 

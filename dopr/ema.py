@@ -70,7 +70,10 @@ class GradientEMA(_EMA):
         if entry is not None and entry["g"].shape != g.shape:   # the layer's dim changed: a new history
             entry = None
         t, extra, corr = _history(self, entry)
-        new = torch.add((entry["g"] if entry else torch.zeros_like(g)) * self.beta, g, alpha=1.0 - self.beta)
+        # the buffer in G's dtype and device before the product (model.double(), .cuda() since it was made): as a
+        # resume casts it (checkpoint.load_ap_state), so that a resumed run multiplies the same values (issue 73, N1)
+        old = entry["g"].to(dtype=g.dtype, device=g.device) if entry else torch.zeros_like(g)
+        new = torch.add(old * self.beta, g, alpha=1.0 - self.beta)
         self.pending[name] = (t, new, extra)
         return new / corr
 
@@ -119,7 +122,8 @@ class CovarianceEMA(_EMA):
         if entry is not None and [b.shape for b in entry["sums"]] != [p.shape for p in packed]:
             entry = None                                        # the group's dim changed: a new history
         t, extra, corr = _history(self, entry)
-        old = entry["sums"] if entry else [torch.zeros_like(p) for p in packed]
+        old = ([b.to(dtype=p.dtype, device=p.device) for b, p in zip(entry["sums"], packed)] if entry   # as GradientEMA
+               else [torch.zeros_like(p) for p in packed])
         new = [torch.add(b * self.beta, p, alpha=1.0 - self.beta) for b, p in zip(old, packed)]
         self.pending[name] = (t, new, extra)
         return tuple(unpack_upper(b / corr, m.shape[0]) if stat.symmetric else b / corr for b, m in zip(new, mean))

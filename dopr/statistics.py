@@ -389,14 +389,3 @@ def _gram_assembled(z: Tensor, b: int) -> Tensor:
         rows.append(torch.cat(left + [upper[bi]], dim=1))
     return torch.cat(rows, dim=0)
 
-
-def dense_statistics(z: Tensor, homogeneous: bool) -> DenseCovariance:
-    return DenseCovariance.from_activations(z, homogeneous)
-
-
-def moment_statistics(z: Tensor, homogeneous: bool) -> Moments:
-    return Moments.from_activations(z, homogeneous)
-
-
-def diagonal_statistics(counts: Tensor, n: int, dtype: torch.dtype) -> Diagonal:
-    return Diagonal.from_counts(counts, n, dtype)

@@ -216,30 +216,6 @@ def refuse_unwritable_output(argv: list, cwd: Path) -> None:
                           f"(set {key}=<a writable folder>)")
 
 
-def refuse_empty_protocol_sweep(argv: list, conf: Path) -> None:
-    """Refuse a sweep preset that globs an empty config group (`+tuned/<task>_protocol: glob(*)`
-    before the tuning selection has written that folder): Hydra would launch 0 jobs and say nothing."""
-    names = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "sweep"]
-    if not names or not ("-m" in argv or "--multirun" in argv):
-        return
-    preset = conf / "sweep" / f"{names[-1]}.yaml"
-    if not preset.is_file():
-        return  # Hydra names the unknown option itself
-    params = OmegaConf.select(OmegaConf.load(preset), "hydra.sweeper.params") or {}
-    for key, spec in params.items():
-        group = conf / key.lstrip("+")
-        if str(spec).strip() == "glob(*)" and not any(group.glob("*.yaml")):
-            where = group.relative_to(conf.parent)
-            # the tuning sweeps whose selection writes this group: their header's select command names it
-            tunes = sorted(p for p in (conf / "sweep").glob("*.yaml") if f"--configs {where}" in p.read_text())
-            how = (f"{' and '.join(shlex.join(['python', 'run.py', '-m', f'sweep={p.stem}']) for p in tunes)}, then "
-                   f"the `python -m experiments.common.tuning select` command at the top of "
-                   f"{', '.join(str(p.relative_to(conf.parent)) for p in tunes)}" if tunes else
-                   f"`python -m experiments.common.tuning select <their sweep folders> --configs {where} --out <folder>`")
-            raise ConfigError(f"sweep={names[-1]} runs every config in {where}/, which is empty: run its tuning "
-                              f"sweeps and their selection first: {how}")
-
-
 def refuse_renamed_at_gp_preset(argv: list) -> None:
     """`<dopr>_at_gp_lr` copied only the GP's learning rate; the tuning protocol now writes
     `<dopr>_at_gp_setting`, DoPr at the GP's whole winning setting: name the old one and the new."""

@@ -41,7 +41,7 @@ MEMORY_COLUMNS = {"cpu": "peak_rss_MB", "cuda": "peak_cuda_alloc_MB"}
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of every tensor in a (nested) state dict."""
+    """Bytes of every tensor in nested dicts / lists / tuples (a state dict); benchmarks/ reads it too."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):

@@ -1,12 +1,13 @@
-"""One training step of the robomimic flow policy at the paper's size, GP vs DoPr (``benchmarks.bench``'s
-rows and columns), and the evaluation loop's throughput (rendering + policy) in the real simulator.
+"""One training step of the robomimic flow policy at the paper's size as a model of ``benchmarks.bench`` (GP vs
+DoPr, its rows and columns), and the evaluation loop's throughput (rendering + policy) in the real simulator.
 
-    python -m experiments.robomimic.bench step [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
-        [--repeats 3] [--device cpu|cuda] [--out results/robomimic/bench_step_cpu.md]
+    python -m benchmarks.bench_family robomimic [--batch 256] [--task robomimic_toolhang] [--gps adamw,muon]
+        [--precond-every 1,10] [--repeats 3] [--device cpu|cuda] [--out results/robomimic/bench_step_cpu.md]
     python -m experiments.robomimic.bench rollout --dataset data/robomimic/lift/image_abs.hdf5
         [--envs 1,4] [--steps 1,9] [--max-steps 48] [--out results/robomimic/bench_rollout_cpu.md]
 
-``step``: the policy of task=robomimic_toolhang (ChiUNet 128 x [1, 2, 2] + two GroupNorm ResNet-18
+The step (:func:`bench_model`, which benchmarks/ registers: experiments import nothing of benchmarks/):
+the policy of task=robomimic_toolhang (ChiUNet 128 x [1, 2, 2] + two GroupNorm ResNet-18
 encoders, two 84x84 cameras, obs_steps 2, horizon 16, 10 action dimensions) on one fixed random batch;
 the DoPr rows precondition every layer with Conv2d by SUA (the paper's setting); R = t_dopr / t_gp.
 ``rollout``: env steps/s of ``env.rollout`` with a randomly initialised policy of task=robomimic_lift's
@@ -20,8 +21,6 @@ import time
 
 import torch
 from hydra import compose, initialize_config_dir
-
-from benchmarks import bench as step_bench
 
 from ..common.provenance import ROOT, emit_report, git_revision
 from . import rehearse
@@ -54,21 +53,17 @@ def paper_policy(t):
     return rehearse.paper_policy(t, *rehearse.shapes(t))
 
 
-def step(argv) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--task", default="robomimic_toolhang")
-    args, rest = p.parse_known_args(argv)
-    t = task_config(args.task)
+def bench_model(t, batch: int, name: str | None = None):
+    """A model of ``benchmarks.bench``: (name, make, DoPr options), ``make()`` -> (module, batch, None, loss_fn)
+    for the paper-size policy of task config `t` on one fixed random batch of `batch`, Conv2d by SUA; the name
+    is `name`, else ``<task>_policy_b<batch>``."""
 
     def make():
         low_dim, action_dim = rehearse.shapes(t)
-        return (loss_module(paper_policy(t)), rehearse.synthetic_batch(t, args.batch, low_dim, action_dim), None,
+        return (loss_module(paper_policy(t)), rehearse.synthetic_batch(t, batch, low_dim, action_dim), None,
                 lambda loss, _: loss)
 
-    name = f"{args.task}_policy_b{args.batch}"
-    step_bench.register_task(name, make, {"conv2d": "sua"})
-    step_bench.main(["--models", name, *rest], command=f"python -m experiments.robomimic.bench step {' '.join(argv)}")
+    return name or f"{t.name}_policy_b{batch}", make, {"conv2d": "sua"}
 
 
 def rollout_bench(argv) -> None:
@@ -121,9 +116,9 @@ def rollout_bench(argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("step", "rollout"):
+    if not argv or argv[0] != "rollout":
         raise SystemExit(__doc__)
-    (step if argv[0] == "step" else rollout_bench)(argv[1:])
+    rollout_bench(argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""One SiT-S/2 training step, GP vs DoPr (``benchmarks.bench``'s rows and cost model), and the DoPr coverage
-report of SiT-S/2 (what is preconditioned, what is skipped and why).
+"""SiT-S/2's training step as a model of ``benchmarks.bench`` (GP vs DoPr, its rows and cost model), the DoPr
+coverage report of SiT-S/2 (what is preconditioned, what is skipped and why), and a job's step with subnormal
+floats kept and flushed.
 
-    python -m experiments.sit.bench step [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
+    python -m benchmarks.bench_family sit [--batch 256] [--gps adamw,muon] [--precond-every 1,10]
         [--repeats 3] [--device cpu|cuda] [--out results/sit/bench_step_cpu.md]
     python -m experiments.sit.bench coverage [--out results/sit/coverage_sit_s2.md]
     python -m experiments.sit.bench denormal RUN_DIR [RUN_DIR ...] [--steps 10] [--repeats 2] [--out ...]
 
-``step``: SiT-S/2 on 32x32x4 latents (ImageNet 256 through the SD VAE), 1000 classes, one fixed random
+The step (:func:`bench_model`, which benchmarks/ registers: experiments import nothing of benchmarks/):
+SiT-S/2 on 32x32x4 latents (ImageNet 256 through the SD VAE), 1000 classes, one fixed random
 batch, the transport loss with fixed noise and times; the DoPr rows precondition every layer (the
 patch embedding by im2col: its patches do not overlap); R = t_dopr / t_gp. On CUDA the step runs under
 bf16 autocast (as task=sit_imagenet trains).
@@ -22,7 +24,6 @@ import sys
 
 import torch
 
-from benchmarks import bench as step_bench
 from experiments.common.optim import optim_name
 
 from .model import SiT_models
@@ -48,22 +49,18 @@ def loss_module(model, bf16: bool) -> torch.nn.Module:
     return _LossModule(model, bf16)
 
 
-def step(argv) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--model", default="SiT-S/2")
-    args, rest = p.parse_known_args(argv)
-    cuda = "--device" in rest and rest[rest.index("--device") + 1] == "cuda"
+def bench_model(batch: int = 256, model: str = "SiT-S/2", bf16: bool = False, size: int = 32, build=None):
+    """A model of ``benchmarks.bench``: (name, make, DoPr options), ``make()`` -> (module, batch, None, loss_fn)
+    for `model` (``build()`` instead, if given) on `size` x `size` x 4 latents, 1000 classes, one fixed random
+    batch; `bf16`: the loss under bf16 autocast on CUDA."""
 
     def make():
         torch.manual_seed(0)
-        model = SiT_models[args.model](input_size=32)
-        batch = {"x1": torch.randn(args.batch, 4, 32, 32), "y": torch.randint(1000, (args.batch,))}
-        return loss_module(model, cuda), batch, None, lambda loss, _: loss
+        net = build() if build is not None else SiT_models[model](input_size=size)
+        x = {"x1": torch.randn(batch, 4, size, size), "y": torch.randint(1000, (batch,))}
+        return loss_module(net, bf16), x, None, lambda loss, _: loss
 
-    name = f"{args.model.replace('/', '_')}_b{args.batch}" + ("_bf16" if cuda else "")
-    step_bench.register_task(name, make, {})
-    step_bench.main(["--models", name, *rest], command=f"python -m experiments.sit.bench step {' '.join(argv)}")
+    return f"{model.replace('/', '_')}_b{batch}" + ("_bf16" if bf16 else ""), make, {}
 
 
 def coverage(argv) -> None:
@@ -169,7 +166,7 @@ def denormal(argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"step": step, "coverage": coverage, "denormal": denormal}
+    commands = {"coverage": coverage, "denormal": denormal}
     if not argv or argv[0] not in commands:
         raise SystemExit(__doc__)
     commands[argv[0]](argv[1:])

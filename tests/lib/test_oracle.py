@@ -610,8 +610,6 @@ def known_open(spec: "Spec") -> str:
         return "N3/N4: the Sherman-Morrison, Woodbury and Newton-Schulz solves lose digits past their bounds"
     if o["damping"] == 0.0:
         return "N2: a sample-count rule at damping 0 gives lambda 0 on statistics that are not dense"
-    if spec.dtype_change_at is not None and (o["grad_ema"] or o["precond_ema"]):
-        return "N1: an EMA buffer across a dtype change is not cast as a resume casts it"
     if o["precond_ema"] and o["precond_every"] > 1 and spec.resume_at is not None:
         return "N6: a float32 resume between refreshes with the statistics EMA is not bit-identical (at 5165447 too)"
     if o["solve_space"] == "samples":

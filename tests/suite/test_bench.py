@@ -169,3 +169,33 @@ def test_a_caller_stopped_while_inspecting_has_kept_the_timed_rows():
     (header, rows), = got
     assert header.startswith("### mlp:") and [r["label"] for r in rows] == ["adamw", "dopr_adamw"]
     assert rows[1]["t"] > 0 and rows[1]["R"] == rows[1]["t"] / rows[0]["t"] and rows[1]["R_model"] > 1
+
+
+@pytest.mark.slow
+def test_a_family_step_is_the_family_s_model_registered_by_bench_family(tmp_path, monkeypatch):
+    """benchmarks.bench_family times a family's training step: the model is the family's bench_model (experiments/
+    <family>/bench.py, which imports nothing of benchmarks/), registered here with the family's DoPr options."""
+    pytest.importorskip("hydra")
+    from benchmarks import bench_family
+    from experiments.sit.bench import bench_model
+    from experiments.sit.model import SiT
+
+    (name, _, options), rest = bench_family.FAMILIES["robomimic"](["--batch", "4", "--gps", "adamw"])
+    assert (name, options, rest) == ("robomimic_toolhang_policy_b4", {"conv2d": "sua"}, ["--gps", "adamw"])
+    (name, _, _), rest = bench_family.FAMILIES["sit"](["--batch", "8", "--device", "cuda"])
+    assert (name, rest) == ("SiT-S_2_b8_bf16", ["--device", "cuda"])   # bf16 autocast on CUDA, as sit_imagenet
+    # the step itself on a 2-block SiT (SiT-S/2's step takes a minute on a CPU), through main as `sit` runs
+    tiny = bench_model(2, "SiT-tiny", size=8, build=lambda: SiT(input_size=8, depth=2, hidden_size=64, num_heads=2))
+    monkeypatch.setitem(bench_family.FAMILIES, "tiny", lambda argv: (tiny, argv))
+    out = tmp_path / "tiny.md"
+    argv = ["tiny", "--gps", "adamw", "--precond-every", "1", "--repeats", "1", "--budget", "0.1", "--threads", "1",
+            "--peers", "", "--out", str(out)]
+    bench_family.main(argv)
+    text = out.read_text()
+    assert text.startswith(f"`python -m benchmarks.bench_family {' '.join(argv)}`")
+    assert bench.TASKS["SiT-tiny_b2"][1] == {} and "### SiT-tiny_b2" in text
+    table = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "optimizer" not in line]
+    assert [cells[0].strip() for cells in table] == ["adamw", "dopr_adamw"]
+    assert all(float(cells[2]) > 0 for cells in table)   # both rows stepped and were timed
+    with pytest.raises(SystemExit, match="python -m benchmarks.bench_family sit"):
+        bench_family.main(["step"])

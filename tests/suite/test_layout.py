@@ -423,3 +423,50 @@ def test_the_module_map_of_docs_suite_names_every_module_of_dopr():
     assert sorted(modules - set(paths)) == [], "docs/suite.md's module map misses these modules of dopr/"
     assert sorted(set(paths) - modules) == [], "docs/suite.md's module map names modules dopr/ does not have"
     assert len(paths) == len(set(paths)) and all(description for _, description in mapped)
+
+
+# ------------------------------------------------------------------ arrows one way (issue 75 item 5)
+def _families() -> list:
+    """The experiment families: the packages under experiments/ but common (the plumbing they share)."""
+    return sorted(p.parent.name for p in (ROOT / "experiments").glob("*/__init__.py") if p.parent.name != "common")
+
+
+def _module_strings(source: str, modules) -> list:
+    """(line, string) of each string constant of `source` that names one of `modules` or a module under it
+    ("experiments.sit", "experiments.bc.train.check_inputs" for experiments.sit, experiments.bc): a module loaded
+    by name (importlib, Hydra's get_method) is an import too. Docstrings, which explain, are left out."""
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and any(n.value == m or n.value.startswith(m + ".") for m in modules)]
+
+
+def test_the_experiments_import_nothing_of_the_benchmarks():
+    """benchmarks/ may import experiments/ (the GPU check times the families' models), never the reverse: a
+    family's bench model is a plain function its module exposes, which benchmarks/ registers."""
+    graph = import_graph()
+    assert "benchmarks.bench" in graph["benchmarks.gpu_check"]   # the graph sees function-level imports
+    up = sorted(f"{n} -> {m}" for n, ms in graph.items() if n.startswith("experiments") for m in ms
+                if m.startswith("benchmarks"))
+    up += [f"{p.relative_to(ROOT)}:{line} {s!r}" for p in sorted((ROOT / "experiments").rglob("*.py"))
+           for line, s in _module_strings(p.read_text(), ["benchmarks"])]
+    assert not up, f"experiments/ imports benchmarks/: {up}"
+
+
+def test_common_names_no_family():
+    """experiments/common knows no family: no import of one, and no family module named by a string (a family's
+    input check is declared by its task config, `task.check_inputs`, as its `entry` and `report` are)."""
+    families = _families()
+    assert {"bc", "robomimic", "sit", "llm"} <= set(families) and "common" not in families
+    modules = [f"experiments.{f}" for f in families]
+    assert _module_strings('"""experiments.sit.train"""\nA = {"experiments.sit.train.run": "experiments.sitx"}\n'
+                           'B = "experiments.common.run"\n', modules) == [(2, "experiments.sit.train.run")]
+    graph = import_graph()
+    imports = sorted(f"{n} -> {m}" for n, ms in graph.items() if n.startswith("experiments.common") for m in ms
+                     if m.startswith("experiments.") and not m.startswith("experiments.common"))
+    assert not imports, f"experiments/common imports a family: {imports}"
+    named = [f"{p.relative_to(ROOT)}:{line} {s!r}" for p in sorted((ROOT / "experiments" / "common").rglob("*.py"))
+             for line, s in _module_strings(p.read_text(), modules)]
+    assert not named, f"experiments/common names a family module: {named}"

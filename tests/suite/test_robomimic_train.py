@@ -227,7 +227,7 @@ def test_paper_presets(task, optim, lr, wd, clip, steps, ema, compose):
 
 
 def test_the_step_benchmark_times_a_registered_model(tmp_path):
-    """benchmarks.bench with a task registered from outside it (as experiments.robomimic.bench does)."""
+    """benchmarks.bench with a task registered from outside it (as benchmarks.bench_family does a family's)."""
     from benchmarks import bench
 
     def make():
