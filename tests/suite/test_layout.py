@@ -3,13 +3,10 @@ imports included), and the optimizer library imports nothing of the experiment s
 import ast
 from pathlib import Path
 
+from test_library_layout import _module_name
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dopr", "experiments", "benchmarks")
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path, name: str) -> set:
@@ -108,72 +105,6 @@ def test_every_module_of_the_library_and_the_suite_imports():
     assert len(names) > 60
     for name in names:
         importlib.import_module(name)
-
-
-def _repeated_runs(paths, n: int = 6) -> list:
-    """The runs of ``n`` code lines (stripped; blank, comment, import and punctuation-only lines left out)
-    that stand in two places or more among ``paths``: [(first place, second place), ...]."""
-    seen, repeats = {}, []
-    for path in paths:
-        lines = [(i, s.strip()) for i, s in enumerate(path.read_text().splitlines(), 1)]
-        code = [(i, s) for i, s in lines if any(c.isalnum() for c in s) and not s.startswith(("#", "import ", "from "))]
-        for k in range(len(code) - n + 1):
-            run = tuple(s for _, s in code[k:k + n])
-            place = f"{path.relative_to(ROOT)}:{code[k][0]}"
-            if run in seen:
-                repeats.append((seen[run], place))
-            else:
-                seen[run] = place
-    return repeats
-
-
-def test_every_gp_is_its_update_formula_on_the_one_step():
-    """Issue 66 item 2: every GP of dopr/gp/ is a BaseGP that writes its update formula (update) and no
-    step of its own (the closure, the loop, the skips and refusals are BaseGP's); HybridOptimizer, which
-    steps several GPs, is the one other optimizer there. No six code lines stand twice among dopr/gp/."""
-    import importlib
-    import inspect
-
-    from torch.optim import Optimizer
-
-    from dopr.gp import BaseGP, HybridOptimizer
-
-    files = sorted((ROOT / "dopr" / "gp").glob("*.py"))
-    modules = [importlib.import_module(_module_name(p)) for p in files]
-    optimizers = {c for m in modules for c in vars(m).values()
-                  if isinstance(c, type) and issubclass(c, Optimizer) and c.__module__ == m.__name__}
-    gps = optimizers - {BaseGP, HybridOptimizer}
-    assert {"SGD", "Signum", "Lion", "Muon", "AdaMuon"} <= {c.__name__ for c in gps}
-    # torch.optim.Optimizer wraps a class's step in a hook runner on its first instance: unwrap to compare
-    own_step = [c.__name__ for c in gps if inspect.unwrap(c.step) is not inspect.unwrap(BaseGP.step)]
-    assert [c.__name__ for c in gps if not issubclass(c, BaseGP) or "update" not in vars(c)] == own_step == []
-    assert _repeated_runs(files) == []
-
-
-def test_dopr_is_small_and_names_no_damping_rule():
-    """Issue 66 item 1: the DoPr class at most 450 lines and its _factor at most 25 (as ast counts them),
-    and dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
-    rule is one class in dopr/damping.py plus the option value that chooses it."""
-    tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
-    (dopr_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DoPr"]
-    (factor,) = [n for n in dopr_class.body if isinstance(n, ast.FunctionDef) and n.name == "_factor"]
-    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 450
-    assert factor.end_lineno - factor.lineno + 1 <= 25
-    from dopr import damping
-
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-    used = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings}
-    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    rule_logic = {"damping_scale", "filtered_damping_scale", "direction_energy", "MAX_DOUBLINGS"}
-    rules = {"trace", "spectrum", "filter"} | set(damping.RULES) | {c.__name__ for c in damping.RULES.values()}
-    named = rules | rule_logic | set(damping.TRACE_MODES) | {"weak_share_bound", "weak_share_estimate"}
-    assert not used & named, sorted(used & named)
-    health = ast.parse((ROOT / "dopr" / "health.py").read_text())   # the report, no damping rule in it
-    defined = {n.name for n in ast.walk(health) if isinstance(n, ast.FunctionDef)}
-    assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
 
 
 def _sources(*tops: str) -> list:
@@ -328,6 +259,170 @@ def test_the_library_tests_import_nothing_of_the_suite():
     assert lib, "tests/lib is empty"
     found = [f"{p.relative_to(ROOT)}:{line} {m}" for p in lib for line, m in _suite_imports(p.read_text(), suite)]
     assert not found, f"a library test imports the suite (move it to tests/suite): {found}"
+
+
+# ------------------------------------------------------------------ a test of dopr alone lives in tests/lib (issue 75 item 4)
+#: the helpers of tests/ by side: the suite's (a task outside the suite, a run of the suite's loop) and the library's
+#: (the AP's reference formulas, the process groups); conftest.py and require_optional.py are pytest's plugins
+SUITE_HELPERS, LIBRARY_HELPERS, PLUGINS = {"toy_task", "evaluating_task"}, {"reference", "ranks"}, {"conftest", "require_optional"}
+
+
+def _sides(tests: Path) -> tuple:
+    """(suite, library): the top-level module names that make a test the suite's (experiments, benchmarks, the
+    suite's configuration by hydra / omegaconf, a tests/suite module, a suite helper) and the library's (dopr,
+    a library helper). A tests/lib module is neither: a suite test may reuse its helpers."""
+    suite = {"experiments", "benchmarks", "hydra", "omegaconf"} | {p.stem for p in (tests / "suite").glob("*.py")}
+    return suite | SUITE_HELPERS, {"dopr"} | LIBRARY_HELPERS
+
+
+def _imported(node) -> list:
+    """The modules `node` itself imports: import, from-import (absolute), pytest.importorskip("...") and
+    importlib.import_module("...")."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.module and not node.level else []
+    if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("importorskip", "import_module")
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        return [node.args[0].value]
+    return []
+
+
+def _reached_modules(source: str, given: dict = None, roots=lambda name: name.startswith(("test", "Test"))) -> dict:
+    """{name: the top-level names of the modules it reaches} for each module-level def or class of `source` whose
+    name `roots` accepts. A def reaches what it imports itself, the fixtures it asks for by argument (a def of the
+    module, or one of `given`: {fixture: modules}), the module's autouse fixtures and bare statements (a module-level
+    importorskip), and, in turn, what every module-level name it reads reaches (an import, def, class, assignment)."""
+    tree, given = ast.parse(source), given or {}
+    bindings, everywhere = {}, []
+
+    def bind(stmt):
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names = [(a.asname or a.name).split(".")[0] for a in stmt.names]
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [stmt.name]
+            if any(k.arg == "autouse" and getattr(k.value, "value", False) for d in stmt.decorator_list
+                   if isinstance(d, ast.Call) for k in d.keywords):
+                everywhere.append(stmt)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            for inner in [*stmt.body, *getattr(stmt, "orelse", []), *getattr(stmt, "finalbody", []),
+                          *(s for h in getattr(stmt, "handlers", []) for s in h.body)]:
+                bind(inner)
+            return
+        else:
+            everywhere.append(stmt)
+            return
+        for name in names:
+            bindings.setdefault(name, []).append(stmt)
+
+    for stmt in tree.body:
+        bind(stmt)
+
+    def reach(nodes) -> set:
+        modules, seen, todo = set(), set(), list(nodes) + everywhere
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for n in ast.walk(node):
+                modules |= {m.split(".")[0] for m in _imported(n)}
+                names = [n.id] if isinstance(n, ast.Name) else [a.arg for a in n.args.args + n.args.kwonlyargs] \
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+                for name in names:
+                    modules |= given.get(name, set())
+                    todo += bindings.get(name, [])
+        return modules
+
+    return {s.name: reach([s]) for s in tree.body
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and roots(s.name)}
+
+
+def _library_only_tests(source: str, suite: set, library: set, given: dict = None) -> list:
+    """The tests of `source` that reach the library (`library`) and nothing of the suite (`suite`, or a fixture of
+    `given` that reaches it): tests of dopr alone, which belong in tests/lib."""
+    return [name for name, modules in _reached_modules(source, given).items() if modules & library and not modules & suite]
+
+
+def test_the_library_only_finder_finds_what_the_suite_does_not_need():
+    suite, library = {"experiments", "benchmarks", "hydra"}, {"dopr", "reference"}
+    source = ('import pytest\nimport torch\nimport dopr\nfrom experiments.common import run\nfrom reference import ap_reference\n'
+              'def _model():\n    return torch.nn.Linear(2, 2)\n'
+              'def _job():\n    return run.main()\n'
+              '@pytest.fixture\ndef job():\n    return _job()\n'
+              'def test_library():\n    dopr.build(_model(), "sgd")\n'
+              '@pytest.mark.parametrize("m", [_model()])\ndef test_library_helper(m):\n    ap_reference(m)\n'
+              'def test_suite_by_helper():\n    dopr.build(_job(), "sgd")\n'
+              'def test_suite_by_fixture(job):\n    dopr.build(job, "sgd")\n'
+              'def test_suite_by_conftest(compose):\n    dopr.build(compose(), "sgd")\n'
+              'def test_suite_inside():\n    from benchmarks import bench\n    dopr.build(bench, "sgd")\n'
+              'def test_neither():\n    assert torch.ones(1)\n')
+    given = {"compose": {"hydra"}}
+    assert _library_only_tests(source, suite, library, given) == ["test_library", "test_library_helper"]
+    autouse = '@pytest.fixture(autouse=True)\ndef _config():\n    pytest.importorskip("experiments.sit")\n'
+    assert _library_only_tests(source + autouse, suite, library, given) == []   # every test asks for it
+    assert _library_only_tests(source + 'pytest.importorskip("hydra")\n', suite, library, given) == []
+
+
+def test_a_test_of_dopr_alone_is_not_in_the_suite_tests():
+    """Issue 75 item 4: a test in tests/suite needs the suite: by what it imports, the fixtures it asks for and
+    the module-level names it reads (in turn), it reaches experiments, benchmarks, hydra / omegaconf, a module of
+    tests/suite or a suite helper. One that reaches dopr (or a library helper) and none of those is a test of
+    dopr alone: it goes to tests/lib, and a suite test may import its helpers from there."""
+    tests = ROOT / "tests"
+    assert {p.stem for p in tests.glob("*.py")} == SUITE_HELPERS | LIBRARY_HELPERS | PLUGINS, "a new helper of tests/: name its side"
+    suite, library = _sides(tests)
+    given = _reached_modules((tests / "conftest.py").read_text(), roots=lambda name: True)
+    assert given["compose"] & suite and given["demo_file"] & suite and not given["_seed"] & suite
+    found = {p.name: _library_only_tests(p.read_text(), suite, library, given) for p in sorted((tests / "suite").glob("test_*.py"))}
+    assert not {name: tests for name, tests in found.items() if tests}, "tests of dopr alone: move them to tests/lib"
+    lib = {p.name: [t for t, m in _reached_modules(p.read_text(), given).items() if m & suite]
+           for p in sorted((tests / "lib").glob("test_*.py"))}
+    assert not {name: tests for name, tests in lib.items() if tests}, "tests of tests/lib that need the suite"
+
+
+# ------------------------------------------------------------------ the module map of docs/suite.md (issue 75 item 6)
+def _module_map(text: str, top: str = "dopr/") -> list:
+    """[(path, description)] of the entries under `top` in a layout block (docs/suite.md): `top`'s own line
+    (its __init__.py) and the lines below it indented two spaces a level, each `name.py` (a module) or `name/`
+    (a package: its __init__.py) with its description on the line; a line indented deeper than the next level,
+    or not starting with such a name, continues a description; the next unindented line ends the block."""
+    import re
+
+    lines = text.splitlines()
+    (first,) = [k for k, line in enumerate(lines) if line.startswith(top + " ")]
+    out, folders = [(top + "__init__.py", lines[first][len(top):].strip())], [top]
+    for line in lines[first + 1:]:
+        if not line.startswith(" "):
+            break
+        indent = len(line) - len(line.lstrip(" "))
+        name, _, description = line.strip().partition(" ")
+        if indent % 2 or indent // 2 > len(folders) or not re.fullmatch(r"\w+(\.py|/)", name):
+            continue
+        folders = folders[:indent // 2]
+        out.append(("".join(folders) + (name + "__init__.py" if name.endswith("/") else name), description.strip()))
+        if name.endswith("/"):
+            folders.append(name)
+    return out
+
+
+def test_the_module_map_of_docs_suite_names_every_module_of_dopr():
+    """Issue 75 item 6: the layout block of docs/suite.md names every module of dopr/ (a package by its folder's
+    line), each once with its one-line description, and no module that is not there."""
+    sample = ("dopr/   the library\n  a.py   one\n  sub/   a package\n    b.py   two\n"
+              "                 its continuation, c.py\n  c.py   three\nexamples/  x\n  d.py  not the library's\n")
+    assert _module_map(sample) == [("dopr/__init__.py", "the library"), ("dopr/a.py", "one"),
+                                   ("dopr/sub/__init__.py", "a package"), ("dopr/sub/b.py", "two"), ("dopr/c.py", "three")]
+    mapped = _module_map((ROOT / "docs" / "suite.md").read_text())
+    paths = [path for path, _ in mapped]
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "dopr").rglob("*.py")}
+    assert len(modules) > 40 and {"dopr/damping.py", "dopr/graphs.py", "dopr/gp/muon.py"} <= modules
+    assert sorted(modules - set(paths)) == [], "docs/suite.md's module map misses these modules of dopr/"
+    assert sorted(set(paths) - modules) == [], "docs/suite.md's module map names modules dopr/ does not have"
+    assert len(paths) == len(set(paths)) and all(description for _, description in mapped)
 
 
 # ------------------------------------------------------------------ arrows one way (issue 75 item 5)

@@ -1,9 +1,8 @@
 """SOAP, Shampoo and PSGD-Kron as GPs (dopr/gp/peers.py): each is its package's class with the package's defaults,
 plain (`optim=soap`) and under DoPr (`optim=dopr_soap`); DoPr with the AP off is the plain peer, DoPr with the AP on
-is the package stepping on the AP's M; state_dict round trip and resume are exact; what the package cannot take
-is refused in one line naming the layer."""
+is the package stepping on the AP's M; state_dict round trip and resume are exact. What the package cannot take is
+refused in one line naming the layer: tests/lib/test_peer_refusals.py."""
 import copy
-import importlib.util
 import inspect
 import json
 import subprocess
@@ -165,38 +164,6 @@ def test_state_dict_round_trip_and_resume_are_exact(name, compose, tmp_path):
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
     assert _state_equal(opt.state_dict(), opt2.state_dict())
-
-
-def test_shampoo_refuses_a_large_dimension_naming_the_layer():
-    model = nn.Sequential(nn.Embedding(peers.SHAMPOO_MAX_DIM + 1, 4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"^GP 'shampoo': parameter '0.weight' of shape \(10001, 4\) would get a "
-                                         r"10001 x 10001 factor") as e:
-        dopr.build(model, "shampoo", ap={}, lr=1e-3)
-    assert "\n" not in str(e.value) and "use soap or kron" in str(e.value)
-    dopr.build(model, "soap", lr=1e-3)   # SOAP leaves that dimension to Adam, Kron gives it a diagonal factor
-    dopr.build(model, "kron", lr=1e-3)
-
-
-def test_kron_is_refused_where_torch_would_contract_its_einsum_through_the_outer_product(monkeypatch):
-    model = nn.Linear(4, 2)
-    monkeypatch.setattr(torch.backends.opt_einsum, "enabled", False)
-    with pytest.raises(RuntimeError, match=r"^GP 'kron': pytorch_optimizer.Kron applies its factors by a 5-operand "
-                                           r"torch.einsum, which without opt_einsum") as e:
-        dopr.build(model, "kron", lr=1e-3)
-    assert "\n" not in str(e.value) and "pip install 'dopr[peers]'" in str(e.value)
-    monkeypatch.setattr(torch.backends.opt_einsum, "enabled", True)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "opt_einsum" else real(n, *a))
-    with pytest.raises(RuntimeError, match="^GP 'kron': "):
-        dopr.build(model, "kron", ap={}, lr=1e-3)
-
-
-def test_a_peer_without_its_package_fails_in_one_line_naming_package_and_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)
-    with pytest.raises(ImportError) as e:
-        dopr.build(nn.Linear(4, 2), "soap", ap={}, lr=1e-3)
-    assert str(e.value) == ("GP 'soap' is pytorch_optimizer.SOAP from the pytorch-optimizer package, which is not "
-                            "installed: pip install 'dopr[peers]'")
 
 
 @pytest.mark.slow

@@ -71,22 +71,6 @@ def test_the_step_is_counted_once_and_an_older_checkpoint_that_counted_it_twice_
         assert "steps" not in opt2.state_dict()["dopr"]["counts"]
 
 
-def test_the_counters_of_stats_are_the_declared_ones_and_the_summary_carries_them():
-    """DoPr.COUNTERS lists every counter the library counts (each `counts["<name>"]` in dopr/), stats()
-    has each of them from the start, and a job's summary.json sums the same list."""
-    import re
-    from pathlib import Path
-
-    counted = {m for path in (Path(dopr.__file__).parent).rglob("*.py")
-               for m in re.findall(r"counts\[\"(\w+)\"\]", path.read_text())}
-    assert counted and counted | {"steps"} == set(DoPr.COUNTERS)
-    opt = dopr.build(_mlp(), "sgd", ap={}, lr=1e-2)
-    assert {k: opt.stats()[k] for k in DoPr.COUNTERS} == dict.fromkeys(DoPr.COUNTERS, 0)
-    pytest.importorskip("omegaconf")
-    from experiments.common.run import DOPR_COUNTERS
-    assert DOPR_COUNTERS == DoPr.COUNTERS
-
-
 def test_ema_buffers_hold_half_a_covariance_per_layer():
     model = _mlp()
     opt = dopr.build(model, "sgd", ap={"precond_ema": 0.9}, lr=1e-2)

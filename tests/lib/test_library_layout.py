@@ -1,0 +1,77 @@
+"""The library's own layout: every GP of dopr/gp/ is its update formula on the one step, and the DoPr class is
+small and names no damping rule."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _repeated_runs(paths, n: int = 6) -> list:
+    """The runs of ``n`` code lines (stripped; blank, comment, import and punctuation-only lines left out)
+    that stand in two places or more among ``paths``: [(first place, second place), ...]."""
+    seen, repeats = {}, []
+    for path in paths:
+        lines = [(i, s.strip()) for i, s in enumerate(path.read_text().splitlines(), 1)]
+        code = [(i, s) for i, s in lines if any(c.isalnum() for c in s) and not s.startswith(("#", "import ", "from "))]
+        for k in range(len(code) - n + 1):
+            run = tuple(s for _, s in code[k:k + n])
+            place = f"{path.relative_to(ROOT)}:{code[k][0]}"
+            if run in seen:
+                repeats.append((seen[run], place))
+            else:
+                seen[run] = place
+    return repeats
+
+
+def test_every_gp_is_its_update_formula_on_the_one_step():
+    """Issue 66 item 2: every GP of dopr/gp/ is a BaseGP that writes its update formula (update) and no
+    step of its own (the closure, the loop, the skips and refusals are BaseGP's); HybridOptimizer, which
+    steps several GPs, is the one other optimizer there. No six code lines stand twice among dopr/gp/."""
+    import importlib
+    import inspect
+
+    from torch.optim import Optimizer
+
+    from dopr.gp import BaseGP, HybridOptimizer
+
+    files = sorted((ROOT / "dopr" / "gp").glob("*.py"))
+    modules = [importlib.import_module(_module_name(p)) for p in files]
+    optimizers = {c for m in modules for c in vars(m).values()
+                  if isinstance(c, type) and issubclass(c, Optimizer) and c.__module__ == m.__name__}
+    gps = optimizers - {BaseGP, HybridOptimizer}
+    assert {"SGD", "Signum", "Lion", "Muon", "AdaMuon"} <= {c.__name__ for c in gps}
+    # torch.optim.Optimizer wraps a class's step in a hook runner on its first instance: unwrap to compare
+    own_step = [c.__name__ for c in gps if inspect.unwrap(c.step) is not inspect.unwrap(BaseGP.step)]
+    assert [c.__name__ for c in gps if not issubclass(c, BaseGP) or "update" not in vars(c)] == own_step == []
+    assert _repeated_runs(files) == []
+
+
+def test_dopr_is_small_and_names_no_damping_rule():
+    """Issue 66 item 1: the DoPr class at most 450 lines and its _factor at most 25 (as ast counts them),
+    and dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
+    rule is one class in dopr/damping.py plus the option value that chooses it."""
+    tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
+    (dopr_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DoPr"]
+    (factor,) = [n for n in dopr_class.body if isinstance(n, ast.FunctionDef) and n.name == "_factor"]
+    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 450
+    assert factor.end_lineno - factor.lineno + 1 <= 25
+    from dopr import damping
+
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    used = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings}
+    used |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    used |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    rule_logic = {"damping_scale", "filtered_damping_scale", "direction_energy", "MAX_DOUBLINGS"}
+    rules = {"trace", "spectrum", "filter"} | set(damping.RULES) | {c.__name__ for c in damping.RULES.values()}
+    named = rules | rule_logic | set(damping.TRACE_MODES) | {"weak_share_bound", "weak_share_estimate"}
+    assert not used & named, sorted(used & named)
+    health = ast.parse((ROOT / "dopr" / "health.py").read_text())   # the report, no damping rule in it
+    defined = {n.name for n in ast.walk(health) if isinstance(n, ast.FunctionDef)}
+    assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
