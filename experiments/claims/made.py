@@ -22,9 +22,9 @@ EXPERIMENTS = (
                ("memory", "overhead", "solver-damping", "rank1-diag", "sua", "damping")),
     Experiment('Proposition "PrecondInvariance" / appendix "Activation Invariance", Figure "AP invariance property"',
                "see `tests/`; `python run.py -m sweep=invariance`", "CPU, seconds; the figure 7 min",
-               "`tests/suite/test_invariance.py` (float64, damping 0), `results/invariance/` (the paper's damping: "
+               "`tests/lib/test_paper_theory.py` (float64, damping 0), `results/invariance/` (the paper's damping: "
                "the damping term is what breaks exact invariance)", ("invariance", "invariance-layers")),
-    Experiment("Feature-learning worked example", "see `tests/`", "CPU, seconds", "`tests/suite/test_invariance.py`",
+    Experiment("Feature-learning worked example", "see `tests/`", "CPU, seconds", "`tests/lib/test_paper_theory.py`",
                ("worked-example", "contraction")),
     Experiment('Proposition "LDS" (closed forms), appendix construction K_θ vs K_ψ (Proposition "Ktheta_Kpsi_bound", '
                'Lemma "infF_lb")', "`python run.py -m sweep=lds`", "CPU, 15 s",

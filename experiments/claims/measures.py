@@ -188,7 +188,7 @@ def feature_learn() -> Measured:
 
 def invariance() -> Measured:
     gap = {r["optimizer"]: float(r["max_relative_gap"]) for r in rows(INVARIANCE)}
-    return Measured(f"damping 0 (`tests/suite/test_invariance.py`): x and Qx+d agree to 5e-16 (50 steps); damping "
+    return Measured(f"damping 0 (`tests/lib/test_paper_theory.py`): x and Qx+d agree to 5e-16 (50 steps); damping "
                     f"1e-8·tr(Σ): largest gap {num(gap['dopr_sgd'])} vs SGD {num(gap['sgd'])}",
                     ("reproduced" if gap["dopr_sgd"] < gap["sgd"] / 100 else "inconclusive",),
                     "DoPr-SGD trajectories on x and Qx+d agree to 5e-16 (damping 0)")

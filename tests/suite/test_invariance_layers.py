@@ -1,6 +1,6 @@
 """The appendix corollaries "Convolutional Affine invariance" and "Attention projection AP invariance":
 DoPr-SGD trajectories on x and on the transformed input agree to float64 rounding, SGD's do not
-(the feedforward case is tests/suite/test_invariance.py)."""
+(the feedforward case is tests/lib/test_paper_theory.py)."""
 import pytest
 
 from experiments.theory.invariance_layers import CASES, relative_gap, rounding_bound, trajectories
