@@ -19,7 +19,10 @@ maps' targets:
   original validation images (the data it sees in training);
 - grafted_off: the bare Grafted weights on the transformed images (the reading of the earliest runs);
 - original: the Original model on the transformed images (the claim's baseline);
-- original_on_original, the in-distribution control: the Original model on its own original images.
+- original_on_original, the in-distribution control: the Original model on its own original images;
+- original_maps_on_transformed, the maps' control: the Original network with the same evaluation-time maps
+  (its layer inputs mapped to the Transformed model's moments), fed the transformed images. Where it is as
+  close to Transformed as the paper's reading, the maps at evaluation, not training under them, made the gap.
 
 The claim: the Grafted model's validation loss tracks the Transformed model's far more closely than
 the Original model's does.
@@ -71,10 +74,11 @@ class Graft:
     """Records each nn.Linear input's moments on the `source` model and maps the `target` model's
     inputs to them (forward pre-hooks); `target`'s maps apply only while `enabled`."""
 
-    def __init__(self, source: nn.Module, target: nn.Module, damping: float = SQRT_DAMPING) -> None:
+    def __init__(self, source: nn.Module, target: nn.Module, damping: float = SQRT_DAMPING,
+                 enabled: bool = True) -> None:
         src = [m for m in source.modules() if isinstance(m, nn.Linear)]
         dst = [m for m in target.modules() if isinstance(m, nn.Linear)]
-        self.damping, self.enabled, self.targets = damping, True, [None] * len(src)
+        self.damping, self.enabled, self.targets = damping, enabled, [None] * len(src)
         self.handles = [m.register_forward_pre_hook(self._recorder(i)) for i, m in enumerate(src)]
         self.handles += [m.register_forward_pre_hook(self._grafter(i)) for i, m in enumerate(dst)]
 
@@ -124,18 +128,20 @@ def parameterize(models: dict, opts: dict, parameterization, width: int) -> dict
     return rates
 
 
-def evaluate(models: dict, graft: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) -> dict:
+def evaluate(models: dict, graft: Graft, control: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) -> dict:
     """Validation, one full-batch pass per reading of `READINGS` (a flat dict of val_loss_<reading>,
     val_acc_<reading>): the Transformed model on xtv records the maps' targets (its layer-input moments);
     the Grafted model reads xtv (the paper's reading) and the matching original images xv through its
-    maps, and xtv with the maps off; the Original model reads xtv and xv. Leaves the maps enabled."""
+    maps, and xtv with the maps off; the Original model reads xtv and xv, and xtv through `control`'s maps
+    (the same evaluation-time maps onto the Original network). Leaves the maps enabled and `control`'s off."""
     loss_fn = nn.CrossEntropyLoss()
     out = {}
     with torch.no_grad():
-        graft.enabled = True
+        graft.enabled = control.enabled = True
         logits = {"transformed": models["transformed"](xtv), "grafted_on_transformed": models["grafted"](xtv),
-                  "grafted_on_original": models["grafted"](xv)}
-        graft.enabled = False
+                  "grafted_on_original": models["grafted"](xv),
+                  "original_maps_on_transformed": models["original"](xtv)}
+        graft.enabled = control.enabled = False
         logits.update(grafted_off=models["grafted"](xtv), original=models["original"](xtv),
                       original_on_original=models["original"](xv))
         graft.enabled = True
@@ -147,7 +153,7 @@ def evaluate(models: dict, graft: Graft, xv: Tensor, xtv: Tensor, yv: Tensor) ->
 
 #: what `evaluate` scores (model, maps, validation images); the gaps are to the Transformed model's loss
 READINGS = ("transformed", "grafted_on_transformed", "grafted_on_original", "grafted_off", "original",
-            "original_on_original")
+            "original_on_original", "original_maps_on_transformed")
 GAPPED = READINGS[1:]
 
 
@@ -162,6 +168,7 @@ def run(cfg, run) -> dict:
     models = {"transformed": (transformed, xt), "grafted": (grafted, x), "original": (original, x)}
     graft = Graft(transformed, grafted)   # before the optimizers: a DoPr's capture sees the mapped inputs
     opts = {name: run.build_optimizer(m) for name, (m, _) in models.items()}
+    control = Graft(transformed, original, enabled=False)   # on at evaluation only: the Original trains without
     rates = parameterize({n: m for n, (m, _) in models.items()}, opts, t.parameterization, int(t.width))
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(int(cfg.seed))
@@ -181,12 +188,13 @@ def run(cfg, run) -> dict:
         bar.update()
         if step % int(t.val_every) and step != int(t.steps):
             continue
-        val = evaluate({n: m for n, (m, _) in models.items()}, graft, xv, xtv, yv)
+        val = evaluate({n: m for n, (m, _) in models.items()}, graft, control, xv, xtv, yv)
         for name in gaps:
             gaps[name].append(abs(val[f"val_loss_{name}"] - val["val_loss_transformed"]))
         run.log({**val, **{f"gap_{k}": v[-1] for k, v in gaps.items()}}, step)
     bar.close()
     graft.remove()
+    control.remove()
     mean_gap = {k: sum(v) / len(v) for k, v in gaps.items()}
     ratio = lambda a, b: a / b if b > 0 else float("nan")
     return {**val, **{f"mean_gap_{k}": v for k, v in mean_gap.items()},

@@ -18,7 +18,8 @@ READING = {"transformed": ("reference", "Transformed, transformed images"),
            "grafted_on_original": ("in-distribution scoring", "Grafted, maps on, original images"),
            "grafted_off": ("maps off", "Grafted, maps off, transformed images"),
            "original": ("baseline", "Original, transformed images"),
-           "original_on_original": ("in-distribution control", "Original, original images")}
+           "original_on_original": ("in-distribution control", "Original, original images"),
+           "original_maps_on_transformed": ("maps' control", "Original, the same maps on, transformed images")}
 #: the keys of runs made before the paper's reading was scored: their "maps on" fed the original images
 OLD_KEYS = {"gap_ratio_on": "gap_ratio_grafted_on_original", "gap_ratio_off": "gap_ratio_grafted_off"}
 

@@ -56,14 +56,14 @@ def _cross_entropy(logits: np.ndarray, y: torch.Tensor) -> float:
 def _three_networks_and_validation():
     torch.manual_seed(0)
     transformed, grafted, original = (mlp(5, 7, 3).double() for _ in range(3))   # three different networks
-    graft = Graft(transformed, grafted)
+    graft, control = Graft(transformed, grafted), Graft(transformed, original, enabled=False)
     x_train, xt_train = _batch(80, 5, 1, 1.0), _batch(80, 5, 2, 3.0)
     transformed(xt_train)   # stale targets from a training batch: the validation must replace them
     grafted(x_train)
     xv, xtv = _batch(64, 5, 3, 0.5), torch.tanh(_batch(64, 5, 4, 2.0))
     yv = torch.arange(64) % 3
     models = {"transformed": transformed, "grafted": grafted, "original": original}
-    return models, graft, xv, xtv, yv, evaluate(models, graft, xv, xtv, yv)
+    return models, graft, xv, xtv, yv, evaluate(models, graft, control, xv, xtv, yv)
 
 
 def test_the_papers_reading_feeds_the_grafted_network_the_transformed_images_through_its_maps():
@@ -82,6 +82,19 @@ def test_the_papers_reading_feeds_the_grafted_network_the_transformed_images_thr
     assert got["val_loss_original_on_original"] == pytest.approx(nn.functional.cross_entropy(own, yv).item(), rel=1e-12)
     assert got["val_acc_original_on_original"] == pytest.approx((own.argmax(1) == yv).double().mean().item())
     assert abs(got["val_loss_original_on_original"] - got["val_loss_original"]) > 1e-3
+
+
+def test_the_maps_control_is_the_original_network_through_the_same_maps_fed_the_transformed_images():
+    """Issue 74 item 5: the control the paper's reading needs. The Original network, its layer inputs mapped to
+    the Transformed model's moments on xtv by the appendix's formula, fed xtv; the baseline (no maps) unchanged."""
+    models, graft, xv, xtv, yv, got = _three_networks_and_validation()
+    expected = _grafted_logits_by_the_formula(models["original"], models["transformed"], xtv, xtv)
+    assert got["val_loss_original_maps_on_transformed"] == pytest.approx(_cross_entropy(expected, yv), rel=1e-9)
+    assert got["val_acc_original_maps_on_transformed"] == pytest.approx(float(np.mean(expected.argmax(1) == yv.numpy())))
+    with torch.no_grad():   # after evaluation the Original network trains bare: its maps are off
+        bare = models["original"](xtv)
+    assert got["val_loss_original"] == pytest.approx(nn.functional.cross_entropy(bare, yv).item(), rel=1e-12)
+    assert abs(got["val_loss_original_maps_on_transformed"] - got["val_loss_original"]) > 1e-5   # vs 1e-9 agreement
 
 
 def test_in_distribution_scoring_is_the_appendix_map_fed_the_original_images_and_the_transformed_models_moments():
