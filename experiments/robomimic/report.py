@@ -14,6 +14,8 @@ COLUMNS = ["task", "optimizer", "seeds", "best_success_mean", "best_q10", "best_
            "seed_best_min", "seed_best_median", "seed_best_max", "best_steps", "final_success_median",
            "train_loss_median", "val_loss_median", "lr", "weight_decay", "grad_clip_norm", "steps", "damping",
            "grad_ema", "precond_ema", "damping_mode", "adjust_lr_fn", "cholesky_retries", "step_time_s"]
+RUN_COLUMNS = ["task", "optimizer", "seed", "best_success", "best_step", "final_success", "train_loss", "val_loss",
+               "lr", "weight_decay", "step_time_s", "git_revision"]
 DELTA_COLUMNS = ["task", "gp", "gp_best_median", "dopr_best_median", "delta", "dopr_better", "seed_ranges_overlap",
                  "gp_train_loss", "dopr_train_loss"]
 
@@ -53,6 +55,18 @@ def rows(records) -> list:
     return out
 
 
+def per_seed(records) -> list:
+    """One row per run (the numbers `rows` aggregates): its best and final success, training and validation loss,
+    so that every median and range of the table recomputes from the committed files (issue 74 item 2)."""
+    runs = sorted((r["summary"] for r in records if r["summary"]["evals"]),
+                  key=lambda s: (s["task"], s["optim"], s.get("seed", 0)))
+    return [{"task": s["task"], "optimizer": s["optim"], "seed": s.get("seed", ""), "best_success": s["best_success"],
+             "best_step": s["best_step"], "final_success": s["success_curve"][max(s["success_curve"], key=int)],
+             "train_loss": s["train_loss"], "val_loss": "" if s["val_loss"] is None else s["val_loss"],
+             "lr": s["lr"], "weight_decay": s["weight_decay"], "step_time_s": s["step_time_s"],
+             "git_revision": s.get("git_revision", "")} for s in runs]
+
+
 def deltas(table: list) -> list:
     """DoPr vs its GP on each seed's best success rate (median over seeds) and the training loss."""
     out = dopr_vs_gp({(r["optimizer"], r["task"]): r for r in table}, None, "task", "seed_best_median",
@@ -62,7 +76,7 @@ def deltas(table: list) -> list:
 
 
 def success(records, out_dir, stamp):
-    """robomimic_success.{md,csv}, robomimic_deltas.{md,csv}, robomimic_success.png (best success so far
+    """robomimic_success.{md,csv}, robomimic_runs.{md,csv} (per seed), robomimic_deltas.{md,csv}, robomimic_success.png (best success so far
     and success vs steps, min/median/max over seeds) and robomimic_train_loss.png; returns both figures."""
     import matplotlib
     matplotlib.use("Agg")
@@ -71,6 +85,8 @@ def success(records, out_dir, stamp):
     table = rows(records)
     write_table(table, COLUMNS, out_dir / "robomimic_success", stamp,
                 "Best-checkpoint success rate (bootstrap over the best checkpoints' episodes, and per seed)")
+    write_table(per_seed(records), RUN_COLUMNS, out_dir / "robomimic_runs", stamp,
+                "Each run's best and final success rate and losses (the table's medians and ranges recompute from these)")
     write_table(deltas(table), DELTA_COLUMNS, out_dir / "robomimic_deltas", stamp,
                 "DoPr vs its GP: median over seeds of the best success rate")
     by_opt = defaultdict(list)

@@ -1,7 +1,9 @@
 """The image-policy family end to end without the simulator: training per GP, resume, coverage,
 the policy's executed actions, the report and the errors a user sees."""
+import csv
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -205,6 +207,16 @@ def test_report_tables_and_figures(tmp_path):
               "robomimic_train_loss.png"):
         assert (tmp_path / "out" / f).exists(), f
     assert "stamp" in (tmp_path / "out" / "robomimic_success.md").read_text()
+    # the per-seed file: each aggregate of the table recomputes from it (issue 74 item 2)
+    with open(tmp_path / "out" / "robomimic_runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["optimizer"], r["seed"]) for r in runs] == [("adamw", "0"), ("adamw", "1"), ("dopr_adamw", "2"),
+                                                           ("dopr_adamw", "3")]
+    for name, row in rows.items():
+        mine = [r for r in runs if r["optimizer"] == name]
+        assert statistics.median(float(r["train_loss"]) for r in mine) == pytest.approx(row["train_loss_median"])
+        assert min(float(r["best_success"]) for r in mine) == row["seed_best_min"]
+        assert statistics.median(float(r["best_success"]) for r in mine) == pytest.approx(row["seed_best_median"])
 
 
 @pytest.mark.parametrize("task,optim,lr,wd,clip,steps,ema", [
