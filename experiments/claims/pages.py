@@ -1,14 +1,17 @@
 """Writing the rows into the pages: each generated block sits between `<!-- claims:begin NAME -->` and
 `<!-- claims:end NAME -->`; the text around the markers is hand-written and left alone.
 
-Blocks: results/CLAIMS.md `rows` (the claims table) and `made` (how each experiment is made, its rows' verdicts),
+Blocks: results/CLAIMS.md `rows` (the claims table), `sources` (the rows whose numbers do not all recompute from
+per-run files) and `made` (how each experiment is made, its rows' verdicts),
 README.md `front` (one line per row), results/<family>/README.md `family` (the verdicts of the rows resting on it)."""
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from experiments.claims.made import EXPERIMENTS
 from experiments.claims.row import Claim
 from experiments.claims.rows import ROWS
+from experiments.claims.tables import SOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAIMS_PAGE = "results/CLAIMS.md"
@@ -82,12 +85,34 @@ def families() -> list:
 
 
 def measure_all() -> dict:
-    return {c.id: c.measure() for c in ROWS}
+    """{row id: Measured}; a row that read a protocol's aggregate table (no per-seed runs beside it) is marked
+    not recomputed, whatever its function said."""
+    out = {}
+    for c in ROWS:
+        SOURCES.clear()
+        m = c.measure()
+        aggregates = tuple(sorted(p for p, kind in SOURCES.items() if kind == "aggregate"))
+        out[c.id] = replace(m, aggregates=aggregates, recomputed=m.recomputed and not aggregates)
+    return out
+
+
+def sources_block(measured: dict) -> str:
+    """The rows whose numbers do not all recompute from per-run files, and why."""
+    lines = ["Rows whose numbers do not all recompute from per-run files committed here (written by "
+             f"`{COMMAND}`; every other row's numbers do):"]
+    for c in ROWS:
+        m = measured[c.id]
+        if not m.recomputed:
+            why = (f"aggregate tables only: {', '.join(f'`{p}`' for p in m.aggregates)}" if m.aggregates else
+                   "typed once in its function (experiments/claims/measures.py says why)")
+            lines.append(f"- [{c.id}](#{c.id}): {why}")
+    return "\n".join(lines)
 
 
 def blocks(measured: dict) -> dict:
     """{page: {block name: text}} for every generated block."""
-    out = {CLAIMS_PAGE: {"rows": rows_block(measured), "made": made_block(measured)},
+    out = {CLAIMS_PAGE: {"rows": rows_block(measured), "made": made_block(measured),
+                         "sources": sources_block(measured)},
            FRONT_PAGE: {"front": front_block(measured)}}
     for f in families():
         out[f"results/{f}/README.md"] = {"family": family_block(f, measured)}

@@ -21,6 +21,7 @@ class Measured:
     clauses: tuple
     headline: str
     recomputed: bool = True   # False: the numbers are typed here once (the row's function says why in `ours`)
+    aggregates: tuple = ()    # the protocol tables without per-seed runs it read (set by pages.measure_all)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,20 @@
 """Reading the committed per-seed tables a claims row rests on, and the page's spread rule.
 
 Every table here is a file under results/ that a report wrote: a tuning protocol's `protocol.csv` (one row per
-arm: `<metric>_min`, `_median`, `_max` over the fresh seeds), a BC grid's `<task>_dopr_vs_gp.csv` (one row per
+arm: `<metric>_min`, `_median`, `_max` over the fresh seeds) or, where the report wrote it beside, its per-seed
+`protocol_runs.csv` (one row per fresh-seed run), which `arm` reads first; a BC grid's `<task>_dopr_vs_gp.csv` (one row per
 GP x trajectory count), a report's own csv. Paths are relative to the repository's root."""
 import csv
 import json
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PER_SEED = "protocol_runs.csv"   # beside a protocol.csv: the runs it aggregates (experiments/common/tuning.py)
+#: not metrics: the per-seed table's other columns
+RUN_FIELDS = ("arm", "setting", "seed", "fixed", "wall_time_s", "git_revision")
+#: the protocol tables `arm` read since the last `SOURCES.clear()`: {path: "per seed" | "aggregate"}
+SOURCES: dict = {}
 
 
 def rows(path: str) -> list:
@@ -16,11 +23,31 @@ def rows(path: str) -> list:
 
 
 def arm(path: str, name: str) -> dict:
-    """The row of arm `name` in a tuning protocol's table, numbers as floats where they parse."""
+    """The row of arm `name` in a tuning protocol's table, numbers as floats where they parse: recomputed from
+    the per-seed runs beside it (`PER_SEED`, its fixed seeds) where they are committed, else the aggregate row."""
+    runs = str(Path(path).parent / PER_SEED)
+    if (ROOT / runs).exists():
+        SOURCES[runs] = "per seed"
+        return arm_from_runs(rows(runs), name, runs)
+    SOURCES[path] = "aggregate"
     for r in rows(path):
         if r["arm"] == name:
             return {k: _number(v) for k, v in r.items()}
     raise KeyError(f"{path} has no arm {name!r}")
+
+
+def arm_from_runs(runs: list, name: str, where: str = "per-seed table") -> dict:
+    """`<metric>_min`, `_median`, `_max`, `_mean` over arm `name`'s fixed-seed runs, as protocol.csv has them."""
+    mine = [r for r in runs if r["arm"] == name and r.get("fixed", "True") in ("True", "true", "1", "")]
+    if not mine:
+        raise KeyError(f"{where} has no run of arm {name!r}")
+    out = {"arm": name, "setting": mine[0]["setting"], "seeds": " ".join(r["seed"] for r in mine)}
+    for metric in (k for k in mine[0] if k not in RUN_FIELDS):
+        values = [float(r[metric]) for r in mine if r[metric] not in ("", None)]
+        if values:
+            out.update({f"{metric}_min": min(values), f"{metric}_median": statistics.median(values),
+                        f"{metric}_max": max(values), f"{metric}_mean": statistics.fmean(values)})
+    return out
 
 
 def selection(path: str) -> dict:

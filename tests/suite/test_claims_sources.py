@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.claims import pages
+from experiments.claims import pages, tables
 from experiments.claims.__main__ import main
 from experiments.claims.row import Claim, Measured, NOT_RECOMPUTABLE
 from experiments.claims.rows import ROWS
@@ -104,7 +104,9 @@ def test_rows_without_per_run_files_say_so(measured):
     for row in ("peers", "damping", "robomimic-train-loss"):
         assert NOT_RECOMPUTABLE in measured[row].ours, row
         assert not measured[row].recomputed
-    assert measured["humanoid"].recomputed and measured["sit"].recomputed
+    assert measured["humanoid"].recomputed   # the BC grid's per-run tables
+    # a row resting on a protocol's aggregate table alone is not recomputed, and names the table
+    assert not measured["sit"].recomputed and "results/sit_mnist/protocol/protocol.csv" in measured["sit"].aggregates
 
 
 def test_every_family_readme_with_a_row_carries_its_block():
@@ -120,3 +122,39 @@ def test_a_claim_rejects_a_word_outside_the_vocabulary():
               lambda: Measured("o", ("consistent with the paper",), "h"))
     with pytest.raises(ValueError, match="row x"):
         c.verdict(c.measure())
+
+
+def test_an_arm_recomputes_from_its_per_seed_runs():
+    """Issue 74 item 2: `arm` aggregates a protocol's per-seed runs as protocol.csv does (min, median, max over
+    the fixed seeds; a seed beyond them is left out)."""
+    runs = [{"arm": "a", "setting": "optim.lr=0.1", "seed": s, "fixed": f, "val_loss": v, "wall_time_s": "3"}
+            for s, f, v in (("1", "True", "0.5"), ("2", "True", "0.25"), ("3", "True", "2.0"), ("4", "False", "9"),
+                            ("5", "True", "1.0"))]
+    got = tables.arm_from_runs(runs + [{**runs[0], "arm": "b"}], "a")
+    assert (got["val_loss_min"], got["val_loss_median"], got["val_loss_max"]) == (0.25, 0.75, 2.0)
+    assert got["seeds"] == "1 2 3 5" and "wall_time_s_min" not in got
+    with pytest.raises(KeyError, match="no run of arm 'c'"):
+        tables.arm_from_runs(runs, "c")
+
+
+def test_every_committed_per_seed_table_agrees_with_its_aggregate():
+    """A protocol_runs.csv beside a protocol.csv: each arm's min / median / max recompute to the aggregate row
+    (protocol.csv prints 7 significant digits: relative error 5e-7)."""
+    found = sorted(ROOT.glob("results/**/" + tables.PER_SEED))
+    for per_seed in found:
+        aggregate = per_seed.parent / "protocol.csv"
+        runs = tables.rows(str(per_seed.relative_to(ROOT)))
+        for row in tables.rows(str(aggregate.relative_to(ROOT))):
+            mine = tables.arm_from_runs(runs, row["arm"], str(per_seed))
+            for key, value in row.items():
+                if key.rsplit("_", 1)[-1] in ("min", "median", "max") and value not in ("", None):
+                    assert mine[key] == pytest.approx(float(value), rel=1e-6), (per_seed, row["arm"], key)
+
+
+def test_the_sources_block_names_each_row_that_read_an_aggregate_table(measured):
+    block = pages.sources_block(measured)
+    for c in ROWS:
+        m = measured[c.id]
+        assert (f"[{c.id}](#{c.id})" in block) == (not m.recomputed), c.id
+        for path in m.aggregates:
+            assert f"`{path}`" in block and not (ROOT / path).parent.joinpath(tables.PER_SEED).exists()
