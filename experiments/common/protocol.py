@@ -15,6 +15,10 @@ long they take (the median committed run time per job of the task and arm, namin
 folders the stage writes, and runs and writes nothing, before the earlier stages ran too. Other arguments pass
 through (to Hydra for tune and protocol, to tuning.py for select and report). `--root` puts multirun/, conf/tuned/ and
 results/ under another folder (the tests' temporary one).
+
+A study variant (`study: {axis, values, arms}`, `from: <variant>`; docs/protocol.md "A study at the committed
+setting") tunes and selects nothing: `protocol` runs the reused selection's configs of those arms at every value of
+the axis on the fresh seeds, `report` runs experiments/common/study.py.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ PRESETS = CHECKOUT / "conf" / "protocol"
 STAGES = ("tune", "select", "protocol", "report")
 #: what a preset (and each of its variants) may say; a variant's dicts merge into the preset's, null drops a key
 MERGED = ("overrides", "dopr_overrides", "grid", "gp_grid", "dopr_grid", "select")
-KEYS = MERGED + ("arms", "tuning_seeds", "fresh_seeds", "fresh_axes", "configs", "results", "versus")
+KEYS = MERGED + ("arms", "tuning_seeds", "fresh_seeds", "fresh_axes", "configs", "results", "versus", "study", "from")
 
 
 def load(task: str) -> dict:
@@ -69,6 +73,8 @@ def resolve(preset: dict, variant: str = None) -> dict:
         _known(variants[variant], KEYS, f"{preset['task']} variant {variant}")
         for k, v in variants[variant].items():
             spec[k] = {**(spec.get(k) or {}), **v} if k in MERGED else v
+        if spec.get("study"):
+            return _study(preset, spec, variant)
     arms = spec["arms"]
     arms = {a: {} for a in arms} if isinstance(arms, list) else {a: e or {} for a, e in arms.items()}
     spec["arms"] = {}
@@ -81,6 +87,30 @@ def resolve(preset: dict, variant: str = None) -> dict:
     suffix = f"_{variant}" if variant else ""
     spec.update(variant=variant, configs=spec.get("configs", f"{spec['task']}_protocol{suffix}"),
                 results=spec.get("results", f"results/{spec['task']}/protocol{suffix}"))
+    return spec
+
+
+def _study(preset: dict, spec: dict, variant: str) -> dict:
+    """A study variant (`study: {axis, values, arms}`, optionally `from: <variant>`): nothing tuned or selected; its
+    arms start from the conf/tuned/ configs of the selection it reuses (the task's own, or the variant `from`
+    names), each with the axis as its grid on the fresh seeds; its tables go to its own `results` (default
+    results/<task>/<variant>)."""
+    where = f"{spec['task']} variant {variant}"
+    study = spec["study"]
+    _known(study, ("axis", "values", "arms"), f"{where}: study")
+    source = spec.get("from")
+    if source and (preset.get("variants") or {}).get(source, {}).get("study"):
+        raise ValueError(f"{where}: from {source!r}, a study itself: a study reuses a selection")
+    reused = resolve(preset, source)
+    unknown = [a for a in study["arms"] if a not in reused["arms"]]
+    if unknown:
+        raise ValueError(f"{where}: study arm {unknown[0]!r} is not an arm of the selection it reuses "
+                         f"({reused['results']}: {', '.join(reused['arms'])})")
+    shared = _present(spec.get("overrides") or {})
+    spec.update(variant=variant, tuned=reused["configs"], configs=reused["configs"], selection=reused["results"],
+                results=preset["variants"][variant].get("results", f"results/{spec['task']}/{variant}"),
+                arms={a: {"preset": a, "overrides": shared, "grid": {study["axis"]: list(study["values"])}}
+                      for a in study["arms"]})
     return spec
 
 
@@ -145,6 +175,8 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
             raise ValueError(message)
         notes.append(f"not run yet: {message}; the lines {instead}")
 
+    if spec.get("study"):
+        return _study_plan(stage, spec, arms, root, run, after, stage_dir, extra, missing, notes)
     if stage == "tune":
         check(spec)
         lines = [(run + [f"+tuned/{spec['tuned']}={a['preset']}",
@@ -198,6 +230,43 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
                           "ran")]}
 
 
+def _study_plan(stage: str, spec: dict, arms: list, root: Path, run: list, after: list, stage_dir: Path, extra: list,
+                missing, notes: list) -> dict:
+    """plan() of a study variant: tune and select refused (it reuses a selection); protocol: each arm's committed
+    config at every value of the axis on the fresh seeds; report: `experiments.common.study`, its tables."""
+    configs, selection = root / "conf" / "tuned" / spec["configs"], root / spec["selection"] / "selection.json"
+    if stage in ("tune", "select"):
+        raise ValueError(f"{spec['task']} variant {spec['variant']} is a study at the committed setting: nothing to "
+                         f"{stage}, it reuses the selection {_where(selection)} ({_where(configs)}); run its protocol "
+                         "stage, then report")
+    if stage == "protocol":
+        lines = []
+        for name in arms:
+            if not (configs / f"{name}.yaml").is_file():
+                missing(f"{_where(configs)} holds no config of {name}: the selection the study reuses has not run",
+                        "assume its select wrote it")
+            a = spec["arms"][name]
+            lines.append((run + [f"+tuned/{spec['configs']}={name}", *(f"{k}={_text(v)}" for k, v in a["overrides"].items()),
+                                 *(f"{k}={_values(v)}" for k, v in a["grid"].items()),
+                                 f"seed={_values(spec['fresh_seeds'])}", *after,
+                                 f"hydra.sweep.dir={_where(stage_dir / name)}", *extra],
+                          Arm.read(name).optim, _jobs(a["grid"], a["grid"], spec["fresh_seeds"])))
+        return {"lines": lines, "writes": [(_where(stage_dir / n), "sweep") for n in arms], "notes": notes}
+    if not selection.is_file():
+        missing(f"no {_where(selection)}: the selection the study reuses has not run", "name the file select writes")
+    dirs = [_where(stage_dir / n) for n in arms if (stage_dir / n).is_dir()]
+    if not dirs:
+        missing(f"no study runs under {_where(stage_dir)}: run the protocol stage first",
+                "name the folders the protocol stage writes")
+        dirs = [_where(stage_dir / n) for n in arms]
+    study = spec["study"]
+    line = ["python", "-m", "experiments.common.study", *dirs, "--selection", _where(selection), "--axis",
+            study["axis"], "--values", _values(study["values"]), "--arms", ",".join(arms), "--seeds",
+            _values(spec["fresh_seeds"]), "--out", _where(root / spec["results"]), *extra]
+    return {"lines": [(line, None, 0)], "notes": notes, "writes": [
+        (_where(root / spec["results"]), "study.md, study.csv, study_runs.csv")]}
+
+
 def committed_times(task: str, results: Path = CHECKOUT / "results") -> dict:
     """{optim: [(seconds, jobs, file)]}: the run times committed under results/ for the task: each job's
     summary.json (`wall_time_s`, its `task` and `optim`), a timing table `<task>_timing.csv` (`wall_s_median` of
@@ -242,7 +311,8 @@ def summary(stage: str, spec: dict, planned: dict, results: Path = CHECKOUT / "r
     out = [f"# {note}" for note in planned["notes"]]
     launched = [(arm, jobs) for _, arm, jobs in planned["lines"] if arm is not None]
     if not launched:
-        out.append(f"# jobs: 0 (one local command: {'tuning select' if stage == 'select' else 'tuning report'} reads "
+        command = "tuning select" if stage == "select" else "study" if spec.get("study") else "tuning report"
+        out.append(f"# jobs: 0 (one local command: {command} reads "
                    "the finished jobs' summary.json files; no training job)")
         out.append("# time: seconds (no training job)")
     else:

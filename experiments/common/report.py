@@ -75,16 +75,25 @@ def reproducible(v):
 
 def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "") -> None:
     """rows: list of dicts. Writes <stem>.csv and <stem>.md (the markdown names commands and commit)."""
-    path_stem.parent.mkdir(parents=True, exist_ok=True)
-    with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
+    write_csv(rows, columns, path_stem.with_suffix(".csv"))
+    lines = [f"# {title}" if title else "", "", stamp, "", *markdown_table(rows, columns)]
+    path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
+
+
+def write_csv(rows: list, columns: list, path: Path) -> None:
+    """rows (dicts) as a CSV of these columns, floats rounded to what a re-run reproduces."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         w.writerows({k: reproducible(v) for k, v in r.items()} for r in rows)
+
+
+def markdown_table(rows: list, columns: list) -> list:
+    """rows (dicts) as the lines of a markdown table of these columns, floats to 4 significant digits."""
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = [f"# {title}" if title else "", "", stamp, "", "| " + " | ".join(columns) + " |",
-             "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows)]
 
 
 STAMP_POINTS = 6

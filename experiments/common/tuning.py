@@ -556,10 +556,19 @@ def verdicts(rows: list, selection: dict) -> list:
 def spread_word(a: dict, b: dict, m: str, mode: str, name: str) -> str:
     """Arm row `a` against arm row `b` by metric `m`: better or worse where the seeds' ranges do not overlap,
     inconclusive where they do (`name` is what the words call arm `a`)."""
+    word, ahead = spread_verdict(a, b, m, mode)
+    if word != "inconclusive":
+        return f"{name} {word}, no seed overlap"
+    return f"inconclusive, the seeds overlap ({name} {'ahead' if ahead else 'behind'} on the median)"
+
+
+def spread_verdict(a: dict, b: dict, m: str, mode: str) -> tuple:
+    """(better | worse | inconclusive, whether `a` is ahead on the median): row `a` against row `b` by metric `m`,
+    better or worse where the seeds' ranges do not overlap."""
     ahead = a[f"{m}_median"] < b[f"{m}_median"] if mode == "min" else a[f"{m}_median"] > b[f"{m}_median"]
     if a[f"{m}_max"] < b[f"{m}_min"] or b[f"{m}_max"] < a[f"{m}_min"]:
-        return f"{name} {'better' if ahead else 'worse'}, no seed overlap"
-    return f"inconclusive, the seeds overlap ({name} {'ahead' if ahead else 'behind'} on the median)"
+        return ("better" if ahead else "worse"), ahead
+    return "inconclusive", ahead
 
 
 def versus(rows: list, selection: dict, pairs: list) -> list:
