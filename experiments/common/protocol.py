@@ -194,8 +194,8 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
     line = ["python", "-m", "experiments.common.tuning", "report", *dirs, "--selection",
             _where(results / "selection.json"), "--out", _where(results), *versus, *extra]
     return {"lines": [(line, None, 0)], "notes": notes, "writes": [
-        (_where(results), "protocol.md, protocol.csv; protocol_all_seeds.md/.csv where seeds beyond the fixed ones "
-                          "ran")]}
+        (_where(results), "protocol.md, protocol.csv, protocol_runs.csv (each run); protocol_all_seeds.md/.csv "
+                          "where seeds beyond the fixed ones ran")]}
 
 
 def committed_times(task: str, results: Path = CHECKOUT / "results") -> dict:

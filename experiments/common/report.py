@@ -73,13 +73,16 @@ def reproducible(v):
     return float(f"{v:.{SIGNIFICANT_DIGITS}g}") if isinstance(v, float) and math.isfinite(v) else v
 
 
-def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "") -> None:
-    """rows: list of dicts. Writes <stem>.csv and <stem>.md (the markdown names commands and commit)."""
+def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "", markdown: bool = True) -> None:
+    """rows: list of dicts. Writes <stem>.csv and (unless markdown is False) <stem>.md (the markdown names
+    commands and commit)."""
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     with open(path_stem.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         w.writerows({k: reproducible(v) for k, v in r.items()} for r in rows)
+    if not markdown:
+        return
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
     lines = [f"# {title}" if title else "", "", stamp, "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]

@@ -24,7 +24,8 @@ get the same budget and no reported seed took part in the choice.
    metrics on the fixed fresh seeds, and a verdict line per pair naming the DoPr knobs held fixed;
    refused if a fresh seed was also a tuning seed. Seeds beyond the fixed list give a second table
    (protocol_all_seeds.*) titled so; a fixed seed that has not run leaves its row flagged
-   (`missing`) and its pair without a verdict.
+   (`missing`) and its pair without a verdict. protocol_runs.csv lists each run those tables count (arm,
+   setting, seed, `fixed`: one of the fixed fresh seeds or not, the metrics, wall time, revision).
 
     python -m experiments.common.tuning select multirun/<tune gp> multirun/<tune dopr> \
         --configs conf/tuned/<group> --out results/<task>/protocol
@@ -479,10 +480,9 @@ def _matches(record: dict, overrides: dict) -> bool:
     return True
 
 
-def report(records: list, selection: dict, metrics: list, seeds: list = None) -> list:
-    """Rows of the fresh-seed results: per chosen setting, each metric's min / median / max and mean
-    +- standard error over the seeds (only those in `seeds` when given; a row that lacks some of them
-    lists them under `missing`)."""
+def _fresh_runs(records: list, selection: dict, seeds: list = None) -> list:
+    """[(name, overrides, runs)]: per chosen setting its fresh runs, one a seed (only the seeds in `seeds` when
+    given), the runs that `report` aggregates and `run_rows` lists. Refused if a run is on a tuning seed."""
     tuning = set(selection["seeds"])
     reused = sorted({r["summary"]["seed"] for r in records} & tuning)
     if reused:
@@ -490,15 +490,35 @@ def report(records: list, selection: dict, metrics: list, seeds: list = None) ->
                          "winners on seeds the selection never saw)")
     if seeds is not None:
         records = [r for r in records if r["summary"]["seed"] in set(seeds)]
-    rows = []
+    out = []
     for name, overrides in chosen_settings(selection).items():
         arm = arm_of(name)
         runs = {}  # one run per seed: when DoPr's winner is at the GP's setting, two names launch the same setting
         for r in sorted((r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)),
                         key=lambda r: not any(o.endswith(f"={name}") for o in r["summary"].get("overrides", []))):
             runs.setdefault(r["summary"]["seed"], r)
-        runs = list(runs.values())
-        row = {"arm": name, "setting": _fmt({k: v for k, v in overrides.items() if "/" not in k}),
+        out.append((name, overrides, list(runs.values())))
+    return out
+
+
+def _setting_text(overrides: dict) -> str:
+    return _fmt({k: v for k, v in overrides.items() if "/" not in k})
+
+
+def _run_value(run: dict, m: str, selection: dict) -> float:
+    """A run's value of metric m as the report counts it: a run that diverged has no value of the selection
+    metric and counts as the worst (+inf when lower is better), of another metric as NaN."""
+    worst = (math.inf if selection["mode"] == "min" else -math.inf) if m == selection["metric"] else math.nan
+    return worst if run["summary"][m] is None else float(run["summary"][m])
+
+
+def report(records: list, selection: dict, metrics: list, seeds: list = None) -> list:
+    """Rows of the fresh-seed results: per chosen setting, each metric's min / median / max and mean
+    +- standard error over the seeds (only those in `seeds` when given; a row that lacks some of them
+    lists them under `missing`)."""
+    rows = []
+    for name, overrides, runs in _fresh_runs(records, selection, seeds):
+        row = {"arm": name, "setting": _setting_text(overrides),
                "seeds": " ".join(str(s) for s in sorted(r["summary"]["seed"] for r in runs))}
         missing = sorted(set(seeds or ()) - {r["summary"]["seed"] for r in runs})
         if missing:
@@ -507,16 +527,33 @@ def report(records: list, selection: dict, metrics: list, seeds: list = None) ->
         if diverged:
             row["diverged"] = diverged
         for m in metrics:
-            # a run that diverged has no value of the selection metric: it counts as the worst
-            worst = (math.inf if selection["mode"] == "min" else -math.inf) if m == selection["metric"] else math.nan
-            v = np.array([worst if r["summary"][m] is None else float(r["summary"][m])
-                          for r in runs if m in r["summary"]])
+            v = np.array([_run_value(r, m, selection) for r in runs if m in r["summary"]])
             if v.size:
                 row.update({f"{m}_min": float(v.min()), f"{m}_median": float(np.median(v)), f"{m}_max": float(v.max()),
                             f"{m}_mean": float(v.mean()),
                             f"{m}_se": float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 and np.isfinite(v).all() else float("nan")})
         rows.append(row)
     return rows
+
+
+#: protocol_runs.csv's columns beside the metrics: a run's seed, whether it is one of the fixed fresh seeds
+RUN_COLUMNS = ("arm", "setting", "seed", "fixed")
+RUN_EXTRAS = ("diverged_at", "wall_time_s", "git_revision")
+
+
+def run_rows(records: list, selection: dict, metrics: list) -> list:
+    """One row per fresh run the report counts (protocol_runs.csv), sorted by arm, then seed: its chosen
+    setting's name and text as protocol.csv has them, its seed, `fixed` (true: one of the fresh seeds the
+    selection fixed, the runs protocol.csv aggregates; false: a seed beyond them, in protocol_all_seeds.csv
+    only), each metric as the report counts it (a diverged run's selection metric the worst) and the run's
+    diverged_at, wall_time_s and git_revision where its summary has them."""
+    fixed = set(selection.get("fresh_seeds") or ())
+    rows = [{"arm": name, "setting": _setting_text(overrides), "seed": r["summary"]["seed"],
+             "fixed": "true" if r["summary"]["seed"] in fixed else "false",
+             **{m: _run_value(r, m, selection) for m in metrics if m in r["summary"]},
+             **{k: r["summary"][k] for k in RUN_EXTRAS if r["summary"].get(k) is not None}}
+            for name, overrides, runs in _fresh_runs(records, selection) for r in runs]
+    return sorted(rows, key=lambda r: (r["arm"], r["seed"]))
 
 
 def protocol_tables(records: list, selection: dict, metrics: list) -> tuple:
@@ -687,6 +724,10 @@ def main(argv=None) -> None:
                             f"{sel['fresh_seeds']}: not the protocol's result; {what}")
                 notes.append(f"Seeds {extra} ran beyond the {len(sel['fresh_seeds'])} fixed at selection: the table "
                              "above leaves them out; the table on all seeds is protocol_all_seeds.md.")
+            runs = run_rows(records, sel, metrics)
+            write_table(runs, [*RUN_COLUMNS, *metrics, *RUN_EXTRAS], out / "protocol_runs", stamp, markdown=False)
+            notes.append(f"Each run: protocol_runs.csv ({len(runs)} runs, one row a run and seed; `fixed` true for the "
+                         "fixed fresh seeds, the runs this table aggregates).")
             md = out / "protocol.md"
             md.write_text(md.read_text() + "\n" + "\n\n".join(notes) + "\n")
             for r in rows:

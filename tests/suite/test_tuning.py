@@ -503,3 +503,63 @@ def test_relabel_rewrites_a_mislabelled_selection_from_its_json(tmp_path, monkey
     for name in ("selection.md", "protocol.md"):
         assert (folder / name).read_text() == (src / name).read_text()
     assert relabel_knobs.relabel(folder) == []
+
+
+# ------------------------------------------------------------------ per-seed runs and the refinement rule (issue 74)
+def _write_run(folder: Path, name, optim, seed, val, acc, **optim_cfg):
+    """A fresh run as run.py leaves it: summary.json and .hydra/config.yaml (the task's tuning metrics)."""
+    from omegaconf import OmegaConf
+
+    run = _fresh(name, optim, seed, val, **optim_cfg)
+    folder.mkdir(parents=True)
+    summary = {**run["summary"], "task": "toy", "acc": acc, "wall_time_s": 10.0 + seed, "git_revision": "abc123"}
+    if val is None:
+        summary["diverged_at"] = 40
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / ".hydra").mkdir()
+    cfg = OmegaConf.merge(run["config"], {"task": {"tuning": {"metric": "val", "mode": "min", "report": ["val", "acc"]}}})
+    (folder / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+
+def test_report_writes_each_fresh_run_and_its_rows_give_back_the_aggregates(tmp_path):
+    """protocol_runs.csv: one row a fresh run (arm, setting, seed, fixed, every reported metric, wall time,
+    revision), sorted by arm and seed; its fixed rows are the runs protocol.csv aggregates, all of them those of
+    protocol_all_seeds.csv: min / median / max recomputed from it are the tables' (to their 7 digits)."""
+    import csv
+    import statistics
+
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    tuning.write_selection(sel, tmp_path / "sel", "stamp")
+    fresh = tmp_path / "fresh"
+    dopr = dict(lr=1e-2, weight_decay=0.01, betas=[0.9, 0.999])
+    for seed, val in ((5, 1.1), (3, 1.0), (4, 1.2345678912), (6, 9.0)):   # seed 6: beyond the fixed list
+        _write_run(fresh / f"adamw_{seed}", "adamw", "adamw", seed, val, 0.5 + seed / 100)
+    for seed, val in ((3, 2.0), (4, None), (5, 2.2), (6, 0.1)):           # seed 4 diverged: the worst
+        _write_run(fresh / f"dopr_{seed}", "dopr_adamw", "dopr_adamw", seed, val, 0.4, **dopr)
+    for seed in (3, 4, 5):
+        _write_run(fresh / f"at_gp_{seed}", "dopr_adamw_at_gp_setting", "dopr_adamw", seed, 3.0 + seed / 7, 0.3)
+    out = tmp_path / "out"
+    tuning.main(["report", str(fresh), "--selection", str(tmp_path / "sel" / "selection.json"), "--out", str(out)])
+    read = lambda name: list(csv.DictReader(open(out / name)))
+    runs, fixed, every = read("protocol_runs.csv"), read("protocol.csv"), read("protocol_all_seeds.csv")
+    assert list(runs[0]) == ["arm", "setting", "seed", "fixed", "val", "acc", "diverged_at", "wall_time_s",
+                             "git_revision"]
+    assert [(r["arm"], int(r["seed"]), r["fixed"]) for r in runs] == [
+        ("adamw", 3, "true"), ("adamw", 4, "true"), ("adamw", 5, "true"), ("adamw", 6, "false"),
+        ("dopr_adamw", 3, "true"), ("dopr_adamw", 4, "true"), ("dopr_adamw", 5, "true"), ("dopr_adamw", 6, "false"),
+        ("dopr_adamw_at_gp_setting", 3, "true"), ("dopr_adamw_at_gp_setting", 4, "true"),
+        ("dopr_adamw_at_gp_setting", 5, "true")]
+    diverged = next(r for r in runs if r["arm"] == "dopr_adamw" and r["seed"] == "4")
+    assert diverged["val"] == "inf" and diverged["diverged_at"] == "40"
+    assert runs[0]["wall_time_s"] == "13.0" and runs[0]["git_revision"] == "abc123"
+    for table, rows in ((fixed, [r for r in runs if r["fixed"] == "true"]), (every, runs)):
+        assert [t["arm"] for t in table] == ["adamw", "dopr_adamw", "dopr_adamw_at_gp_setting"]
+        for t in table:
+            mine = [r for r in rows if r["arm"] == t["arm"]]
+            assert {r["setting"] for r in mine} == {t["setting"]}
+            assert t["seeds"] == " ".join(r["seed"] for r in mine)
+            for m in ("val", "acc"):
+                v = [float(r[m]) for r in mine]
+                assert float(t[f"{m}_min"]) == min(v) and float(t[f"{m}_max"]) == max(v), (t["arm"], m)
+                assert math.isclose(float(t[f"{m}_median"]), statistics.median(v), rel_tol=1e-6), (t["arm"], m)
+    assert "protocol_runs.csv (11 runs" in (out / "protocol.md").read_text()
