@@ -2,19 +2,22 @@
 the task's preset conf/protocol/<task>.yaml (data, not a Hydra config group):
 
     python -m experiments.common.protocol tune feature_learning [--variant weak25] [--arms adamw,dopr_adamw]
-    python -m experiments.common.protocol select feature_learning [--accept-edge "<reason>"]
+    python -m experiments.common.protocol refine feature_learning [--variant weak25]
+    python -m experiments.common.protocol select feature_learning [--accept-edge "<reason>"] [--skip-refine "<reason>"]
     python -m experiments.common.protocol protocol feature_learning [launcher=local_parallel]
     python -m experiments.common.protocol report feature_learning [--versus soap:dopr_adamw]
 
-tune: `run.py -m` over each arm's grid on the tuning seeds; select: `tuning select`, writing conf/tuned/<configs>/
+tune: `run.py -m` over each arm's grid on the tuning seeds; refine: `run.py -m` over the refinement points of each
+arm's coarse winner (tuning.refinement; the preset's `select: {refine_axes, refine_above}`), nothing where none is due;
+select: `tuning select` over the tune and refine sweeps, writing conf/tuned/<configs>/
 and <results>/selection.*; protocol: every config select wrote, on the fresh seeds; report: `tuning report`.
 Sweeps go to multirun/protocol/<task>[/<variant>]/<stage>/<arm>, every launch with skip_finished=true, so a
 stage resumes where it stopped. An arm a variant leaves as the task has it tunes in the task's own folder (its
 jobs are shared). `--dry-run` prints the command lines, then (as `# ` lines) how many jobs they launch, about how
 long they take (the median committed run time per job of the task and arm, naming the files it read) and the
 folders the stage writes, and runs and writes nothing, before the earlier stages ran too. Other arguments pass
-through (to Hydra for tune and protocol, to tuning.py for select and report). `--root` puts multirun/, conf/tuned/ and
-results/ under another folder (the tests' temporary one).
+through (to Hydra for tune, refine and protocol, to tuning.py for select and report). `--root` puts multirun/,
+conf/tuned/ and results/ under another folder (the tests' temporary one).
 
 A study variant (`study: {axis, values, arms}`, `from: <variant>`; docs/protocol.md "A study at the committed
 setting") tunes and selects nothing: `protocol` runs the reused selection's configs of those arms at every value of
@@ -34,12 +37,14 @@ from pathlib import Path
 
 import yaml
 
+from . import tuning
 from .arms import AT_GP_SETTING, Arm
+from .report import load_records
 from .tuning import _text
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PRESETS = CHECKOUT / "conf" / "protocol"
-STAGES = ("tune", "select", "protocol", "report")
+STAGES = ("tune", "refine", "select", "protocol", "report")
 #: what a preset (and each of its variants) may say; a variant's dicts merge into the preset's, null drops a key
 MERGED = ("overrides", "dopr_overrides", "grid", "gp_grid", "dopr_grid", "select")
 KEYS = MERGED + ("arms", "tuning_seeds", "fresh_seeds", "fresh_axes", "configs", "results", "versus", "study", "from")
@@ -53,7 +58,7 @@ def load(task: str) -> dict:
         raise ValueError(f"no protocol preset for task {task!r} (conf/protocol/ has {have})")
     preset = yaml.safe_load(path.read_text())
     _known(preset, KEYS + ("task", "tuned", "variants"), path.name)
-    return preset
+    return {**preset, "name": task}   # how the commands name it (the refine stage's, in select's refusal)
 
 
 def _known(spec: dict, keys: tuple, where: str) -> None:
@@ -141,10 +146,11 @@ def _where(path: Path) -> str:
     return str(path.relative_to(CHECKOUT)) if path.is_relative_to(CHECKOUT) else str(path)
 
 
-def tune_dir(preset: dict, spec: dict, arm: str, root: Path) -> Path:
+def tune_dir(preset: dict, spec: dict, arm: str, root: Path, stage: str = "tune") -> Path:
+    """An arm's tune (or refine) sweep: an arm a variant leaves as the task has it shares the task's folder."""
     base = resolve(preset) if spec["variant"] else spec
     shared = base["arms"].get(arm) == spec["arms"][arm]   # the same jobs as the task's own: its folder
-    return root / "multirun" / "protocol" / spec["task"] / ("" if shared else spec["variant"] or "") / "tune" / arm
+    return root / "multirun" / "protocol" / spec["task"] / ("" if shared else spec["variant"] or "") / stage / arm
 
 
 def _jobs(grid: dict, axes, seeds: list) -> int:
@@ -179,14 +185,15 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
         return _study_plan(stage, spec, arms, root, run, after, stage_dir, extra, missing, notes)
     if stage == "tune":
         check(spec)
-        lines = [(run + [f"+tuned/{spec['tuned']}={a['preset']}",
-                         *(f"{k}={_text(v)}" for k, v in a["overrides"].items()),
-                         *(f"{k}={_values(v)}" for k, v in a["grid"].items()), f"seed={_values(spec['tuning_seeds'])}",
+        lines = [(run + [*_arm_args(spec, a), *(f"{k}={_values(v)}" for k, v in a["grid"].items()),
+                         f"seed={_values(spec['tuning_seeds'])}",
                          *after, f"hydra.sweep.dir={_where(tune_dir(preset, spec, name, root))}", *extra],
                   name, _jobs(a["grid"], a["grid"], spec["tuning_seeds"]))
                  for name, a in spec["arms"].items() if name in arms]
         return {"lines": lines, "writes": [(_where(tune_dir(preset, spec, a, root)), "sweep") for a in arms],
                 "notes": notes}
+    if stage == "refine":
+        return refine_plan(preset, spec, arms, root, (run, after, extra), missing, notes)
     if stage == "select":
         every = [tune_dir(preset, spec, a, root) for a in spec["arms"]]
         dirs = [_where(d) for d in every if d.is_dir()]
@@ -194,9 +201,12 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
             missing(f"no tuning runs of {spec['task']} under {_where(root / 'multirun' / 'protocol')}: run the tune "
                     "stage first", "name the folders the tune stage writes")
             dirs = [_where(d) for d in every]
-        how = [f"--{k}={v}" for k, v in (spec.get("select") or {}).items()]
-        line = ["python", "-m", "experiments.common.tuning", "select", *dirs, "--configs", _where(configs), "--out",
-                _where(results), "--seeds", _values(spec["fresh_seeds"]), *how, *extra]
+        refined = [_where(d) for d in (tune_dir(preset, spec, a, root, "refine") for a in spec["arms"]) if d.is_dir()]
+        how = [f"--{k.replace('_', '-')}={_values(v) if isinstance(v, list) else v}"
+               for k, v in (spec.get("select") or {}).items()]
+        line = ["python", "-m", "experiments.common.tuning", "select", *dirs,
+                *(["--refined", *refined] if refined else []), "--configs", _where(configs), "--out", _where(results),
+                "--seeds", _values(spec["fresh_seeds"]), "--refine-command", shlex.join(_stage_command("refine", spec, root)), *how, *extra]
         return {"lines": [(line, None, 0)], "notes": notes, "writes": [
             (_where(configs), "one +tuned config per chosen setting; earlier chosen ones it no longer picks removed"),
             (_where(results), "selection.json, selection.md, selection.csv")]}
@@ -226,8 +236,91 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
     line = ["python", "-m", "experiments.common.tuning", "report", *dirs, "--selection",
             _where(results / "selection.json"), "--out", _where(results), *versus, *extra]
     return {"lines": [(line, None, 0)], "notes": notes, "writes": [
-        (_where(results), "protocol.md, protocol.csv; protocol_all_seeds.md/.csv where seeds beyond the fixed ones "
-                          "ran")]}
+        (_where(results), "protocol.md, protocol.csv, protocol_runs.csv (each run); protocol_all_seeds.md/.csv "
+                          "where seeds beyond the fixed ones ran")]}
+
+
+def _arm_args(spec: dict, arm: dict) -> list:
+    """The overrides that make a job one arm's: its conf/tuned preset and its fixed values."""
+    return [f"+tuned/{spec['tuned']}={arm['preset']}", *(f"{k}={_text(v)}" for k, v in arm["overrides"].items())]
+
+
+def _stage_command(stage: str, spec: dict, root: Path) -> list:
+    """`python -m experiments.common.protocol <stage> <task> [--variant V] [--root R]` for this protocol."""
+    return ["python", "-m", "experiments.common.protocol", stage, spec.get("name", spec["task"]),
+            *(["--variant", spec["variant"]] if spec["variant"] else []),
+            *(["--root", str(root)] if root != CHECKOUT else [])]
+
+
+def refine_rule(spec: dict) -> tuple:
+    """(axes, above): the refinement rule of the preset's `select` (tuning.REFINE_AXES / REFINE_ABOVE by default)."""
+    how = spec.get("select") or {}
+    return tuple(how.get("refine_axes", tuning.REFINE_AXES)), float(how.get("refine_above", tuning.REFINE_ABOVE))
+
+
+def refine_plan(preset: dict, spec: dict, arms: list, root: Path, args: tuple, missing, notes: list) -> dict:
+    """The refine stage: each arm's coarse winner from its tune sweep and, where tuning.refinement finds it due,
+    one `run.py -m` line per refined axis over its points on the tuning seeds, the other winning values fixed,
+    into the arm's refine folder (per axis below it when several are refined). args: (the run.py command, the
+    arguments after the seeds, the arguments passed through)."""
+    (run, after, extra), (axes, above) = args, refine_rule(spec)
+    tuned = {a: tune_dir(preset, spec, a, root) for a in arms}
+    if not any(d.is_dir() for d in tuned.values()):
+        missing(f"no tuning runs of {', '.join(arms)} under {_where(root / 'multirun' / 'protocol')}: run the tune stage "
+                "first", f"come from the tune's winners ({could_refine(spec, arms, axes, above)})")
+        return {"lines": [], "notes": notes, "writes": [(_where(tune_dir(preset, spec, a, root, 'refine')), "sweep")
+                                                        for a in arms]}
+    lines, writes = [], []
+    for arm, folder in tuned.items():
+        coarse = coarse_winner(spec, arm, folder, missing, notes)
+        due = tuning.refinement({arm: coarse}, axes, above)[arm] if coarse else None
+        if due and not due["points"]:
+            notes.append(f"{arm}: no refinement: {due['note']}")
+        if not due or not due["points"]:
+            continue
+        points = {}
+        for step in due["steps"]:
+            points.setdefault(step["axis"], []).append(step["point"])
+        for axis, values in points.items():
+            out = tune_dir(preset, spec, arm, root, "refine") / (axis.lstrip("+") if len(points) > 1 else "")
+            fixed = [f"{k}={v}" for k, v in coarse["winner"].items() if k != axis]
+            lines.append((run + [*_arm_args(spec, spec["arms"][arm]), *fixed, f"{axis}={','.join(values)}",
+                                 f"seed={_values(coarse['seeds'])}", *after, f"hydra.sweep.dir={_where(out)}", *extra],
+                          arm, len(values) * len(coarse["seeds"])))
+            writes.append((_where(out), "sweep"))
+        notes.append(f"{arm}: refine {tuning.describe_steps(due['steps'])} (a gap beyond {above:g}x)")
+    return {"lines": lines, "notes": notes, "writes": writes}
+
+
+def coarse_winner(spec: dict, arm: str, folder: Path, missing, notes: list) -> dict:
+    """An arm's tuning record (tuning.tune_arms) from its finished tune sweep in `folder`, by the preset's metric
+    (else the task's); None, with a note, where there is no sweep or it has not run every setting of the grid."""
+    if not folder.is_dir():
+        notes.append(f"{arm}: no tune runs under {_where(folder)}: nothing to refine")
+        return None
+    how, records = spec.get("select") or {}, load_records([folder])
+    task = {} if {"metric", "mode"} <= set(how) else tuning._task_tuning(records)
+    coarse = next(iter(tuning.tune_arms(records, how.get("metric", task.get("metric")),
+                                        how.get("mode", task.get("mode", "min"))).values()))
+    grid = spec["arms"][arm]["grid"]
+    if len(coarse["trials"]) < _jobs(grid, grid, [0]):   # a winner of part of the grid is no coarse winner
+        missing(f"{arm}'s tune under {_where(folder)} ran {len(coarse['trials'])} of its {_jobs(grid, grid, [0])} "
+                "settings: finish the tune stage (it resumes) first", "leave it out")
+        return None
+    return coarse
+
+
+def could_refine(spec: dict, arms: list, axes: tuple, above: float) -> str:
+    """Which winners of each arm's grid the refinement rule would refine (before the tune has run)."""
+    say: dict = {}
+    for arm in arms:
+        for axis, values in spec["arms"][arm]["grid"].items():
+            text = [_text(v) for v in sorted(values)] if axis.lstrip("+") in axes else []
+            due = [v for v in text if tuning.refine_steps(axis, text, v, above)[0]]
+            if due:
+                say.setdefault(f"at {axis.lstrip('+')} in {{{', '.join(due)}}}", []).append(arm)
+    return ("refined if it wins " + "; ".join(f"{', '.join(a)}: {w}" for w, a in say.items()) if say else
+            f"no grid has a gap beyond {above:g}x beside an inner value: nothing to refine whatever wins")
 
 
 def _study_plan(stage: str, spec: dict, arms: list, root: Path, run: list, after: list, stage_dir: Path, extra: list,
@@ -235,7 +328,7 @@ def _study_plan(stage: str, spec: dict, arms: list, root: Path, run: list, after
     """plan() of a study variant: tune and select refused (it reuses a selection); protocol: each arm's committed
     config at every value of the axis on the fresh seeds; report: `experiments.common.study`, its tables."""
     configs, selection = root / "conf" / "tuned" / spec["configs"], root / spec["selection"] / "selection.json"
-    if stage in ("tune", "select"):
+    if stage in ("tune", "refine", "select"):
         raise ValueError(f"{spec['task']} variant {spec['variant']} is a study at the committed setting: nothing to "
                          f"{stage}, it reuses the selection {_where(selection)} ({_where(configs)}); run its protocol "
                          "stage, then report")
@@ -310,9 +403,12 @@ def summary(stage: str, spec: dict, planned: dict, results: Path = CHECKOUT / "r
     """The `# ` lines a dry run prints after the command lines: the jobs, the time, its sources, the folders."""
     out = [f"# {note}" for note in planned["notes"]]
     launched = [(arm, jobs) for _, arm, jobs in planned["lines"] if arm is not None]
-    if not launched:
-        command = "tuning select" if stage == "select" else "study" if spec.get("study") else "tuning report"
-        out.append(f"# jobs: 0 (one local command: {command} reads "
+    if not launched and stage == "refine":
+        out += ["# jobs: 0 (no refinement to run now: the lines above say why)", "# time: none (no training job)"]
+    elif not launched:
+        out.append(f"# jobs: 0 (one local command: {'tuning select' if stage == 'select' else 'tuning report'} reads "
+
+
                    "the finished jobs' summary.json files; no training job)")
         out.append("# time: seconds (no training job)")
     else:
@@ -376,6 +472,8 @@ def main(argv=None) -> None:
         planned = plan(args.stage, preset, spec, arms, args.root.resolve(), extra, args.dry_run)
     except ValueError as e:
         raise SystemExit(f"protocol: {e}")
+    if not args.dry_run and planned["notes"]:   # the refine stage's word on each arm
+        print("\n".join(f"# {note}" for note in planned["notes"]), flush=True)
     for line, _, _ in planned["lines"]:
         print(shlex.join(line), flush=True)
         if not args.dry_run and subprocess.run([sys.executable, *line[1:]], cwd=CHECKOUT).returncode:

@@ -73,9 +73,12 @@ def reproducible(v):
     return float(f"{v:.{SIGNIFICANT_DIGITS}g}") if isinstance(v, float) and math.isfinite(v) else v
 
 
-def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "") -> None:
-    """rows: list of dicts. Writes <stem>.csv and <stem>.md (the markdown names commands and commit)."""
+def write_table(rows: list, columns: list, path_stem: Path, stamp: str, title: str = "", markdown: bool = True) -> None:
+    """rows: list of dicts. Writes <stem>.csv and (unless markdown is False) <stem>.md (the markdown names
+    commands and commit)."""
     write_csv(rows, columns, path_stem.with_suffix(".csv"))
+    if not markdown:
+        return
     lines = [f"# {title}" if title else "", "", stamp, "", *markdown_table(rows, columns)]
     path_stem.with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
 

@@ -3,9 +3,17 @@ get the same budget and no reported seed took part in the choice.
 
 1. Tune: per task, one sweep per arm over the SAME number of settings on the tuning seeds (the GP's
    grid may span learning rate x weight decay where DoPr's spans learning rate x damping or EMA).
-2. Select (`select`): per arm, the setting with the best mean of the task's validation metric
+2. Refine (`refinement`, the protocol's refine stage): one round, the same rule for every arm. A coarse winner
+   whose neighbour on a refined axis (default the learning rate) is more than `refine_above` (3.5) times away
+   gets the geometric midpoint of that gap, run on the tuning seeds with its other winning values fixed. A
+   half-decade grid (1, 3, 10) is fine, a decade step (10x) coarse; an edge winner is the edge rule's; a gap to
+   a non-positive value (weight decay 0) has no geometric midpoint. Budgets compare the tune grids; the points
+   are counted apart and listed.
+3. Select (`select`): per arm, the setting with the best mean of the task's validation metric
    (`task.tuning.metric`, `task.tuning.mode`) over the tuning seeds; a non-finite value is the worst.
-   Refused when a GP and its DoPr variant had unequal trial counts, a setting is missing a seed, or
+   The refine runs count among the settings; a refinement due and not run is refused (naming the refine
+   stage) unless `--skip-refine "<reason>"` records why. Refused too when a GP and its DoPr variant had
+   unequal tune grids (trial counts), a setting is missing a seed, or
    a winner sits at the edge of a numeric axis (the smallest or largest value swept; with two values
    every winner does) unless `--accept-edge "<reason>"` records why. An axis of unordered values
    (a solver, a damping mode) has no edge: no value lies beyond it to widen towards. The fresh-seed
@@ -16,18 +24,19 @@ get the same budget and no reported seed took part in the choice.
    rate, weight decay, betas, momentum, schedule ...) with DoPr's own knobs (`ap.*`) at DoPr's
    winner, the paper's guideline ("swap the optimizer to DoPr, maintaining the same learning rate").
    Its old name `_at_gp_lr` (the rate alone) is refused by run.py.
-3. Re-run the winners on the fixed fresh seeds (at least 3; 5 where a job is under 5 minutes):
+4. Re-run the winners on the fixed fresh seeds (at least 3; 5 where a job is under 5 minutes):
    `python run.py -m "+tuned/<group>=glob(*)" seed=<fresh seeds>` (the protocol stage of
    `python -m experiments.common.protocol`, which runs each stage from conf/protocol/<task>.yaml; the
    at-GP config is not written when DoPr's winner already runs at the GP's setting).
-4. Report (`report`): per arm, per-seed min / median / max and mean +- standard error of the task's
+5. Report (`report`): per arm, per-seed min / median / max and mean +- standard error of the task's
    metrics on the fixed fresh seeds, and a verdict line per pair naming the DoPr knobs held fixed;
    refused if a fresh seed was also a tuning seed. Seeds beyond the fixed list give a second table
    (protocol_all_seeds.*) titled so; a fixed seed that has not run leaves its row flagged
-   (`missing`) and its pair without a verdict.
+   (`missing`) and its pair without a verdict. protocol_runs.csv lists each run those tables count (arm,
+   setting, seed, `fixed`: one of the fixed fresh seeds or not, the metrics, wall time, revision).
 
     python -m experiments.common.tuning select multirun/<tune gp> multirun/<tune dopr> \
-        --configs conf/tuned/<group> --out results/<task>/protocol
+        [--refined multirun/<refine gp> ...] --configs conf/tuned/<group> --out results/<task>/protocol
     python -m experiments.common.tuning report multirun/<fresh> \
         --selection results/<task>/protocol/selection.json --out results/<task>/protocol
 """
@@ -143,6 +152,61 @@ def describe_edges(edges: list) -> str:
                      f"{{{', '.join(e['grid'])}}})" for e in edges)
 
 
+#: the refinement rule's defaults (a preset's `select: {refine_axes: [...], refine_above: ...}` changes them): the
+#: axes it refines, and the step (a ratio) beyond which the grid counts as coarse around a winner. A half-decade
+#: grid (1, 3, 10: steps of 3x and 3.33x) is fine; a decade step (10x) is coarse.
+REFINE_AXES = ("optim.lr",)
+REFINE_ABOVE = 3.5
+
+
+def _positive(text):
+    """An axis value as a positive number, else None (0, a negative, a word: no geometric midpoint)."""
+    v = _value(text)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def refine_steps(axis: str, values: list, winner: str, above: float = REFINE_ABOVE) -> tuple:
+    """([{axis, value, neighbour, gap, point}], note): the refinement one axis is due around its winner. Each
+    neighbour of the winner in the ordered grid `values` (either side) more than `above` times away gives the
+    geometric midpoint sqrt(w * n) of that gap; a winner at the grid's edge gives none (the edge rule's), and so
+    does a gap to a non-positive value (weight decay 0). `note` says why a winner needs none."""
+    i = next(i for i, v in enumerate(values) if _same(_value(v), _value(winner)))
+    if i in (0, len(values) - 1):
+        return [], f"{axis.lstrip('+')}={winner} at the grid's edge (the edge rule's, nothing beyond the grid)"
+    w, steps, within = _positive(winner), [], []
+    if w is None:
+        return [], f"{axis.lstrip('+')}={winner}: not a positive number, no geometric midpoint"
+    for n in (values[i - 1], values[i + 1]):
+        if _positive(n) is None:
+            within.append(f"{n} not positive, no geometric midpoint")
+            continue
+        gap = max(w / _positive(n), _positive(n) / w)
+        if gap > above:
+            steps.append({"axis": axis, "value": winner, "neighbour": n, "gap": gap,
+                          "point": _text(math.sqrt(w * _positive(n)))})
+        else:
+            within.append(f"{n} {gap:.3g}x")
+    return steps, f"{axis.lstrip('+')}={winner}: nearest neighbours within {above:g}x ({', '.join(within)})"
+
+
+def refinement(arms: dict, axes=REFINE_AXES, above: float = REFINE_ABOVE) -> dict:
+    """{arm: {coarse_winner, steps, points, note}}: the one refinement round each arm's coarse winner is due (the
+    same rule for every arm). On each axis of `axes` the arm swept, `refine_steps` gives the midpoints; a point is
+    the coarse winner with that axis at one midpoint, the arm's other winning values fixed. `points` is empty
+    where none is due, and `note` says why. One round: the points are not refined again."""
+    out = {}
+    for arm, a in arms.items():
+        steps, notes = [], []
+        for axis in (k for k in a["grid"] if k.lstrip("+") in axes):
+            more, note = refine_steps(axis, a["grid"][axis], a["winner"][axis], above)
+            steps += more
+            notes += [] if more else [note]
+        out[arm] = {"coarse_winner": a["winner"], "steps": steps,
+                    "points": [{**a["winner"], st["axis"]: st["point"]} for st in steps],
+                    "note": "; ".join(notes) or ("" if steps else f"no axis of {', '.join(axes)} swept")}
+    return out
+
+
 def resolved_setting(cfg) -> dict:
     """A job's resolved config as {dotted key: value}, without what only says where or how it ran."""
     if cfg is None:
@@ -161,10 +225,131 @@ def resolved_setting(cfg) -> dict:
     return flat
 
 
+def tune_arms(records: list, metric: str, mode: str = "min") -> dict:
+    """{arm: its tuning record}: per arm (summary['optim']) the settings it ran on the tuning seeds, each
+    setting's mean of `metric`, the winner, the grid and its edges (see `_tune_arm`)."""
+    return {arm: _tune_arm(arm, jobs, records, metric, mode) for arm, jobs in sorted(_arm_jobs(records).items())}
+
+
+def _tune_arm(arm: str, jobs: list, records: list, metric: str, mode: str) -> dict:
+    """One arm's tuning record from its jobs [(settings, seed, summary)]: base (the keys every job set alike),
+    grid (the swept axes' values, ordered), seeds, trials (per setting the mean over the seeds, best first),
+    winner, its value and edges, and the winner's resolved config (from `records`). Refused when a setting
+    lacks a seed the others ran."""
+    keys = sorted({k for over, _, _ in jobs for k in over})
+    varying = [k for k in keys if len({over.get(k) for over, _, _ in jobs}) > 1]
+    base = {k: jobs[0][0][k] for k in keys if k not in varying}
+    trials: dict = {}
+    for over, seed, s in jobs:
+        if metric not in s:
+            raise ValueError(f"{arm}: summary.json of seed {seed} has no {metric!r} (has {sorted(s)[:12]}...)")
+        trials.setdefault(tuple(over.get(k) for k in varying), {})[seed] = s[metric]
+    seeds = sorted({seed for _, seed, _ in jobs})
+    for setting, by_seed in trials.items():
+        if sorted(by_seed) != seeds:
+            raise ValueError(f"{arm}: setting {dict(zip(varying, setting))} ran seeds {sorted(by_seed)}, the "
+                             f"others {seeds}: finish the tuning sweep (skip_finished=true) before selecting")
+    rows = [{"setting": dict(zip(varying, setting)), "value": float(np.mean([float(v) for v in by_seed.values()])),
+             "per_seed": {str(k): float(v) for k, v in sorted(by_seed.items())}} for setting, by_seed in trials.items()]
+    rows.sort(key=lambda t: _score(t["value"], mode))
+    order = lambda v: (float(_value(v)) if isinstance(_value(v), (int, float)) else math.inf, str(v))
+    grid = {k: sorted({over[k] for over, _, _ in jobs if k in over}, key=order) for k in varying}
+    winner = rows[0]["setting"]
+    edges, unordered = grid_edges(grid, winner)
+    cfg = next((r["config"] for r in records if r["summary"]["optim"] == arm and r.get("config") is not None
+                and {k: v for k, v in _arm_jobs([r])[arm][0][0].items() if k in varying} == winner), None)
+    return {"base": base, "grid": grid, "seeds": seeds, "trials": rows, "winner": winner, "value": rows[0]["value"],
+            "at_grid_edge": edges, "unordered_axes": unordered, "resolved": resolved_setting(cfg)}
+
+
+def describe_steps(steps: list) -> str:
+    """'optim.lr=0.01 (its neighbour 0.001 10x away) -> 0.00316'."""
+    return "; ".join(f"{st['axis'].lstrip('+')}={st['value']} (its neighbour {st['neighbour']} {st['gap']:.3g}x away) -> "
+                     f"{float(st['point']):.3g}" for st in steps)
+
+
+_REFINE_COMMAND = "python -m experiments.common.protocol refine <task> [--variant V]"
+
+
+def refine_arms(arms: dict, records: list, refined: list, metric: str, mode: str = "min", axes=REFINE_AXES,
+                above: float = REFINE_ABOVE, skip: str = None, command: str = None) -> dict:
+    """The arms with their refinement round (`refinement`) taken in from the refine runs `refined`: a due arm's
+    winner is the best of its grid and its points, its trials the points too (marked `refinement`), its
+    `refinement` the coarse winner, the gaps, the points and the final winner; an arm none is due records why.
+    Refused when a due point has not run on every tuning seed, naming the refine stage's `command`, unless `skip`
+    gives the reason (recorded); refused too when a refine run is at a setting the rule does not ask for."""
+    if skip is not None and not skip.strip():
+        raise ValueError("--skip-refine needs the reason the refinement is skipped, recorded in selection.json/.md")
+    due, by_arm = refinement(arms, axes, above), _arm_jobs(refined)
+    stray = sorted(set(by_arm) - set(arms))
+    if stray:
+        raise ValueError(f"refine runs of {', '.join(stray)}, which has no tuning runs here")
+    out, missing = {}, []
+    for arm, a in arms.items():
+        found, lacking, unasked = _refine_jobs(a, by_arm.get(arm, []), due[arm]["points"])
+        if unasked:
+            raise ValueError(f"{arm}: a refine run at {_fmt(unasked[0])}, which the refinement of its coarse winner "
+                             f"{_fmt(a['winner'])} does not ask for ({describe_steps(due[arm]['steps']) or 'none due'}): "
+                             "remove those runs (a refinement of an earlier winner?) and run the refine stage again")
+        if lacking and skip is None:
+            missing.append(f"{arm} {describe_steps(due[arm]['steps'])} on seeds {a['seeds']}")
+            continue
+        out[arm] = _refined_arm(arm, a, due[arm], [] if lacking else found, records, refined, metric, mode, skip)
+    if missing:
+        raise ValueError(f"a refinement is due and has not run: {'; '.join(missing)} (winners with a neighbour beyond "
+                         f"{above:g}x). Run it: {command or _REFINE_COMMAND}"
+                         ", then select again; or pass --skip-refine \"<reason>\" (recorded in selection.json and "
+                         "selection.md)")
+    return out
+
+
+def _refine_jobs(arm: dict, jobs: list, points: list) -> tuple:
+    """(jobs at the points, as (the point's settings, seed, summary); the points some tuning seed has not run;
+    [the settings of runs at no point or on another seed])."""
+    keys = set(arm["base"]) | set(arm["grid"])
+    at = lambda over, p: set(over) == keys and all(_same(_value(over[k]), _value(v))
+                                                   for k, v in {**arm["base"], **p}.items())
+    found, unasked, ran = [], [], {}
+    for over, seed, s in jobs:
+        i = next((i for i, p in enumerate(points) if at(over, p)), None)
+        if i is None or seed not in arm["seeds"]:
+            unasked.append({**{k: v for k, v in over.items() if arm["base"].get(k) != v}, "seed": seed})
+            continue
+        found.append(({**arm["base"], **points[i]}, seed, s))
+        ran.setdefault(i, set()).add(seed)
+    return found, [p for i, p in enumerate(points) if ran.get(i) != set(arm["seeds"])], unasked
+
+
+def _refined_arm(arm: str, a: dict, due: dict, found: list, records: list, refined: list, metric: str, mode: str,
+                 skip: str) -> dict:
+    """One arm's tuning record with its refinement round: its grid, edges and budget those of the tune."""
+    record = {"coarse_winner": a["winner"], "coarse_value": a["value"], "steps": due["steps"], "points": due["points"],
+              "note": due["note"]}
+    if not due["points"] or not found:
+        return {**a, "refinement": {**record, **({"skipped": skip} if due["points"] else {})}}
+    full = _tune_arm(arm, _arm_jobs(records)[arm] + found, records + refined, metric, mode)
+    edges, unordered = grid_edges(a["grid"], full["winner"])
+    trials = [{**t, "refinement": True} if any(_same_settings(t["setting"], p) for p in due["points"]) else t
+              for t in full["trials"]]
+    return {**full, "grid": a["grid"], "trials": trials, "at_grid_edge": edges, "unordered_axes": unordered,
+            "refinement": {**record, "winner": full["winner"], "value": full["value"]}}
+
+
+def budget(arm: dict) -> int:
+    """The settings an arm's tune grid ran (its refinement points, by the same rule for every arm, counted apart)."""
+    return sum(1 for t in arm["trials"] if not t.get("refinement"))
+
+
 def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = False,
-           accept_edge: str = None, fresh_seeds: list = None, gp_from: tuple = None) -> dict:
+           accept_edge: str = None, fresh_seeds: list = None, gp_from: tuple = None, refined: list = None,
+           refine_axes=REFINE_AXES, refine_above: float = REFINE_ABOVE, skip_refine: str = None,
+           refine_command: str = None) -> dict:
     """Each arm's best setting on the tuning seeds (see the module doc). Refused when a winner sits at
     the edge of a numeric axis unless accept_edge gives the reason, which the selection records.
+
+    refined: the refine stage's runs (`refine_arms`: each arm's coarse winner refined by one rule, its points
+    counted apart from the tune grid's budget); a refinement due and not run is refused unless skip_refine
+    gives the reason.
 
     gp_from: (path, selection) of an earlier selection whose GP arms stand in for GPs the records lack
     (a DoPr rule tuned later against a GP whose code path has not changed): same metric, mode and tuning
@@ -173,33 +358,8 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if accept_edge is not None and not accept_edge.strip():
         raise ValueError("--accept-edge needs the reason the edge is accepted, recorded in selection.json/.md")
-    arms = {}
-    for arm, jobs in sorted(_arm_jobs(records).items()):
-        keys = sorted({k for over, _, _ in jobs for k in over})
-        varying = [k for k in keys if len({over.get(k) for over, _, _ in jobs}) > 1]
-        base = {k: jobs[0][0][k] for k in keys if k not in varying}
-        trials: dict = {}
-        for over, seed, s in jobs:
-            if metric not in s:
-                raise ValueError(f"{arm}: summary.json of seed {seed} has no {metric!r} (has {sorted(s)[:12]}...)")
-            trials.setdefault(tuple(over.get(k) for k in varying), {})[seed] = s[metric]
-        seeds = sorted({seed for _, seed, _ in jobs})
-        for setting, by_seed in trials.items():
-            if sorted(by_seed) != seeds:
-                raise ValueError(f"{arm}: setting {dict(zip(varying, setting))} ran seeds {sorted(by_seed)}, the "
-                                 f"others {seeds}: finish the tuning sweep (skip_finished=true) before selecting")
-        rows = [{"setting": dict(zip(varying, setting)), "value": float(np.mean([float(v) for v in by_seed.values()])),
-                 "per_seed": {str(k): float(v) for k, v in sorted(by_seed.items())}} for setting, by_seed in trials.items()]
-        rows.sort(key=lambda t: _score(t["value"], mode))
-        order = lambda v: (float(_value(v)) if isinstance(_value(v), (int, float)) else math.inf, str(v))
-        grid = {k: sorted({over[k] for over, _, _ in jobs if k in over}, key=order) for k in varying}
-        winner = rows[0]["setting"]
-        edges, unordered = grid_edges(grid, winner)
-        cfg = next((r["config"] for r in records if r["summary"]["optim"] == arm and r.get("config") is not None
-                    and {k: v for k, v in _arm_jobs([r])[arm][0][0].items() if k in varying} == winner), None)
-        arms[arm] = {"base": base, "grid": grid, "seeds": seeds, "trials": rows, "winner": winner,
-                     "value": rows[0]["value"], "at_grid_edge": edges, "unordered_axes": unordered,
-                     "resolved": resolved_setting(cfg)}
+    arms = refine_arms(tune_arms(records, metric, mode), records, refined or [], metric, mode, refine_axes,
+                       refine_above, skip_refine, refine_command)
     if gp_from is not None:
         arms.update(_earlier_gps(arms, metric, mode, *gp_from))
     records = {name: Arm.read(name) for name in arms}
@@ -207,7 +367,7 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
     if not pairs:
         raise ValueError(f"no GP with its DoPr variant among the arms {sorted(arms)}: nothing to compare")
     for gp, dopr in pairs:
-        n_gp, n_dopr = len(arms[gp]["trials"]), len(arms[dopr]["trials"])
+        n_gp, n_dopr = budget(arms[gp]), budget(arms[dopr])
         if n_gp != n_dopr and not allow_unequal:
             raise ValueError(f"unequal tuning budgets: {gp} had {n_gp} settings, {dopr} {n_dopr}; the protocol gives "
                              "both arms the same number (or pass --allow-unequal and say so in the results)")
@@ -225,8 +385,10 @@ def select(records: list, metric: str, mode: str = "min", allow_unequal: bool = 
         if set(fresh_seeds) & set(seeds):
             raise ValueError(f"fresh seeds {sorted(set(fresh_seeds) & set(seeds))} are tuning seeds {seeds}: the "
                              "protocol re-runs the winners on seeds the selection never saw")
+    skipped = any(a.get("refinement", {}).get("skipped") for a in arms.values())
     return {"metric": metric, "mode": mode, "seeds": seeds, "fresh_seeds": fresh_seeds, "arms": arms, "pairs": pairs,
-            "accept_edge": {"reason": accept_edge, "edges": edges} if edges else None}
+            "accept_edge": {"reason": accept_edge, "edges": edges} if edges else None,
+            "refine": {"axes": list(refine_axes), "above": refine_above, "skipped": skip_refine if skipped else None}}
 
 
 def _earlier_gps(arms: dict, metric: str, mode: str, path: str, earlier: dict) -> dict:
@@ -407,6 +569,8 @@ def selection_notes(selection: dict) -> list:
             lines.append(f"{arm}: its tuning trials and winner taken from {a['from_selection']} (not re-run here).")
         if a.get("unordered_axes"):
             lines.append(f"{arm}: {', '.join(k.lstrip('+') for k in a['unordered_axes'])} unordered (no edge to flag)")
+    lines += [describe_refinement(arm, a, selection) for arm, a in selection["arms"].items()
+              if "refinement" in a or a.get("from_selection")]
     for gp, dopr in selection["pairs"]:
         lines.append(f"{dopr}: {describe_knobs(selection['arms'][dopr])}.")
         _, copied = gp_setting_for_dopr(selection, gp, dopr)
@@ -416,6 +580,27 @@ def selection_notes(selection: dict) -> list:
     return lines
 
 
+def describe_refinement(arm: str, a: dict, selection: dict) -> str:
+    """selection.md's line on an arm's refinement round: the coarse winner, the gaps, the points run and the
+    final winner; or why none was due; or the reason it was skipped."""
+    r, m = a.get("refinement"), selection["metric"]
+    if r is None:
+        return f"{arm}: no refinement recorded in {a['from_selection']} (selected before the refinement rule)."
+    if not r["points"]:
+        return f"{arm}: no refinement: {r['note']}."
+    if r.get("skipped"):
+        return f"{arm}: refinement skipped with --skip-refine (due: {describe_steps(r['steps'])}). Reason: {r['skipped']}"
+    above = (selection.get("refine") or {}).get("above", REFINE_ABOVE)
+    return (f"{arm}: refined around the coarse winner {_fmt(r['coarse_winner'])} ({m} {r['coarse_value']:.4g}), a gap "
+            f"beyond {above:g}x: {describe_steps(r['steps'])}, run on seeds {a['seeds']}; final winner "
+            f"{_fmt(r['winner'])} ({m} {r['value']:.4g}).")
+
+
+def settings_count(arm: dict) -> str:
+    extra = len(arm["trials"]) - budget(arm)
+    return f"{budget(arm)} settings" + (f" + {extra} refinement" if extra else "")
+
+
 def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None, command: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
@@ -423,13 +608,14 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
     rows = [{"arm": arm, "setting": _fmt(t["setting"]), selection["metric"]: t["value"],
              "per_seed": " ".join(f"{v:.4g}" for v in t["per_seed"].values()),
              "chosen": ("yes" + (f" (at the grid's edge: {edge_of(a)})" if a["at_grid_edge"] else ""))
-             if t["setting"] == a["winner"] else ""}
+             if t["setting"] == a["winner"] else "", "round": "refinement" if t.get("refinement") else "tune"}
             for arm, a in selection["arms"].items() for t in a["trials"]]
     grids = "; ".join(f"{arm}: " + " x ".join(f"{k.lstrip('+')} in {{{', '.join(v)}}}" for k, v in a["grid"].items())
-                      + f" ({len(a['trials'])} settings)" for arm, a in selection["arms"].items())
+                      + f" ({settings_count(a)})" for arm, a in selection["arms"].items())
     title = (f"Tuning: {selection['metric']} ({selection['mode']}, mean over tuning seeds "
              f"{selection['seeds']}) per setting. Grids: {grids}")
-    write_table(rows, ["arm", "setting", selection["metric"], "per_seed", "chosen"], out / "selection", stamp, title)
+    write_table(rows, ["arm", "setting", selection["metric"], "per_seed", "chosen", "round"], out / "selection", stamp,
+                title)
     md = out / "selection.md"
     md.write_text(md.read_text() + "\n".join(selection_notes(selection)) + "\n")
     if configs is not None:
@@ -479,10 +665,9 @@ def _matches(record: dict, overrides: dict) -> bool:
     return True
 
 
-def report(records: list, selection: dict, metrics: list, seeds: list = None) -> list:
-    """Rows of the fresh-seed results: per chosen setting, each metric's min / median / max and mean
-    +- standard error over the seeds (only those in `seeds` when given; a row that lacks some of them
-    lists them under `missing`)."""
+def _fresh_runs(records: list, selection: dict, seeds: list = None) -> list:
+    """[(name, overrides, runs)]: per chosen setting its fresh runs, one a seed (only the seeds in `seeds` when
+    given), the runs that `report` aggregates and `run_rows` lists. Refused if a run is on a tuning seed."""
     tuning = set(selection["seeds"])
     reused = sorted({r["summary"]["seed"] for r in records} & tuning)
     if reused:
@@ -490,15 +675,35 @@ def report(records: list, selection: dict, metrics: list, seeds: list = None) ->
                          "winners on seeds the selection never saw)")
     if seeds is not None:
         records = [r for r in records if r["summary"]["seed"] in set(seeds)]
-    rows = []
+    out = []
     for name, overrides in chosen_settings(selection).items():
         arm = arm_of(name)
         runs = {}  # one run per seed: when DoPr's winner is at the GP's setting, two names launch the same setting
         for r in sorted((r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)),
                         key=lambda r: not any(o.endswith(f"={name}") for o in r["summary"].get("overrides", []))):
             runs.setdefault(r["summary"]["seed"], r)
-        runs = list(runs.values())
-        row = {"arm": name, "setting": _fmt({k: v for k, v in overrides.items() if "/" not in k}),
+        out.append((name, overrides, list(runs.values())))
+    return out
+
+
+def _setting_text(overrides: dict) -> str:
+    return _fmt({k: v for k, v in overrides.items() if "/" not in k})
+
+
+def _run_value(run: dict, m: str, selection: dict) -> float:
+    """A run's value of metric m as the report counts it: a run that diverged has no value of the selection
+    metric and counts as the worst (+inf when lower is better), of another metric as NaN."""
+    worst = (math.inf if selection["mode"] == "min" else -math.inf) if m == selection["metric"] else math.nan
+    return worst if run["summary"][m] is None else float(run["summary"][m])
+
+
+def report(records: list, selection: dict, metrics: list, seeds: list = None) -> list:
+    """Rows of the fresh-seed results: per chosen setting, each metric's min / median / max and mean
+    +- standard error over the seeds (only those in `seeds` when given; a row that lacks some of them
+    lists them under `missing`)."""
+    rows = []
+    for name, overrides, runs in _fresh_runs(records, selection, seeds):
+        row = {"arm": name, "setting": _setting_text(overrides),
                "seeds": " ".join(str(s) for s in sorted(r["summary"]["seed"] for r in runs))}
         missing = sorted(set(seeds or ()) - {r["summary"]["seed"] for r in runs})
         if missing:
@@ -507,16 +712,33 @@ def report(records: list, selection: dict, metrics: list, seeds: list = None) ->
         if diverged:
             row["diverged"] = diverged
         for m in metrics:
-            # a run that diverged has no value of the selection metric: it counts as the worst
-            worst = (math.inf if selection["mode"] == "min" else -math.inf) if m == selection["metric"] else math.nan
-            v = np.array([worst if r["summary"][m] is None else float(r["summary"][m])
-                          for r in runs if m in r["summary"]])
+            v = np.array([_run_value(r, m, selection) for r in runs if m in r["summary"]])
             if v.size:
                 row.update({f"{m}_min": float(v.min()), f"{m}_median": float(np.median(v)), f"{m}_max": float(v.max()),
                             f"{m}_mean": float(v.mean()),
                             f"{m}_se": float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 and np.isfinite(v).all() else float("nan")})
         rows.append(row)
     return rows
+
+
+#: protocol_runs.csv's columns beside the metrics: a run's seed, whether it is one of the fixed fresh seeds
+RUN_COLUMNS = ("arm", "setting", "seed", "fixed")
+RUN_EXTRAS = ("diverged_at", "wall_time_s", "git_revision")
+
+
+def run_rows(records: list, selection: dict, metrics: list) -> list:
+    """One row per fresh run the report counts (protocol_runs.csv), sorted by arm, then seed: its chosen
+    setting's name and text as protocol.csv has them, its seed, `fixed` (true: one of the fresh seeds the
+    selection fixed, the runs protocol.csv aggregates; false: a seed beyond them, in protocol_all_seeds.csv
+    only), each metric as the report counts it (a diverged run's selection metric the worst) and the run's
+    diverged_at, wall_time_s and git_revision where its summary has them."""
+    fixed = set(selection.get("fresh_seeds") or ())
+    rows = [{"arm": name, "setting": _setting_text(overrides), "seed": r["summary"]["seed"],
+             "fixed": "true" if r["summary"]["seed"] in fixed else "false",
+             **{m: _run_value(r, m, selection) for m in metrics if m in r["summary"]},
+             **{k: r["summary"][k] for k in RUN_EXTRAS if r["summary"].get(k) is not None}}
+            for name, overrides, runs in _fresh_runs(records, selection) for r in runs]
+    return sorted(rows, key=lambda r: (r["arm"], r["seed"]))
 
 
 def protocol_tables(records: list, selection: dict, metrics: list) -> tuple:
@@ -637,13 +859,23 @@ def main(argv=None) -> None:
     p.add_argument("--gp-from", metavar="SELECTION_JSON",
                    help="select: take GP arms the sweeps lack from this earlier selection.json (a DoPr rule tuned "
                         "later against an unchanged GP); recorded per arm")
+    p.add_argument("--refined", nargs="+", default=[], metavar="SWEEP",
+                   help="select: the refine stage's sweeps (each arm's coarse winner refined; see refinement)")
+    p.add_argument("--refine-axes", default=",".join(REFINE_AXES),
+                   help=f"select: the axes the refinement rule refines, comma-separated (default {','.join(REFINE_AXES)})")
+    p.add_argument("--refine-above", type=float, default=REFINE_ABOVE,
+                   help=f"select: a winner's neighbour more than this many times away is refined (default {REFINE_ABOVE})")
+    p.add_argument("--skip-refine", metavar="REASON",
+                   help="select: select although a refinement is due and has not run; the reason is recorded")
+    p.add_argument("--refine-command", help="select: the command that runs the refinement, named when it is due")
     args = p.parse_args(argv)
     records = load_records(args.sweeps)
     if not records:
         raise SystemExit(f"no finished job (summary.json) under {args.sweeps}")
     command = "python -m experiments.common.tuning " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    stamp = make_stamp(records, command)
+    refined = load_records(args.refined)
+    stamp = make_stamp(records + refined, command)
     out = Path(args.out)
     try:
         if args.action == "select":
@@ -659,14 +891,19 @@ def main(argv=None) -> None:
                 if not Path(args.gp_from).is_file():
                     raise ValueError(f"--gp-from {args.gp_from}: no such selection.json")
                 gp_from = (args.gp_from, json.loads(Path(args.gp_from).read_text()))
+            refine = args.refine_command or (f"python -m experiments.common.protocol refine "
+                                             f"{records[0]['summary'].get('task', '<task>')} [--variant V]")
             sel = select(records, args.metric or task["metric"], args.mode or task["mode"], args.allow_unequal,
-                         args.accept_edge, seeds, gp_from)
+                         args.accept_edge, seeds, gp_from, refined, tuple(args.refine_axes.split(",")),
+                         args.refine_above, args.skip_refine, refine)
             sel["fresh_seeds_from"] = source
             write_selection(sel, out, stamp, Path(args.configs) if args.configs else None, command)
             for arm, a in sel["arms"].items():
                 edge = f"; at the grid's edge: {describe_edges([{'arm': arm, **e} for e in a['at_grid_edge']])}" \
                     if a["at_grid_edge"] else ""
-                print(f"{arm}: {len(a['trials'])} settings, chosen {_fmt(a['winner'])} ({sel['metric']} {a['value']:.4g}){edge}")
+                print(f"{arm}: {settings_count(a)}, chosen {_fmt(a['winner'])} ({sel['metric']} {a['value']:.4g}){edge}")
+                if a.get("refinement", {}).get("points"):
+                    print(f"  {describe_refinement(arm, a, sel)}")
             print(f"fresh seeds fixed: {sel['fresh_seeds']} ({source})")
         else:
             if not args.selection:
@@ -696,6 +933,10 @@ def main(argv=None) -> None:
                             f"{sel['fresh_seeds']}: not the protocol's result; {what}")
                 notes.append(f"Seeds {extra} ran beyond the {len(sel['fresh_seeds'])} fixed at selection: the table "
                              "above leaves them out; the table on all seeds is protocol_all_seeds.md.")
+            runs = run_rows(records, sel, metrics)
+            write_table(runs, [*RUN_COLUMNS, *metrics, *RUN_EXTRAS], out / "protocol_runs", stamp, markdown=False)
+            notes.append(f"Each run: protocol_runs.csv ({len(runs)} runs, one row a run and seed; `fixed` true for the "
+                         "fixed fresh seeds, the runs this table aggregates).")
             md = out / "protocol.md"
             md.write_text(md.read_text() + "\n" + "\n\n".join(notes) + "\n")
             for r in rows:

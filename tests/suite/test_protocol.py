@@ -158,10 +158,12 @@ def test_every_stages_dry_run_says_jobs_time_and_folders_and_writes_nothing(caps
     for stage in protocol.STAGES:
         protocol.main([stage, "humanoid", "--dry-run", "--root", str(tmp_path)])   # returns: exit status 0
         out = capsys.readouterr().out
-        assert _commands(out) and all(l.startswith("python ") for l in _commands(out)), out
+        assert (_commands(out) or stage == "refine") and all(l.startswith("python ") for l in _commands(out)), out
         assert re.search(r"^# jobs: \d+", out, re.M) and re.search(r"^# time: ", out, re.M), out
         assert "# a dry run: nothing ran, nothing was written" in out
-        if stage in ("select", "report"):
+        if stage == "refine":   # its points come from the tune's winners; humanoid's grids have no wide gap
+            assert "# not run yet: " in out and "nothing to refine whatever wins" in out, out
+        elif stage in ("select", "report"):
             writes = next(l for l in out.splitlines() if l.startswith("# writes, committed: "))
             assert "# jobs: 0 (" in out and f"{results}/ (" in writes
             assert (f"{configs}/ (" in writes) == (stage == "select"), writes
@@ -275,3 +277,70 @@ def test_a_tiny_protocol_runs_tune_select_protocol_report(tmp_path):
     _stage("report", str(toy), "--root", str(tmp_path))
     md = (tmp_path / "results" / "toy" / "protocol.md").read_text()
     assert "Verdict, dopr_sgd vs sgd by val_loss" in md and "| sgd |" in md
+
+
+def _fake_sweep(folder: Path, arm: str, values: dict, seed: int = 0):
+    """A finished tune or refine sweep of feature_learning as run.py leaves it: per rate a job folder with its
+    summary.json (the overrides Hydra records) and .hydra/config.yaml (the task's tuning metric)."""
+    for n, (lr, loss) in enumerate(values.items()):
+        job = folder / str(n)
+        (job / ".hydra").mkdir(parents=True)
+        over = ["task=feature_learning", f"+tuned/feature_learning={arm}", "ap.damping_mode=trace", f"optim.lr={lr}",
+                f"seed={seed}", "skip_finished=True"]
+        (job / "summary.json").write_text(json.dumps({"task": "feature_learning", "optim": arm, "seed": seed,
+                                                      "val_loss": loss, "overrides": over}))
+        (job / ".hydra" / "config.yaml").write_text("task:\n  name: feature_learning\n  tuning: {metric: val_loss, "
+                                                    "mode: min}\n")
+
+
+def _peers_tuned(root: Path) -> tuple:
+    """Fake tune sweeps of feature_learning --variant peers' AdamW and SOAP pairs under root: SOAP's coarse winner
+    1e-2 (1e-3 10x below, 3e-2 3x above), the others' within 3.5x of their neighbours. (the sweeps' folder, the
+    refinement point of SOAP's winner)"""
+    spec = protocol.resolve(protocol.load("feature_learning"), "peers")
+    lrs = [protocol._text(v) for v in spec["arms"]["soap"]["grid"]["optim.lr"]]
+    assert lrs[4:8] == ["0.001", "0.01", "0.03", "0.1"]
+    tune = root / "multirun" / "protocol" / "feature_learning"
+    for arm, folder, best in (("adamw", tune / "tune", "0.03"), ("dopr_adamw", tune / "tune", "0.03"),
+                              ("soap", tune / "peers" / "tune", "0.01"), ("dopr_soap", tune / "peers" / "tune", "0.1")):
+        _fake_sweep(folder / arm, arm, {lr: 1.0 if lr == best else 2.0 + i for i, lr in enumerate(lrs)})
+    return tune, protocol._text(math.sqrt(1e-3 * 1e-2))
+
+
+def test_the_refine_stages_dry_run_prints_the_midpoints_of_each_coarse_winners_wide_gaps(capsys, tmp_path):
+    """feature_learning --variant peers: SOAP's coarse winner 1e-2 has 1e-3 10x below, so the refine stage runs
+    sqrt(1e-3 * 1e-2) on the tuning seed in peers/refine/soap; AdamW's 3e-2 (1e-2 3x below, 0.1 3.33x above) and
+    DoPr-SOAP's 0.1 need none. The dry run prints that line, the jobs and each arm's word, and writes nothing."""
+    tune, point = _peers_tuned(tmp_path)
+    before = _tree(tmp_path)
+    protocol.main(["refine", "feature_learning", "--variant", "peers", "--dry-run", "--root", str(tmp_path),
+                   "--arms", "adamw,dopr_adamw,soap,dopr_soap"])
+    out = capsys.readouterr().out
+    assert _commands(out) == [
+        f"python run.py -m task=feature_learning +tuned/feature_learning=soap ap.damping_mode=trace optim.lr={point} "
+        f"seed=0 skip_finished=true 'hydra.searchpath=[file://{tmp_path}/conf]' "
+        f"hydra.sweep.dir={tune}/peers/refine/soap"]
+    assert "# jobs: 1 (soap 1) in 1 run.py sweep" in out
+    assert "# adamw: no refinement: optim.lr=0.03: nearest neighbours within 3.5x (0.01 3x, 0.1 3.33x)" in out
+    assert "# dopr_soap: no refinement: optim.lr=0.1: nearest neighbours within 3.5x (0.03 3.33x, 0.3 3x)" in out
+    assert "# soap: refine optim.lr=0.01 (its neighbour 0.001 10x away) -> 0.00316" in out
+    assert _tree(tmp_path) == before   # a dry run launches nothing
+    # before the tune: no line, and which winners would be refined
+    protocol.main(["refine", "feature_learning", "--variant", "peers", "--dry-run", "--root", str(tmp_path / "none")])
+    out = capsys.readouterr().out
+    assert not _commands(out) and "# jobs: 0 (" in out and "at optim.lr in {1e-06, 1e-05, 0.0001, 0.001, 0.01}" in out
+
+
+@pytest.mark.slow
+def test_select_names_the_refine_stage_until_its_runs_are_there_then_takes_them_in(capfd, tmp_path):
+    tune, point = _peers_tuned(tmp_path)
+    with pytest.raises(SystemExit, match="the select stage stopped"):
+        protocol.main(["select", "feature_learning", "--variant", "peers", "--root", str(tmp_path)])
+    assert (f"Run it: python -m experiments.common.protocol refine feature_learning --variant peers --root {tmp_path}, "
+            "then select again") in capfd.readouterr().err
+    _fake_sweep(tune / "peers" / "refine" / "soap", "soap", {point: 0.5})
+    protocol.main(["select", "feature_learning", "--variant", "peers", "--root", str(tmp_path)])
+    assert f"--refined {tune}/peers/refine/soap --configs" in capfd.readouterr().out
+    sel = json.loads((tmp_path / "results" / "peers" / "feature_learning" / "selection.json").read_text())
+    assert sel["arms"]["soap"]["winner"] == {"optim.lr": point} and sel["arms"]["soap"]["refinement"]["points"]
+    assert sel["arms"]["adamw"]["refinement"]["points"] == [] and sel["arms"]["adamw"]["winner"] == {"optim.lr": "0.03"}

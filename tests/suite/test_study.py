@@ -52,7 +52,7 @@ def test_the_feature_learning_study_dry_run_prints_50_jobs():
     assert res.returncode == 0 and "# jobs: 50 (dopr_adamw 50)" in res.stdout, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("stage", ["tune", "select"])
+@pytest.mark.parametrize("stage", ["tune", "refine", "select"])
 def test_tune_and_select_of_a_study_refuse_naming_the_selection_it_reuses(stage):
     with pytest.raises(SystemExit, match=f"nothing to {stage}, it reuses the selection "
                                          "results/conv_digits/protocol_full/selection.json"):

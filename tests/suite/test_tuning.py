@@ -503,3 +503,152 @@ def test_relabel_rewrites_a_mislabelled_selection_from_its_json(tmp_path, monkey
     for name in ("selection.md", "protocol.md"):
         assert (folder / name).read_text() == (src / name).read_text()
     assert relabel_knobs.relabel(folder) == []
+
+
+# ------------------------------------------------------------------ per-seed runs and the refinement rule (issue 74)
+def _write_run(folder: Path, name, optim, seed, val, acc, **optim_cfg):
+    """A fresh run as run.py leaves it: summary.json and .hydra/config.yaml (the task's tuning metrics)."""
+    from omegaconf import OmegaConf
+
+    run = _fresh(name, optim, seed, val, **optim_cfg)
+    folder.mkdir(parents=True)
+    summary = {**run["summary"], "task": "toy", "acc": acc, "wall_time_s": 10.0 + seed, "git_revision": "abc123"}
+    if val is None:
+        summary["diverged_at"] = 40
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / ".hydra").mkdir()
+    cfg = OmegaConf.merge(run["config"], {"task": {"tuning": {"metric": "val", "mode": "min", "report": ["val", "acc"]}}})
+    (folder / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+
+def test_report_writes_each_fresh_run_and_its_rows_give_back_the_aggregates(tmp_path):
+    """protocol_runs.csv: one row a fresh run (arm, setting, seed, fixed, every reported metric, wall time,
+    revision), sorted by arm and seed; its fixed rows are the runs protocol.csv aggregates, all of them those of
+    protocol_all_seeds.csv: min / median / max recomputed from it are the tables' (to their 7 digits)."""
+    import csv
+    import statistics
+
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    tuning.write_selection(sel, tmp_path / "sel", "stamp")
+    fresh = tmp_path / "fresh"
+    dopr = dict(lr=1e-2, weight_decay=0.01, betas=[0.9, 0.999])
+    for seed, val in ((5, 1.1), (3, 1.0), (4, 1.2345678912), (6, 9.0)):   # seed 6: beyond the fixed list
+        _write_run(fresh / f"adamw_{seed}", "adamw", "adamw", seed, val, 0.5 + seed / 100)
+    for seed, val in ((3, 2.0), (4, None), (5, 2.2), (6, 0.1)):           # seed 4 diverged: the worst
+        _write_run(fresh / f"dopr_{seed}", "dopr_adamw", "dopr_adamw", seed, val, 0.4, **dopr)
+    for seed in (3, 4, 5):
+        _write_run(fresh / f"at_gp_{seed}", "dopr_adamw_at_gp_setting", "dopr_adamw", seed, 3.0 + seed / 7, 0.3)
+    out = tmp_path / "out"
+    tuning.main(["report", str(fresh), "--selection", str(tmp_path / "sel" / "selection.json"), "--out", str(out)])
+    read = lambda name: list(csv.DictReader(open(out / name)))
+    runs, fixed, every = read("protocol_runs.csv"), read("protocol.csv"), read("protocol_all_seeds.csv")
+    assert list(runs[0]) == ["arm", "setting", "seed", "fixed", "val", "acc", "diverged_at", "wall_time_s",
+                             "git_revision"]
+    assert [(r["arm"], int(r["seed"]), r["fixed"]) for r in runs] == [
+        ("adamw", 3, "true"), ("adamw", 4, "true"), ("adamw", 5, "true"), ("adamw", 6, "false"),
+        ("dopr_adamw", 3, "true"), ("dopr_adamw", 4, "true"), ("dopr_adamw", 5, "true"), ("dopr_adamw", 6, "false"),
+        ("dopr_adamw_at_gp_setting", 3, "true"), ("dopr_adamw_at_gp_setting", 4, "true"),
+        ("dopr_adamw_at_gp_setting", 5, "true")]
+    diverged = next(r for r in runs if r["arm"] == "dopr_adamw" and r["seed"] == "4")
+    assert diverged["val"] == "inf" and diverged["diverged_at"] == "40"
+    assert runs[0]["wall_time_s"] == "13.0" and runs[0]["git_revision"] == "abc123"
+    for table, rows in ((fixed, [r for r in runs if r["fixed"] == "true"]), (every, runs)):
+        assert [t["arm"] for t in table] == ["adamw", "dopr_adamw", "dopr_adamw_at_gp_setting"]
+        for t in table:
+            mine = [r for r in rows if r["arm"] == t["arm"]]
+            assert {r["setting"] for r in mine} == {t["setting"]}
+            assert t["seeds"] == " ".join(r["seed"] for r in mine)
+            for m in ("val", "acc"):
+                v = [float(r[m]) for r in mine]
+                assert float(t[f"{m}_min"]) == min(v) and float(t[f"{m}_max"]) == max(v), (t["arm"], m)
+                assert math.isclose(float(t[f"{m}_median"]), statistics.median(v), rel_tol=1e-6), (t["arm"], m)
+    assert "protocol_runs.csv (11 runs" in (out / "protocol.md").read_text()
+
+
+def _arm(grid: dict, winner: dict) -> dict:
+    return {"grid": grid, "winner": winner}
+
+
+def test_the_refinement_rule_halves_a_coarse_gap_geometrically_once_and_leaves_fine_ones_and_edges():
+    lr = ["1e-4", "1e-3", "1e-2", "3e-2", "0.1"]
+    due = tuning.refinement({"a": _arm({"optim.lr": lr}, {"optim.lr": "1e-2"})})["a"]
+    # 10x below, 3x above: one point, below, at the geometric midpoint
+    assert [(s["neighbour"], s["gap"]) for s in due["steps"]] == [("1e-3", pytest.approx(10.0))]
+    assert len(due["points"]) == 1 and math.isclose(float(due["points"][0]["optim.lr"]), math.sqrt(1e-3 * 1e-2))
+    assert due["coarse_winner"] == {"optim.lr": "1e-2"}
+    both = tuning.refinement({"a": _arm({"optim.lr": lr}, {"optim.lr": "1e-3"})})["a"]["points"]
+    assert [float(p["optim.lr"]) for p in both] == pytest.approx([math.sqrt(1e-7), math.sqrt(1e-5)])
+    # one round: the midpoints of a 10x gap are 3.16x from its ends, within 3.5x
+    assert float(due["points"][0]["optim.lr"]) / 1e-3 < tuning.REFINE_ABOVE
+    # a half-decade grid (steps of 3x and 3.33x) is fine
+    fine = tuning.refinement({"a": _arm({"optim.lr": ["1e-3", "3e-3", "1e-2", "3e-2"]}, {"optim.lr": "3e-3"})})["a"]
+    assert fine["points"] == [] and fine["note"] == "optim.lr=3e-3: nearest neighbours within 3.5x (1e-3 3x, 1e-2 3.33x)"
+    # a winner at the grid's edge is the edge rule's
+    edge = tuning.refinement({"a": _arm({"optim.lr": lr}, {"optim.lr": "1e-4"})})["a"]
+    assert edge["points"] == [] and "at the grid's edge" in edge["note"]
+    # the other winning values fixed; weight decay 0 (no geometric midpoint) skipped, on a refined axis or as a neighbour
+    grid = {"optim.lr": lr, "optim.weight_decay": ["0.0", "1e-4", "1e-2"]}
+    axes = ("optim.lr", "optim.weight_decay")
+    zero = tuning.refinement({"a": _arm(grid, {"optim.lr": "1e-2", "optim.weight_decay": "0.0"})}, axes)["a"]
+    assert zero["points"] == [{"optim.lr": due["points"][0]["optim.lr"], "optim.weight_decay": "0.0"}]
+    wd = tuning.refinement({"a": _arm(grid, {"optim.lr": "3e-2", "optim.weight_decay": "1e-4"})}, axes)["a"]
+    assert wd["points"] == [{"optim.lr": "3e-2", "optim.weight_decay": tuning._text(math.sqrt(1e-6))}]
+    assert tuning.refine_steps("optim.weight_decay", ["0.0", "1e-4", "1e-2"], "0.0")[0] == []
+    assert "not a positive number" in tuning.refine_steps("w", ["-1", "0", "1"], "0")[1]
+    # an axis the rule does not refine is not refined, whatever its gaps
+    assert tuning.refinement({"a": _arm({"ap.damping": ["1e-6", "1e-4", "1e-2"]}, {"ap.damping": "1e-4"})})["a"][
+        "points"] == []
+
+
+def _coarse():
+    """AdamW and DoPr-AdamW on one seed over a coarse grid: AdamW wins at 1e-2 (1e-3 10x below, 3e-2 3x above),
+    DoPr-AdamW at 3e-2 (neighbours within 3.5x)."""
+    lrs = ["1e-4", "1e-3", "1e-2", "3e-2", "0.1"]
+    gp = [_rec("adamw", 0, v, **{"optim.lr": lr}) for lr, v in zip(lrs, (5.0, 3.0, 1.0, 2.0, 4.0))]
+    dopr = [_rec("dopr_adamw", 0, v, **{"optim.lr": lr}) for lr, v in zip(lrs, (5.0, 3.0, 2.0, 1.0, 4.0))]
+    return gp + dopr
+
+
+def test_select_refuses_a_due_refinement_not_run_and_takes_its_runs_in(tmp_path):
+    point = tuning._text(math.sqrt(1e-3 * 1e-2))
+    cmd = "python -m experiments.common.protocol refine toy --variant v"
+    with pytest.raises(ValueError) as refused:
+        tuning.select(_coarse(), "val", fresh_seeds=[3], refine_command=cmd)
+    msg = str(refused.value)
+    assert "a refinement is due and has not run: adamw optim.lr=1e-2 (its neighbour 1e-3 10x away) -> 0.00316 on " \
+           "seeds [0]" in msg and f"Run it: {cmd}, then select again" in msg and "--skip-refine" in msg
+    assert "dopr_adamw" not in msg
+    # with the refine runs: the point is a trial of AdamW's, counted apart from the grid's budget
+    refined = [_rec("adamw", 0, 0.5, **{"optim.lr": point})]
+    sel = tuning.select(_coarse(), "val", fresh_seeds=[3], refined=refined)
+    gp, dopr = sel["arms"]["adamw"], sel["arms"]["dopr_adamw"]
+    assert gp["winner"] == {"optim.lr": point} and gp["value"] == 0.5
+    assert gp["grid"] == {"optim.lr": ["1e-4", "1e-3", "1e-2", "3e-2", "0.1"]} and gp["at_grid_edge"] == []
+    assert tuning.budget(gp) == tuning.budget(dopr) == 5 and len(gp["trials"]) == 6
+    assert gp["refinement"]["coarse_winner"] == {"optim.lr": "1e-2"} and gp["refinement"]["points"] == [
+        {"optim.lr": point}] and gp["refinement"]["winner"] == {"optim.lr": point}
+    assert dopr["refinement"]["points"] == [] and dopr["winner"] == {"optim.lr": "3e-2"}
+    assert tuning.chosen_settings(sel)["adamw"]["optim.lr"] == point
+    tuning.write_selection(sel, tmp_path / "out", "stamp", tmp_path / "conf", "cmd")
+    md = (tmp_path / "out" / "selection.md").read_text()
+    assert ("adamw: refined around the coarse winner optim.lr=1e-2 (val 1), a gap beyond 3.5x: optim.lr=1e-2 (its "
+            "neighbour 1e-3 10x away) -> 0.00316, run on seeds [0]; final winner optim.lr=" + point) in md
+    assert "dopr_adamw: no refinement: optim.lr=3e-2: nearest neighbours within 3.5x (1e-2 3x, 0.1 3.33x)." in md
+    assert f"| adamw | optim.lr={point} | 0.5 | 0.5 | yes | refinement |" in md
+    assert "adamw: optim.lr in {1e-4, 1e-3, 1e-2, 3e-2, 0.1} (5 settings + 1 refinement)" in md
+    saved = json.loads((tmp_path / "out" / "selection.json").read_text())
+    assert saved["refine"] == {"axes": ["optim.lr"], "above": 3.5, "skipped": None}
+    # a coarse winner that wins again stays the winner; the refinement is recorded all the same
+    worse = tuning.select(_coarse(), "val", fresh_seeds=[3], refined=[_rec("adamw", 0, 7.0, **{"optim.lr": point})])
+    assert worse["arms"]["adamw"]["winner"] == {"optim.lr": "1e-2"}
+    # --skip-refine records its reason instead
+    skipped = tuning.select(_coarse(), "val", fresh_seeds=[3], skip_refine="a rehearsal")
+    assert skipped["arms"]["adamw"]["refinement"]["skipped"] == "a rehearsal"
+    assert skipped["arms"]["adamw"]["winner"] == {"optim.lr": "1e-2"} and skipped["refine"]["skipped"] == "a rehearsal"
+    assert "adamw: refinement skipped with --skip-refine" in "\n".join(tuning.selection_notes(skipped))
+    # refused: a refine run the rule does not ask for (a stale one), and an empty reason
+    with pytest.raises(ValueError, match="adamw: a refine run at optim.lr=0.005, seed=0, which the refinement of its "
+                                         "coarse winner optim.lr=1e-2 does not ask for"):
+        tuning.select(_coarse(), "val", refined=refined + [_rec("adamw", 0, 0.1, **{"optim.lr": "0.005"})])
+    with pytest.raises(ValueError, match="--skip-refine needs the reason"):
+        tuning.select(_coarse(), "val", skip_refine=" ")
