@@ -6,6 +6,7 @@ a test, not a table) or reads an aggregate table whose per-run files were never 
 NOT_RECOMPUTABLE)."""
 import math
 from pathlib import Path
+from statistics import median
 
 from dopr import optimizer_name, split_name
 from experiments.appendix.report import graft_verdict
@@ -730,3 +731,47 @@ def peers() -> Measured:
                     f"DoPr-AdamW vs SOAP: val loss {num(f['dopr_adamw']['val_loss_median'])} vs "
                     f"{num(f['soap']['val_loss_median'])}; return {num(h['dopr_adamw']['return_mean_median'])} vs "
                     f"{num(h['soap']['return_mean_median'])}", recomputed=False)
+
+
+# --- issue 76: how stale a factor may be ---------------------------------------------------------------------
+
+#: each family's study at the committed setting (conf/protocol/<task>.yaml, variant staleness): its folder, the
+#: selection's metric and mode
+STALENESS = {"feature learning": ("results/staleness/feature_learning", "val_loss", "min"),
+             "Humanoid": ("results/staleness/humanoid", "return_mean", "max"),
+             "conv digits": ("results/staleness/conv_digits", "val_loss", "min"),
+             "SiT digits": ("results/staleness/sit_digits", "quality", "min")}
+STALE_AXIS = "ap.precond_every"
+
+
+def _by_k(folder: str, metric: str) -> dict:
+    """{k: that k's runs' min / median / max of `metric`} from the study's per-seed runs."""
+    runs = rows(f"{folder}/study_runs.csv")
+    out = {}
+    for k in sorted({int(float(r[STALE_AXIS])) for r in runs}):
+        values = sorted(float(r[metric]) for r in runs if int(float(r[STALE_AXIS])) == k)
+        out[k] = {f"{metric}_min": values[0], f"{metric}_median": median(values), f"{metric}_max": values[-1],
+                  "seeds": len(values)}
+    return out
+
+
+def staleness() -> Measured:
+    """DoPr-AdamW at its committed setting, the factor refreshed every k steps, each k against k = 1 on the fresh
+    seeds by the page's rule (a family whose study has not run: not run here)."""
+    ours, clauses, heads = [], [], []
+    for family, (folder, metric, mode) in STALENESS.items():
+        if not (ROOT / folder / "study_runs.csv").exists():
+            clauses.append(f"{family}: not run here (yet)")
+            continue
+        by_k = _by_k(folder, metric)
+        ours.append(f"{family} ({metric}, {by_k[1]['seeds']} seeds): " +
+                    "; ".join(f"k={k} {spread(r, metric)}" for k, r in by_k.items()))
+        words: dict = {}
+        for k, r in by_k.items():
+            if k != 1:
+                words.setdefault(compare(r, by_k[1], metric, mode), []).append(str(k))
+        clauses += [f"{family}, k = {', '.join(ks)}: {w}" for w, ks in words.items()]
+        last = max(by_k)
+        heads.append(f"{family} {metric} k=1 {num(by_k[1][metric + '_median'])} vs k={last} "
+                     f"{num(by_k[last][metric + '_median'])}")
+    return Measured("; ".join(ours) or "no study has run", tuple(clauses), "; ".join(heads) or "-")
