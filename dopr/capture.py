@@ -222,6 +222,7 @@ class ActivationCapture:
         self.rows = None   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
         self.count_samples = False   # set each statistic's independent rows (the sample-count damping rule)
         self.collecting = True
+        self.observer = None   # a refresh policy's observe(helper, x): training forwards that gather nothing (dopr/refresh_drift.py)
         self._captures: dict = {}
         self._nodes: dict = {}
         self.transformed = False   # a hooked forward ran under a torch.func transform (and gathered nothing)
@@ -256,6 +257,8 @@ class ActivationCapture:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
             if self.collecting:   # said if the layer then has a gradient but no statistics (no_forward_cause)
                 self.layers[index].missed = "no_grad" if module.training else "eval"
+            elif self.observer is not None and module.training and torch.is_grad_enabled():
+                self._observe(index, inputs)
             return
         compiling = torch.compiler.is_compiling()   # (tracing runs under functorch's functionalization)
         if not compiling and _in_functorch_transform():   # vmap / grad / jacrev: batched or wrapped tensors
@@ -276,6 +279,14 @@ class ActivationCapture:
         # which a layer sharded on its own has already swapped out again by now
         weight = self.in_use[index] if self.sharded[index] else module.weight
         _producer(output).register_prehook(_commit_hook(self, index, cap, saved, weight))
+
+    def _observe(self, index: int, inputs) -> None:
+        """Hand a training forward's input to the observer (not compiled, transformed or recomputed forwards)."""
+        if (torch.compiler.is_compiling() or _in_functorch_transform() or _in_backward() or not inputs
+                or not isinstance(inputs[0], Tensor)):
+            return
+        with torch.no_grad():
+            self.observer(self.layers[index].helper, _as_multiplied(inputs[0]))
 
     def _capture(self, helper, x: Tensor) -> _Capture:
         share = helper.share_key

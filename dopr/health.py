@@ -79,8 +79,10 @@ def in_danger(report: dict) -> bool:
 def describe(report: dict) -> str:
     """One line for the coverage table."""
     share = "" if report["weak_share"] is None else f", {100 * report['weak_share']:.0f}% of M in weak directions"
+    fraction = report.get("refresh_fraction")
+    refreshed = "" if fraction is None else f", refreshed on {100 * fraction:.0f}% of steps"
     return (f"effective rank {report['effective_rank']:g}/{report['dim']}, {report['below_damping']} below "
-            f"damping, amplification x{report['amplification']:g}{share}")
+            f"damping, amplification x{report['amplification']:g}{share}{refreshed}")
 
 
 def label(key: tuple) -> str:
@@ -94,6 +96,13 @@ class HealthReports:
 
     def __init__(self, every: int) -> None:
         self.every, self.reports = every, {}
+        self.fractions = None   # () -> {layer name: share of its steps that refreshed it} (the drift refresh policy)
+
+    def refresh_fraction(self, key) -> Optional[float]:
+        """The mean refresh fraction of group `key`'s layers, where the refresh policy counts them, else None."""
+        fractions = getattr(self, "fractions", None)
+        values = [f for n in key if (f := (fractions() if fractions else {}).get(n)) is not None]
+        return round(sum(values) / len(values), 4) if values else None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -107,6 +116,8 @@ class HealthReports:
             return None
         gs = [grads[n] for n in key if n in grads]
         report = layer_health(mean[0], lam, torch.cat(gs) if gs and g2 is None else None, spec=spec, g2=g2)
+        if (fraction := self.refresh_fraction(key)) is not None:
+            report["refresh_fraction"] = fraction
         self.reports["|".join(key)] = report
         if in_danger(report):
             return (f"{label(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "
@@ -131,4 +142,7 @@ class HealthReports:
     def describe(self, name: str) -> str:
         """The report line of the group holding layer `name`, or ''."""
         key = next((k for k in self.reports if name in k.split("|")), None)
-        return describe(self.reports[key]) if key is not None else ""
+        if key is None:
+            return ""
+        fraction = self.refresh_fraction(key.split("|"))   # now, not at the report's refresh
+        return describe({**self.reports[key], **({} if fraction is None else {"refresh_fraction": fraction})})

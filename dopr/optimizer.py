@@ -246,7 +246,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
             {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
         old = self._capture
-        self._capture = ActivationCapture(helpers, STATISTICS[self._solver.statistic])
+        self._capture = self._policy.attach(ActivationCapture(helpers, STATISTICS[self._solver.statistic]), self._health)
         self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
         self._capture.count_samples = self._damping.reads_samples   # N_eff per statistic (sample-count rule)
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
@@ -352,6 +352,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if collected and self._policy.caches:   # new factors replace their layers' old ones only
             fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
             self._cache = {**_without(self._cache, {n for key in fresh for n in key}), **fresh}
+            self._policy.refreshed(self._step, fresh, groups)   # the policy's new factors (drift: its probes)
         self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
         if self._policy.caches:
@@ -465,7 +466,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
         out = {k: 0 for k in self.COUNTERS}
         out.update(self._counts, **self._damping.counters(), **self._graphs.counts, steps=self._step,
-                   no_forward=list(self._no_forward), no_samples=sorted(self._empty))
+                   no_forward=list(self._no_forward), no_samples=sorted(self._empty), **self._policy.stats())
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out

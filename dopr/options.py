@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import damping, refresh_policy, solvers
+from . import refresh_drift  # noqa: F401  registers refresh_policy="drift" before an option is checked
 
 DAMPING_MODES = damping.TRACE_MODES
 CONV2D_MODES = ("full", "sua")
@@ -102,6 +103,12 @@ class DoPrOptions:
         "every", "when a layer's factor is refreshed: every (every precond_every-th step, every layer) or any policy "
         "registered with dopr.refresh_policy.register_policy",
         lambda v: v in refresh_policy.policies(), lambda: f"choose from {refresh_policy.policies()}", show=repr)
+    drift_threshold: float = _option(
+        0.1, "refresh_policy drift: a group is refreshed on the step after max_j |s_j / r_j - 1| passes this, s_j the "
+        "inputs' second moment along the probe w_j = P u_j (4 random u_j drawn at its last refresh, P its factor) and "
+        "r_j that of the Sigma it was factored from; a relative change (batch noise alone is about sqrt(2 / rows)); "
+        "inf: precond_every's cap alone (dopr/refresh_drift.py)",
+        lambda v: _number(v) and v > 0, "must be a number > 0 (inf: the cap alone)")
     conv2d: str = _option(
         "full", "Conv2d covariance: full (im2col patches) or sua (channels, spatially uncorrelated)",
         lambda v: v in CONV2D_MODES, f"choose from {CONV2D_MODES}", label="conv2d mode", show=repr)

@@ -9,9 +9,13 @@ DoPr asks its policy two things each step, and nothing else decides the refresh 
   the policy says ``caches``.
 
 ``"every"`` (:class:`EveryK`): every ``precond_every``-th step refreshes every layer, the paper's Algorithm 2 at
-k = 1. A new policy (a drift-triggered one, say) is a new class here, registered with :func:`register_policy`
-under the ``refresh_policy`` value that chooses it, with its own state (``state_dict`` / ``load_state_dict``,
-which the checkpoint keeps); dopr/optimizer.py does not change.
+k = 1; ``"drift"`` (:class:`dopr.refresh_drift.DriftPolicy`): a group when its probes say its Sigma moved, and
+every layer at the k cap. A new policy is a new class here (or in a module that dopr/options.py imports, as
+dopr/refresh_drift.py), registered with :func:`register_policy` under the ``refresh_policy`` value that chooses
+it, with its own state (``state_dict`` / ``load_state_dict``, which the checkpoint keeps); dopr/optimizer.py does
+not change. Optional hooks, no-ops here: :attr:`RefreshPolicy.observe` (the inputs of forwards that gather
+nothing), :meth:`RefreshPolicy.refreshed` (the new factors), :meth:`RefreshPolicy.stats` (entries of
+``DoPr.stats()``) and :meth:`RefreshPolicy.refresh_fractions` (shown in the health report).
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ class RefreshPolicy:
 
     name = "?"
     caches = True
+    #: ``observe(helper, x)``: called by the capture, under no_grad, with the input of each training forward that
+    #: gathers no statistics (a policy that watches the inputs between refreshes: "drift"); None: not called
+    observe = None
 
     def __init__(self, options) -> None:
         self.options = options
@@ -51,6 +58,24 @@ class RefreshPolicy:
     def due(self, step: int, keys) -> set:
         """The group keys, of ``keys`` (those with statistics this step), that get a new factor at ``step``."""
         raise NotImplementedError
+
+    def attach(self, capture, health):
+        """DoPr's new capture (returned) and its health reports: the capture hands the inputs of forwards that gather
+        nothing to :attr:`observe`, the reports show :meth:`refresh_fractions`."""
+        capture.observer, health.fractions = self.observe, self.refresh_fractions
+        return capture
+
+    def refreshed(self, step: int, ops: dict, stats) -> None:
+        """After step ``step`` factored the groups of ``ops`` ({group key: the cached operator}) from ``stats``
+        ({group key: statistics}, whose sums the factorisation may have normalised in place)."""
+
+    def stats(self) -> dict:
+        """The policy's own entries of ``DoPr.stats()``."""
+        return {}
+
+    def refresh_fractions(self) -> dict:
+        """{layer name: the share of its steps that refreshed it}, where the policy counts them (the health report)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -73,3 +98,4 @@ class EveryK(RefreshPolicy):
 
     def due(self, step: int, keys) -> set:
         return set(keys) if step % self.k == 0 else set()
+
