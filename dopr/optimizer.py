@@ -413,6 +413,20 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             warnings.warn("DoPr: " + message, RuntimeWarning, stacklevel=3)
 
     # ---------------------------------------------------------------------- reporting
+    def layers(self) -> list:
+        """The preconditioned layers' helpers (dopr/layers: ``name``, ``module``, ``input_dim()``...), in order."""
+        return [l.helper for l in self._capture.layers]
+
+    @property
+    def capture(self) -> ActivationCapture:
+        """The forward hooks that gather Sigma's statistics (dopr/capture.py); DoPr tells it when to gather."""
+        return self._capture
+
+    @property
+    def graphs(self) -> graphs.StepGraphs:
+        """The refresh step's CUDA graphs (dopr/graphs.py): ``off``, why none is used; ``counts``."""
+        return self._graphs
+
     def coverage(self) -> list:
         """Every module with trainable parameters: preconditioned (mode, dim) or skipped (reason)."""
         return list(self._coverage)
@@ -476,7 +490,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:
-        return {l.helper.name: l.helper for l in self._capture.layers}
+        return {h.name: h for h in self.layers()}
 
     def close(self) -> None:
         """Remove the forward hooks; the model is left as it was before DoPr."""

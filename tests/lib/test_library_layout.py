@@ -1,5 +1,5 @@
-"""The library's own layout: every GP of dopr/gp/ is its update formula on the one step, and the DoPr class is
-small and names no damping rule."""
+"""The library's own layout: every GP of dopr/gp/ is its update formula on the one step, the DoPr class is
+small and names no damping rule, and nothing outside dopr/optimizer.py reads DoPr's private state."""
 import ast
 from pathlib import Path
 
@@ -75,3 +75,34 @@ def test_dopr_is_small_and_names_no_damping_rule():
     health = ast.parse((ROOT / "dopr" / "health.py").read_text())   # the report, no damping rule in it
     defined = {n.name for n in ast.walk(health) if isinstance(n, ast.FunctionDef)}
     assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
+
+
+def _dopr_privates() -> set:
+    """DoPr's private attributes and methods (``self._x`` in dopr/optimizer.py), but torch.optim.Optimizer's own."""
+    from torch.optim import Optimizer
+
+    tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DoPr"]
+    names = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__")}
+    names |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+              and not n.name.startswith("__")}
+    return names - set(dir(Optimizer)) - {n for n in names if n.startswith("_optimizer_")}
+
+
+def test_nothing_outside_the_optimizer_reads_doprs_private_state():
+    """Issue 75 item 1: dopr/, benchmarks/ and experiments/ reach DoPr through its public methods (``layers()``,
+    ``graphs``, ``ap_state_dict``...) and its refresh object's (dopr/refresh.py): no ``x._name`` of a DoPr
+    private attribute but on ``self``, outside dopr/optimizer.py. tests/ still read some (the next step)."""
+    private = _dopr_privates()
+    assert {"_capture", "_refresh", "_step", "_warmed", "_grad_ema"} <= private
+    found = []
+    for top in ("dopr", "benchmarks", "experiments"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == ROOT / "dopr" / "optimizer.py":
+                continue
+            for n in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(n, ast.Attribute) and n.attr in private
+                        and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+                    found.append(f"{path.relative_to(ROOT)}:{n.lineno} .{n.attr}")
+    assert found == []
