@@ -16,25 +16,22 @@ EMAs start at zero and are bias-corrected (divided by 1 - beta^t), as Adam's mom
 
 The pieces, one module each: dopr/capture.py gathers Sigma's statistics from the forwards that a
 step's gradients come from; dopr/refresh.py holds the refresh state that turns them into factors (the
-refresh policy, the damping rule, the Sigma EMA, the cached factors and the counters); dopr/statistics.py
-the statistic kinds (dense covariance, rank-1 moments, diagonal), each knowing its diagonal and how to
-factor itself; dopr/solvers.py the solvers by name; dopr/damping.py the damping rules (lambda per group); dopr/apply.py the batched solve, the
-step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
+refresh policy, the damping rule, the Sigma EMA, the cached factors and the counters) and factors each
+batch of groups; dopr/statistics.py the statistic kinds (dense covariance, rank-1 moments, diagonal), each
+knowing its diagonal and how to factor itself; dopr/solvers.py the solvers by name; dopr/damping.py the
+damping rules (lambda per group); dopr/apply.py the batched solve, the step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
 all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from collections import defaultdict
 from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 
-from . import apply, damping, graphs, sharding, solvers
+from . import apply, graphs, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, load_ap_state
@@ -43,9 +40,9 @@ from .ema import GradientEMA
 from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
-from .refresh import Refresh, cache_on_layers
+from .refresh import Factoring, Refresh, cache_on_layers, factor_for
 from .sample_space import SampleRows, gather_rows, row_statistic
-from .solve_space import choose as choose_space, group_rows
+from .solve_space import choose as choose_space
 from .statistics import STATISTICS
 
 
@@ -56,26 +53,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
-
-
-def _factor_for(solver, factor, keys: tuple, grads: dict):
-    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
-    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
-    them (dopr.solvers.cholesky_route)."""
-    if not solver.takes_rows or factor is None:
-        return factor
-    rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
-    return functools.partial(factor, rows=rows or None)
-
-
-def _means(kind, items: list, report: bool) -> tuple:
-    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
-    (the items then carry each member's, when a report reads them)."""
-    keys, stats, means = zip(*items)
-    if means[0] is not None:
-        return list(means), items
-    means = kind.stacked_mean(list(stats))
-    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
 
 
 class DoPr(WrapsBase, torch.optim.Optimizer):
@@ -262,7 +239,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             if ema.scheduled:                                 # a rate given as a function of the step
                 ema.beta = self.options.at(name, step)
         collected, refresh = self.collecting, self._refresh.policy.gathers(self._step)
-        raw = frozenset()
+        raw, gathered = frozenset(), set()
         self._refresh.cache = cache_on_layers(self._refresh.cache, grads)   # model.double(), .cuda() since the refresh: cast once
         if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
@@ -271,11 +248,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
                                   self._refresh.damping.reads_samples)
             gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
-            due = self._refresh.policy.due(self._step, groups) if refresh else set()   # the policy's groups to refresh
-            refresh = refresh and len(due) == len(groups)
-            if not refresh:                                   # between refreshes: factors for those and the layers without one
-                groups = {sub: stat for key, stat in groups.items()
-                          if (sub := key if key in due else tuple(n for n in key if n in self._refresh.unfactored))}
+            groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
             self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
             if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
                 groups = {key: stat for key, stat in groups.items() if stat.count > 0}
@@ -284,14 +257,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                 "(see DoPr.stats()['no_samples'])")
             gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
             graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
-            batches = (graphed.batches if graphed else []) + self._factor(   # Sigmabar, lambda, factors: nothing read back yet
-                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh)
-            ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
-                   for k, op in zip(keys, res)}
-            ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
-                        for k, op in zip(keys, res.ops())})
-            if not refresh:
-                ops = {**self._refresh.cache, **ops}
+            batches = (graphed.batches if graphed else []) + self._refresh.factor(   # Sigmabar, lambda, factors: nothing
+                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys},   # read back yet
+                grads, gamma, refresh, self._factoring())
+            ops = self._refresh.operators(batches, refresh)
         else:                                                 # in between: the cached inverses
             batches, ops, self._empty, graphed = [], self._refresh.cache, set(), None
             covered = {n for key in ops for n in key}
@@ -315,12 +284,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._refresh.precond_ema.commit()
             self._grad_ema.commit()
         apply.write_back(solved, self._helpers_now)           # each layer's M as its grad
-        if collected and self._refresh.policy.caches:   # new factors replace their layers' old ones only
-            self._refresh.store(solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops}))
+        self._refresh.settle(ops, batches, grads, collected, refresh, gathered, self._attached_now)
         self._refresh.counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
-        if self._refresh.policy.caches:
-            self._refresh.after_step(grads, collected, refresh, gathered if collected else set(), self._attached_now)
         self._capture.collecting = self.collecting
         self._capture.reset()
 
@@ -328,51 +294,17 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
         if self._graphs.off is not None or self._health.due(self._refresh.counts["refreshes"]):
             return None
-        out = self._graphs.run(groups, grads, gamma, lambda keys: _factor_for(self._solver, self._factor_with, keys, grads),
-                               self._refresh.damping.reads_homogeneous and {l.helper.name: l.helper.homogeneous
-                                                                    for l in self._capture.layers}, self.options.damping_mode)
+        how = self._factoring()
+        out = self._graphs.run(groups, grads, gamma, lambda keys: factor_for(self._solver, self._factor_with, keys, grads),
+                               self._refresh.damping.reads_homogeneous and how.homogeneous, self.options.damping_mode)
         self._refresh.counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
         return out
 
-    def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
-        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
-        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
-        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
-        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
-        refreshes for layers without one (no health report, not counted)."""
-        report = refresh and self._health.due(self._refresh.counts["refreshes"])
-        collective, out = self._sharded and is_distributed(), []
-        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
-                 if self._refresh.damping.reads_homogeneous else None)
-        for (kind, shape, _, _), items in self._batches(choose_space(groups, grads)).items():   # "auto": which space
-            keys = tuple(key for key, _, _ in items)
-            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
-            with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
-                means, items = _means(kind, items, report)
-                batch, floor, finite = kind.prepare(means, gamma, self.options.damping_mode,   # one stack per size
-                                                    self._solver.finite_inputs, homogeneous)
-                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, collective)
-                lam = self._refresh.damping.lam(b)
-                for warning in self._health.record_batch(b, lam) if report else ():    # on request (syncs)
-                    self._warn_once("health", warning)
-                out.append((keys, finite, kind.factor(batch, lam, _factor_for(self._solver, self._factor_with, keys, grads), self._refresh.counts)))
-        self._refresh.counts["refreshes"] += int(refresh)
-        self._refresh.counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
-        return out
-
-    def _batches(self, groups: dict) -> dict:
-        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
-        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
-        groups = self._refresh.precond_ema.shared_history(groups)
-        batches = defaultdict(list)
-        lazy = not self._refresh.precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
-        for key, stat in groups.items():
-            if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
-                batches[(type(stat), stat.sums[0].shape, stat.sums[0].dtype, stat.sums[0].device)].append((key, stat, None))
-                continue
-            mean = self._refresh.precond_ema.propose(key, stat)                            # Sigmabar
-            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
-        return batches
+    def _factoring(self) -> Factoring:
+        """What the refresh borrows for this step's factors (dopr.refresh.Factoring)."""
+        flags = {h.name: h.homogeneous for h in self.layers()} if self._refresh.damping.reads_homogeneous else None
+        return Factoring(self._solver, self._factor_with, self._health, self._capture.statistic, flags,
+                         self._sharded and is_distributed(), self.options.damping_mode, self._warn_once)
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded

@@ -10,11 +10,20 @@ read-back and write-back), is DoPr's (dopr/optimizer.py, dopr/apply.py).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import functools
+from collections import defaultdict, namedtuple
 
-from . import damping, refresh_policy, solvers
+from torch.autograd.profiler import record_function
+
+from . import apply, damping, refresh_policy, solvers
 from .ema import CovarianceEMA
+from .solve_space import choose as choose_space, group_rows
 from .statistics import statistics_dtype
+
+#: what a refresh borrows from its DoPr for one step: the solver and its bound factor, the health reports, the
+#: statistic kind, the layers' homogeneous flags (None unless the damping rule reads them), whether lambda's
+#: choice is a collective (FSDP2), damping_mode and the warn-once function
+Factoring = namedtuple("Factoring", "solver factor_with health statistic homogeneous collective damping_mode warn")
 
 
 def without(cache: dict, names) -> dict:
@@ -25,6 +34,26 @@ def without(cache: dict, names) -> dict:
         if rest:
             out[rest if len(rest) < len(key) else key] = op
     return out
+
+
+def factor_for(solver, factor, keys: tuple, grads: dict):
+    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
+    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
+    them (dopr.solvers.cholesky_route)."""
+    if not solver.takes_rows or factor is None:
+        return factor
+    rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
+    return functools.partial(factor, rows=rows or None)
+
+
+def _means(kind, items: list, report: bool) -> tuple:
+    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
+    (the items then carry each member's, when a report reads them)."""
+    keys, stats, means = zip(*items)
+    if means[0] is not None:
+        return list(means), items
+    means = kind.stacked_mean(list(stats))
+    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
 
 
 def cache_on_layers(cache: dict, helpers: dict) -> dict:
@@ -93,6 +122,72 @@ class Refresh:
             self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
         covered = {n for key in self.cache for n in key}
         self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
+
+    # ------------------------------------------------------------------ statistics into factors
+    def select(self, groups: dict, step: int, refresh: bool) -> tuple:
+        """(the groups to factor, whether the step refreshes every group): all of them on a full refresh; else
+        the policy's due groups and the layers without a factor (factors between refreshes)."""
+        due = self.policy.due(step, groups) if refresh else set()   # the policy's groups to refresh
+        refresh = refresh and len(due) == len(groups)
+        if not refresh:
+            groups = {sub: stat for key, stat in groups.items()
+                      if (sub := key if key in due else tuple(n for n in key if n in self.unfactored))}
+        return groups, refresh
+
+    def factor(self, groups: dict, grads: dict, gamma: float, refresh: bool, how: Factoring) -> list:
+        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
+        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
+        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
+        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
+        refreshes for layers without one (no health report, not counted)."""
+        report, out, flags = refresh and how.health.due(self.counts["refreshes"]), [], how.homogeneous
+        for (kind, shape, _, _), items in self._batches(choose_space(groups, grads), how.statistic).items():
+            keys = tuple(key for key, _, _ in items)
+            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
+            with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
+                means, items = _means(kind, items, report)
+                batch, floor, finite = kind.prepare(means, gamma, how.damping_mode,   # one stack per size
+                                                    how.solver.finite_inputs, homogeneous)
+                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, how.collective)
+                lam = self.damping.lam(b)
+                for warning in how.health.record_batch(b, lam) if report else ():    # on request (syncs)
+                    how.warn("health", warning)
+                out.append((keys, finite, kind.factor(batch, lam, factor_for(how.solver, how.factor_with, keys, grads),
+                                                      self.counts)))
+        self.counts["refreshes"] += int(refresh)
+        self.counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
+        return out
+
+    def _batches(self, groups: dict, statistic: type) -> dict:
+        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
+        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
+        groups = self.precond_ema.shared_history(groups)
+        batches = defaultdict(list)
+        lazy = not self.precond_ema.on and hasattr(statistic, "stacked_mean")
+        for key, stat in groups.items():
+            if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
+                batches[(type(stat), stat.sums[0].shape, stat.sums[0].dtype, stat.sums[0].device)].append((key, stat, None))
+                continue
+            mean = self.precond_ema.propose(key, stat)                            # Sigmabar
+            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
+        return batches
+
+    def operators(self, batches: list, refresh: bool) -> dict:
+        """{group key: operator} of a step's batches (a Deferred's operators, flags unread); between refreshes
+        over the cached ones."""
+        ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred) for k, op in zip(keys, res)}
+        ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
+                    for k, op in zip(keys, res.ops())})
+        return ops if refresh else {**self.cache, **ops}
+
+    def settle(self, ops: dict, batches: list, grads: dict, collected: bool, refresh: bool, gathered: set,
+               attached_now: set) -> None:
+        """After the step's solve, a caching policy's: the new factors cached, unfactored and idle updated."""
+        if not self.policy.caches:
+            return
+        if collected:   # new factors replace their layers' old ones only
+            self.store(solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops}))
+        self.after_step(grads, collected, refresh, gathered, attached_now)
 
     # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:

@@ -52,13 +52,18 @@ def test_every_gp_is_its_update_formula_on_the_one_step():
 
 
 def test_dopr_is_small_and_names_no_damping_rule():
-    """Issue 66 item 1: the DoPr class at most 450 lines and its _factor at most 25 (as ast counts them),
-    and dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
+    """Issue 66 item 1, issue 75 item 1: the DoPr class at most 404 lines and its precondition at most 63 (as ast
+    counts them; the refresh state and the factoring are dopr/refresh.py's), Refresh.factor at most 25, and
+    dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
     rule is one class in dopr/damping.py plus the option value that chooses it."""
     tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
     (dopr_class,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DoPr"]
-    (factor,) = [n for n in dopr_class.body if isinstance(n, ast.FunctionDef) and n.name == "_factor"]
-    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 450
+    (precondition,) = [n for n in dopr_class.body if isinstance(n, ast.FunctionDef) and n.name == "precondition"]
+    (refresh,) = [n for n in ast.parse((ROOT / "dopr" / "refresh.py").read_text()).body
+                  if isinstance(n, ast.ClassDef) and n.name == "Refresh"]
+    (factor,) = [n for n in refresh.body if isinstance(n, ast.FunctionDef) and n.name == "factor"]
+    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 404
+    assert precondition.end_lineno - precondition.lineno + 1 <= 63
     assert factor.end_lineno - factor.lineno + 1 <= 25
     from dopr import damping
 
