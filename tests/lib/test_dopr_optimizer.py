@@ -247,7 +247,7 @@ def test_layer_without_forward_passes_its_gradient_through_and_is_reported():
     ((model(x) - y) ** 2).mean().backward()
     opt.precondition()  # consumes the statistics of that forward
     ((model(x) - y) ** 2).mean().backward()  # the gradient of a forward...
-    opt._capture.layers[1].reset()  # ...whose statistics for the middle layer went missing
+    opt.capture.layers[1].reset()  # ...whose statistics for the middle layer went missing
     raw = model[2].weight.grad.clone()
     with pytest.warns(RuntimeWarning, match="no training forward"):
         opt.precondition()

@@ -95,19 +95,25 @@ def _dopr_privates() -> set:
     return names - set(dir(Optimizer)) - {n for n in names if n.startswith("_optimizer_")}
 
 
+#: the DoPr private state tests/lib still reads (the refresh object, the gradient EMA, the write-back buffers):
+#: the next step of issue 75 item 1 gives them public readers
+TESTS_STILL_READ = {"_refresh", "_grad_ema", "_buckets"}
+
+
 def test_nothing_outside_the_optimizer_reads_doprs_private_state():
     """Issue 75 item 1: dopr/, benchmarks/ and experiments/ reach DoPr through its public methods (``layers()``,
-    ``graphs``, ``ap_state_dict``...) and its refresh object's (dopr/refresh.py): no ``x._name`` of a DoPr
-    private attribute but on ``self``, outside dopr/optimizer.py. tests/ still read some (the next step)."""
+    ``capture``, ``graphs``, ``ap_state_dict``...) and its refresh object's (dopr/refresh.py): no ``x._name`` of a
+    DoPr private attribute but on ``self``, outside dopr/optimizer.py; tests/lib none but TESTS_STILL_READ."""
     private = _dopr_privates()
     assert {"_capture", "_refresh", "_step", "_warmed", "_grad_ema"} <= private
     found = []
-    for top in ("dopr", "benchmarks", "experiments"):
+    for top in ("dopr", "benchmarks", "experiments", "tests/lib"):
+        allowed = TESTS_STILL_READ if top == "tests/lib" else set()
         for path in sorted((ROOT / top).rglob("*.py")):
             if path == ROOT / "dopr" / "optimizer.py":
                 continue
             for n in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(n, ast.Attribute) and n.attr in private
+                if (isinstance(n, ast.Attribute) and n.attr in private - allowed
                         and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
                     found.append(f"{path.relative_to(ROOT)}:{n.lineno} .{n.attr}")
     assert found == []
