@@ -350,6 +350,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return [l.helper for l in self._capture.layers]
 
     @property
+    def refresh(self) -> Refresh:
+        """The refresh object (dopr/refresh.py): policy, damping rule, Sigma EMA, cached factors, counters."""
+        return self._refresh
+
+    @property
     def capture(self) -> ActivationCapture:
         """The forward hooks that gather Sigma's statistics (dopr/capture.py); DoPr tells it when to gather."""
         return self._capture

@@ -85,7 +85,7 @@ def test_m_is_the_float64_formula_with_the_rules_lambda_and_finite_at_q_above_on
     (q >= 1) or cond(Sigma) ~ 1e2: rounding far under 1e-9."""
     layer, z, y = _layer_and_data(n, d)
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
-    assert type(opt._refresh.damping) is damping.SampleCountRule
+    assert type(opt.refresh.damping) is damping.SampleCountRule
     g, m = _step(layer, opt, z, y)
     q = d / n
     share = max(1 / KAPPA - (1 - math.sqrt(min(q, 1.0))) ** 2, d * torch.finfo(torch.float64).eps)
@@ -101,7 +101,7 @@ def test_the_seen_rule_scales_the_lift_past_q_one_by_q(n, d):
     (Cholesky vs LU on cond <= 4 N / ... + 1: rounding far under 1e-9)."""
     layer, z, y = _layer_and_data(n, d)
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count_seen")
-    assert type(opt._refresh.damping) is damping.SampleCountSeenRule
+    assert type(opt.refresh.damping) is damping.SampleCountSeenRule
     g, m = _step(layer, opt, z, y)
     q = d / n
     share = max(1 / KAPPA - (1 - math.sqrt(min(q, 1.0))) ** 2, d * torch.finfo(torch.float64).eps) * max(q, 1.0)
