@@ -237,7 +237,7 @@ def overhead_flops(opt, model, vectors, k):
     Conv2d under SUA counts its channel covariance over input pixels, C_in^3 / 3, and the solve of
     its (C_out kh kw) x C_in gradient."""
     modules, total = dict(model.named_modules()), 0.0
-    helpers = {layer.helper.name: layer.helper for layer in opt._capture.layers}
+    helpers = {helper.name: helper for helper in opt.layers()}
     for e in opt.coverage():
         if e.status != "preconditioned" or e.mode == "embedding-diagonal":
             continue

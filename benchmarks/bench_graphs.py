@@ -77,7 +77,7 @@ def cost(task: str, device: str, repeats: int, budget: float) -> list:
     for r, o in zip(rows[1:], out[1:]):
         o["R"] = o["t"] / out[0]["t"]
         o.update({k: r.opt.stats()[k] for k in graphs.COUNTERS})
-        o["off"] = r.opt._graphs.off or ""
+        o["off"] = r.opt.graphs.off or ""
         r.opt.close()
     return out
 

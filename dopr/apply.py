@@ -1,7 +1,7 @@
 """The AP applied to a step's gradients: M = Gbar (Sigmabar + lambda I)^-1 for every layer, bucketed by
 operator type and gradient shape (one stack and one batched solve per bucket, no host sync), the step's
 one read-back of its non-finite and trouble flags, and the rare repair path it may open. DoPr.precondition
-calls them in that order; the factors come from DoPr._factor (dopr/statistics.py, dopr/solvers.py)."""
+calls them in that order; the factors come from dopr.refresh.Refresh.factor (dopr/statistics.py, dopr/solvers.py)."""
 from __future__ import annotations
 
 from collections import defaultdict

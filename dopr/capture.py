@@ -27,6 +27,7 @@ optimizer keeps a layer's statistics EMA shared only while the layers have share
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import OrderedDict
@@ -252,6 +253,15 @@ class ActivationCapture:
         hooks.append(w.register_post_accumulate_grad_hook(_ParamHook(self, index, "accumulated")))
         self._weight_hooks[index] = hooks
         self.handles += hooks
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside gather nothing (one whose gradient is not the step's); then as DoPr last said."""
+        collecting, self.collecting = self.collecting, False
+        try:
+            yield
+        finally:
+            self.collecting = collecting
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):

@@ -3,7 +3,7 @@
 A rule is a :class:`DampingRule`: one method, :meth:`DampingRule.lam`, gives lambda for each group of a
 batch of same-size groups (a (B,) tensor, no host sync where the rule needs none), and the rule keeps
 its own state (``state_dict`` / ``load_state_dict``) and counters (``stats()``). DoPr builds one from
-its options (:func:`build`) and calls it once per batch in ``DoPr._factor``. The rules:
+its options (:func:`build`) and calls it once per batch in ``dopr.refresh.Refresh.factor``. The rules:
 
 * ``"trace"`` (:class:`TraceRule`): lambda = ``damping_mode``'s scale times ``damping``
   (:func:`trace_damping`; the statistic kind evaluates it batched, in its ``prepare``), as the paper
@@ -159,7 +159,7 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
 
 @dataclass
 class Groups:
-    """One batch of same-kind, same-size statistics groups, as a rule sees it in ``DoPr._factor``."""
+    """One batch of same-kind, same-size statistics groups, as a rule sees it in ``dopr.refresh.Refresh.factor``."""
 
     keys: tuple            # the group keys (tuples of layer names)
     kind: type             # their statistic kind (dopr.statistics: .kind "dense", "moments", "diagonal", ...)

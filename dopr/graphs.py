@@ -71,7 +71,7 @@ def static_reason(options, solver, rule, sharded: bool) -> Optional[str]:
 
 class Replay(NamedTuple):
     """What a plan gives a refresh step: ``keys``, the groups it factored, ``names``, the layers it solved (their
-    G's flags and M), ``batches`` and ``solved`` as DoPr._factor and dopr.apply.solve give them (M in static
+    G's flags and M), ``batches`` and ``solved`` as dopr.refresh.Refresh.factor and dopr.apply.solve give them (M in static
     buffers), ``gflags``."""
 
     keys: frozenset
@@ -145,7 +145,7 @@ class StepGraph:
                 bucket.fill(parts)
 
     def run(self, capture: bool) -> tuple:
-        """(batches, solved, gflags) as DoPr._factor and dopr.apply.solve give them, M in static buffers."""
+        """(batches, solved, gflags) as dopr.refresh.Refresh.factor and dopr.apply.solve give them, M in static buffers."""
         if self.device.type != "cuda":
             return self._core()
         if self.graph is None and capture:

@@ -15,35 +15,34 @@ gamma * tr(Sigma) / d (the mean eigenvalue times gamma, d times weaker), ``"abso
 EMAs start at zero and are bias-corrected (divided by 1 - beta^t), as Adam's moments are.
 
 The pieces, one module each: dopr/capture.py gathers Sigma's statistics from the forwards that a
-step's gradients come from; dopr/statistics.py holds the statistic kinds (dense covariance, rank-1
-moments, diagonal), each knowing its diagonal and how to factor itself; dopr/solvers.py the solvers
-by name; dopr/damping.py the damping rules (lambda per group); dopr/apply.py the batched solve, the
-step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
+step's gradients come from; dopr/refresh.py holds the refresh state that turns them into factors (the
+refresh policy, the damping rule, the Sigma EMA, the cached factors and the counters) and factors each
+batch of groups; dopr/statistics.py the statistic kinds (dense covariance, rank-1 moments, diagonal), each
+knowing its diagonal and how to factor itself; dopr/solvers.py the solvers by name; dopr/damping.py the
+damping rules (lambda per group); dopr/apply.py the batched solve, the step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
 all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from collections import defaultdict
 from typing import Mapping, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.profiler import record_function
 
-from . import apply, damping, graphs, refresh_policy, sharding, solvers
+from . import apply, graphs, sharding, solvers
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
-from .checkpoint import KEY, ap_state, cache_on_layers, load_ap_state
+from .checkpoint import KEY, ap_state, load_ap_state
 from .distributed import agree_groups, all_reduce_statistics, is_distributed
-from .ema import CovarianceEMA, GradientEMA
+from .ema import GradientEMA
 from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
+from .refresh import Factoring, Refresh, cache_on_layers, factor_for
 from .sample_space import SampleRows, gather_rows, row_statistic
-from .solve_space import choose as choose_space, group_rows
+from .solve_space import choose as choose_space
 from .statistics import STATISTICS
 
 
@@ -54,51 +53,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model._orig_mod
     sharding.check_supported(model)  # FSDP2 row shards are preconditioned as they are; FSDP1 / ZeRO-3 refused
     return model
-
-
-def _factor_for(solver, factor, keys: tuple, grads: dict):
-    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
-    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
-    them (dopr.solvers.cholesky_route)."""
-    if not solver.takes_rows or factor is None:
-        return factor
-    rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
-    return functools.partial(factor, rows=rows or None)
-
-
-def _without(cache: dict, names) -> dict:
-    """The cached factors but those of `names`: a group that loses members keeps its factor for the rest."""
-    out = {}
-    for key, op in cache.items():
-        rest = tuple(n for n in key if n not in names)
-        if rest:
-            out[rest if len(rest) < len(key) else key] = op
-    return out
-
-
-def _means(kind, items: list, report: bool) -> tuple:
-    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
-    (the items then carry each member's, when a report reads them)."""
-    keys, stats, means = zip(*items)
-    if means[0] is not None:
-        return list(means), items
-    means = kind.stacked_mean(list(stats))
-    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
-
-
-def _unfactored_after(opt_state: tuple, grads: dict, collected: bool, refresh: bool, gathered: set,
-                      attached_now: set, cache: dict) -> tuple:
-    """precond_every > 1: (unfactored, idle) after a step. Unfactored: the layers the next step gathers statistics
-    for, those with a gradient and no factor (not run on a refresh step yet, added or thawed, a first Sigma not
-    finite), until they get one; idle: a layer with a gradient but no statistics on a collecting step waits for
-    the next refresh."""
-    unfactored, idle = opt_state
-    if refresh:
-        idle = set()
-    if collected:
-        idle = idle | {n for n in grads if n not in gathered and n not in attached_now}
-    covered = {n for key in cache for n in key}
-    return {n for n in (unfactored | grads.keys()) if n not in covered and n not in idle}, idle
 
 
 class DoPr(WrapsBase, torch.optim.Optimizer):
@@ -150,16 +104,9 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._step = 0            # AP steps taken so far (stats()["steps"])
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
         self._grad_ema = GradientEMA(self.options.grad_ema)
-        self._precond_ema = CovarianceEMA(self.options.precond_ema)
-        self._cache: dict = {}     # a caching refresh policy: {group key: its last good factor}, kept until a new one
-        self._unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
-        self._idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
-                                        # step since the last refresh: they wait for the next refresh
+        self._refresh = Refresh(self.options)   # statistics into factors: policy, damping, Sigma EMA, cache, counters
         self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
-        self._counts = defaultdict(int)
         self._health = HealthReports(self.options.health_every)
-        self._damping = damping.build(self.options)   # lambda per group, its state and counters (dopr/damping.py)
-        self._policy = refresh_policy.build(self.options)   # when factors are refreshed (dopr/refresh_policy.py)
         self._no_forward, self._empty, self._warned, self._capture = [], set(), set(), None
         self._attach()
         if not self._capture.layers:
@@ -201,7 +148,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._attach()
         if self.warming_up:                   # the base GP alone: raw gradients
             self._warmed += 1
-            self._counts["warmup_steps"] += 1
+            self._refresh.counts["warmup_steps"] += 1
             self._capture.reset()
             self._capture.collecting = self.collecting
         else:
@@ -220,17 +167,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self.options.on_nonfinite != "raise":
             yield
             return
-        emas = (self._grad_ema, self._precond_ema)
-        saved = (defaultdict(int, self._counts), self._damping.copy(), self._cache,
-                 {k: dict(v) for k, v in self._health.reports.items()}, [dict(e.buffers) for e in emas],
-                 self._empty, self._no_forward)
+        saved = (self._refresh.snapshot(), {k: dict(v) for k, v in self._health.reports.items()},
+                 dict(self._grad_ema.buffers), self._empty, self._no_forward)
         try:
             yield
         except BaseException:
-            (self._counts, self._damping, self._cache, self._health.reports,
-             buffers, self._empty, self._no_forward) = saved
-            for ema, b in zip(emas, buffers):
-                ema.buffers, ema.pending = b, {}
+            refresh, self._health.reports, self._grad_ema.buffers, self._empty, self._no_forward = saved
+            self._refresh.restore(refresh)
+            self._grad_ema.pending = {}
             raise
 
     # ------------------------------------------------------------------ which layers
@@ -246,15 +190,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
             {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
         old = self._capture
-        self._capture = self._policy.attach(ActivationCapture(helpers, STATISTICS[self._solver.statistic]), self._health)
+        self._capture = self._refresh.policy.attach(ActivationCapture(helpers, STATISTICS[self._solver.statistic]), self._health)
         self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
-        self._capture.count_samples = self._damping.reads_samples   # N_eff per statistic (sample-count rule)
+        self._capture.count_samples = self._refresh.damping.reads_samples   # N_eff per statistic (sample-count rule)
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             added, changed = self._capture.take_over(old)
             self._attached_now = set(added) | set(changed)
-            self._cache = _without(self._cache, changed)   # a factor of the old dimension no longer fits
-            self._unfactored &= set(l.helper.name for l in self._capture.layers)
+            self._refresh.forget(changed, set(l.helper.name for l in self._capture.layers))   # old dimension: no fit
             if added:
                 self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
                                 "(this step's gradient for them is raw; see DoPr.coverage())")
@@ -266,7 +209,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.collecting = self.collecting
         self._layers_signature = self._signature()
         self._buckets = {}   # and the CUDA graphs' plans (their counters kept)
-        self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._damping, self._sharded),
+        self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._refresh.damping, self._sharded),
                                          getattr(self, "_graphs", None))
 
     # ------------------------------------------------------------------ statistics collection
@@ -279,7 +222,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def collecting(self) -> bool:
         """Whether forwards now gather statistics: not while warming up; when the refresh policy says, and on the
         steps after a layer had a gradient but no factor (it gets one then)."""
-        return not self.warming_up and (self._policy.gathers(self._step) or bool(self._unfactored))
+        return not self.warming_up and self._refresh.gathers(self._step)
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -289,27 +232,23 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         where its plan is static (dopr/graphs.py); one flag read back (a non-finite Sigma or G, a Cholesky factor
         to retry) after everything is queued, and only when it is set the repair path (dopr.apply.repair)."""
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
-        self._precond_ema.pending.clear()                     # proposals of a step that raised are not kept
+        self._refresh.precond_ema.pending.clear()                     # proposals of a step that raised are not kept
         self._grad_ema.pending.clear()
         step = self._warmed + self._step                      # the optimizer's steps before this one
-        for ema, name in ((self._grad_ema, "grad_ema"), (self._precond_ema, "precond_ema")):
+        for ema, name in ((self._grad_ema, "grad_ema"), (self._refresh.precond_ema, "precond_ema")):
             if ema.scheduled:                                 # a rate given as a function of the step
                 ema.beta = self.options.at(name, step)
-        collected, refresh = self.collecting, self._policy.gathers(self._step)
-        raw = frozenset()
-        self._cache = cache_on_layers(self._cache, grads)   # model.double(), .cuda() since the refresh: cast once
+        collected, refresh = self.collecting, self._refresh.policy.gathers(self._step)
+        raw, gathered, groups = frozenset(), set(), {}
+        self._refresh.cache = cache_on_layers(self._refresh.cache, grads)   # model.double(), .cuda() since the refresh: cast once
         if collected:                                         # new statistics, new factors
             groups = self._capture.groups(grads)              # layers reading one input share Sigma
             groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
             groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
             all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
-                                  self._damping.reads_samples)
+                                  self._refresh.damping.reads_samples)
             gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
-            due = self._policy.due(self._step, groups) if refresh else set()   # the policy's groups to refresh
-            refresh = refresh and len(due) == len(groups)
-            if not refresh:                                   # between refreshes: factors for those and the layers without one
-                groups = {sub: stat for key, stat in groups.items()
-                          if (sub := key if key in due else tuple(n for n in key if n in self._unfactored))}
+            groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
             self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
             if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
                 groups = {key: stat for key, stat in groups.items() if stat.count > 0}
@@ -318,16 +257,12 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                                 "(see DoPr.stats()['no_samples'])")
             gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
             graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
-            batches = (graphed.batches if graphed else []) + self._factor(   # Sigmabar, lambda, factors: nothing read back yet
-                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh)
-            ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred)
-                   for k, op in zip(keys, res)}
-            ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
-                        for k, op in zip(keys, res.ops())})
-            if not refresh:
-                ops = {**self._cache, **ops}
+            batches = (graphed.batches if graphed else []) + self._refresh.factor(   # Sigmabar, lambda, factors: nothing
+                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys},   # read back yet
+                grads, gamma, refresh, self._factoring())
+            ops = self._refresh.operators(batches, refresh)
         else:                                                 # in between: the cached inverses
-            batches, ops, self._empty, graphed = [], self._cache, set(), None
+            batches, ops, self._empty, graphed = [], self._refresh.cache, set(), None
             covered = {n for key in ops for n in key}
             raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
             if raw - self._attached_now:
@@ -340,76 +275,36 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         solved, gflags = (graphed.solved + solved, graphed.gflags + gflags) if graphed else (solved, gflags)
         flags = apply.step_flags(batches, gflags)
         if flags and apply.any_set(flags, self._sharded):     # the one read-back of the step
-            ops, skipped = apply.repair(batches, ops, grads, self._skip, self._counts, self._sharded)
+            ops, skipped = apply.repair(batches, ops, grads, self._skip, self._refresh.counts, self._sharded)
             members = self._members(ops, grads, skipped | raw)
             solved, _, self._buckets = apply.solve(members, grads, self._grad_ema, self._buckets)
-            self._precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
+            self._refresh.precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
             self._grad_ema.commit(skip=skipped)
         else:
-            self._precond_ema.commit()
+            self._refresh.precond_ema.commit()
             self._grad_ema.commit()
         apply.write_back(solved, self._helpers_now)           # each layer's M as its grad
-        if collected and self._policy.caches:   # new factors replace their layers' old ones only
-            fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
-            self._cache = {**_without(self._cache, {n for key in fresh for n in key}), **fresh}
-            self._policy.refreshed(self._step, fresh, groups)   # the policy's new factors (drift: its probes)
-        self._counts["preconditioned"] += sum(len(s[0]) for s in solved)
+        self._refresh.settle(ops, batches, grads, collected, refresh, gathered, self._attached_now, self._step, groups)
+        self._refresh.counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
-        if self._policy.caches:
-            self._unfactored, self._idle = _unfactored_after((self._unfactored, self._idle), grads, collected, refresh,
-                                                             gathered if collected else set(), self._attached_now, self._cache)
         self._capture.collecting = self.collecting
         self._capture.reset()
 
     def _graphed(self, groups: dict, grads: dict, gamma: float):
         """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
-        if self._graphs.off is not None or self._health.due(self._counts["refreshes"]):
+        if self._graphs.off is not None or self._health.due(self._refresh.counts["refreshes"]):
             return None
-        out = self._graphs.run(groups, grads, gamma, lambda keys: _factor_for(self._solver, self._factor_with, keys, grads),
-                               self._damping.reads_homogeneous and {l.helper.name: l.helper.homogeneous
-                                                                    for l in self._capture.layers}, self.options.damping_mode)
-        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
+        how = self._factoring()
+        out = self._graphs.run(groups, grads, gamma, lambda keys: factor_for(self._solver, self._factor_with, keys, grads),
+                               self._refresh.damping.reads_homogeneous and how.homogeneous, self.options.damping_mode)
+        self._refresh.counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
         return out
 
-    def _factor(self, groups: dict, grads: dict, gamma: float, refresh: bool = True) -> list:
-        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
-        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
-        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
-        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
-        refreshes for layers without one (no health report, not counted)."""
-        report = refresh and self._health.due(self._counts["refreshes"])
-        collective, out = self._sharded and is_distributed(), []
-        flags = ({l.helper.name: l.helper.homogeneous for l in self._capture.layers}
-                 if self._damping.reads_homogeneous else None)
-        for (kind, shape, _, _), items in self._batches(choose_space(groups, grads)).items():   # "auto": which space
-            keys = tuple(key for key, _, _ in items)
-            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
-            with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
-                means, items = _means(kind, items, report)
-                batch, floor, finite = kind.prepare(means, gamma, self.options.damping_mode,   # one stack per size
-                                                    self._solver.finite_inputs, homogeneous)
-                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, collective)
-                lam = self._damping.lam(b)
-                for warning in self._health.record_batch(b, lam) if report else ():    # on request (syncs)
-                    self._warn_once("health", warning)
-                out.append((keys, finite, kind.factor(batch, lam, _factor_for(self._solver, self._factor_with, keys, grads), self._counts)))
-        self._counts["refreshes"] += int(refresh)
-        self._counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
-        return out
-
-    def _batches(self, groups: dict) -> dict:
-        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
-        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
-        groups = self._precond_ema.shared_history(groups)
-        batches = defaultdict(list)
-        lazy = not self._precond_ema.on and hasattr(self._capture.statistic, "stacked_mean")
-        for key, stat in groups.items():
-            if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
-                batches[(type(stat), stat.sums[0].shape, stat.sums[0].dtype, stat.sums[0].device)].append((key, stat, None))
-                continue
-            mean = self._precond_ema.propose(key, stat)                            # Sigmabar
-            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
-        return batches
+    def _factoring(self) -> Factoring:
+        """What the refresh borrows for this step's factors (dopr.refresh.Factoring)."""
+        flags = {h.name: h.homogeneous for h in self.layers()} if self._refresh.damping.reads_homogeneous else None
+        return Factoring(self._solver, self._factor_with, self._health, self._capture.statistic, flags,
+                         self._sharded and is_distributed(), self.options.damping_mode, self._warn_once)
 
     def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
         """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
@@ -439,7 +334,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
         if self.options.on_nonfinite == "raise":
             raise FloatingPointError(f"non-finite {what} in DoPr layer(s) {names}")
-        self._counts["nonfinite_skips"] += len(names)
+        self._refresh.counts["nonfinite_skips"] += len(names)
         self._warn_once("nonfinite", f"non-finite {what} in {names}: AP skipped for them this step, "
                         "raw gradient to the GP (counted in DoPr.stats()['nonfinite_skips'])")
         return bad
@@ -450,6 +345,25 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             warnings.warn("DoPr: " + message, RuntimeWarning, stacklevel=3)
 
     # ---------------------------------------------------------------------- reporting
+    def layers(self) -> list:
+        """The preconditioned layers' helpers (dopr/layers: ``name``, ``module``, ``input_dim()``...), in order."""
+        return [l.helper for l in self._capture.layers]
+
+    @property
+    def refresh(self) -> Refresh:
+        """The refresh object (dopr/refresh.py): policy, damping rule, Sigma EMA, cached factors, counters."""
+        return self._refresh
+
+    @property
+    def capture(self) -> ActivationCapture:
+        """The forward hooks that gather Sigma's statistics (dopr/capture.py); DoPr tells it when to gather."""
+        return self._capture
+
+    @property
+    def graphs(self) -> graphs.StepGraphs:
+        """The refresh step's CUDA graphs (dopr/graphs.py): ``off``, why none is used; ``counts``."""
+        return self._graphs
+
     def coverage(self) -> list:
         """Every module with trainable parameters: preconditioned (mode, dim) or skipped (reason)."""
         return list(self._coverage)
@@ -465,8 +379,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def stats(self) -> dict:
         """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
         out = {k: 0 for k in self.COUNTERS}
-        out.update(self._counts, **self._damping.counters(), **self._graphs.counts, steps=self._step,
-                   no_forward=list(self._no_forward), no_samples=sorted(self._empty), **self._policy.stats())
+        out.update(self._refresh.counters(), **self._graphs.counts, steps=self._step,
+                   no_forward=list(self._no_forward), no_samples=sorted(self._empty), **self._refresh.policy.stats())
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out
@@ -502,16 +416,18 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
         add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
         both)."""
-        return ap_state(self)
+        return ap_state(self.options, self._refresh, self._step, self._warmed,
+                        self._grad_ema.state_dict(self._helpers(), whole=True))
 
     def load_ap_state_dict(self, ours: dict) -> None:
         """Restore :meth:`ap_state_dict`'s entry (FSDP2: each rank its rows of the EMAs). EMA buffers and
         cached factors are cast to their layer's dtype (statistics_dtype) and device, as torch.optim casts
         its state, but a sample-space factor's float64 L: a checkpoint fits a CUDA or float64 model."""
-        load_ap_state(self, ours)
+        self._step, self._warmed = load_ap_state(ours, self.options, self._refresh, self._grad_ema, self._helpers())
+        self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:
-        return {l.helper.name: l.helper for l in self._capture.layers}
+        return {h.name: h for h in self.layers()}
 
     def close(self) -> None:
         """Remove the forward hooks; the model is left as it was before DoPr."""
@@ -529,18 +445,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        for name, default in (("_sharded", False), ("_health", HealthReports(0)), ("_damping", None),
-                              ("_empty", set()), ("_unfactored", set()), ("_idle", set())):   # older copies
+        for name, default in (("_sharded", False), ("_health", HealthReports(0)), ("_empty", set())):   # older copies
             self.__dict__.setdefault(name, default)
         self._buckets = {}
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
-        if self._damping is None:   # a copy pickled before dopr/damping.py
-            self._damping = damping.from_pickled(self.options, state)
-        if "_policy" not in state:   # ... or before dopr/refresh_policy.py
-            self._policy = refresh_policy.build(self.options)
+        if "_refresh" not in state:   # a copy pickled before dopr/refresh.py
+            self._refresh = Refresh.from_pickled(self.options, self.__dict__)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()

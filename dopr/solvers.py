@@ -559,7 +559,7 @@ class Solver:
     #: the DoPr options (dopr.options.DoPrOptions fields) that ``factor`` takes as keywords
     options: tuple = ()
     #: ``factor`` takes ``rows``: the gradient rows each member's operator is applied to (the optimizer
-    #: passes them, dopr.optimizer.DoPr._factor; the Cholesky route depends on them)
+    #: passes them, dopr.refresh.Refresh.factor; the Cholesky route depends on them)
     takes_rows: bool = False
 
     def bind(self, options) -> Optional[Callable]:

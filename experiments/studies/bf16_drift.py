@@ -118,12 +118,12 @@ def run(name: str, variant: Variant = FP32, steps: int = STEPS, batches=None, **
     base = opt.base if is_dopr else opt
     out = {"params": [flat(params)], "grad": [], "gp_in": [], "z": [], "layers": []}
     base.register_step_pre_hook(lambda o, a, k: out["gp_in"].append(flat(p.grad for p in params)))
-    helpers = [layer.helper for layer in opt._capture.layers] if is_dopr else []
+    helpers = opt.layers() if is_dopr else []
     out["layers"] = [h.name for h in helpers]
     fed = _bf16_fed(net, batches[0][0])
     seen: dict = {}           # layer name -> activation rows of the forward Sigma is formed from
     if is_dopr:
-        capture = opt._capture
+        capture = opt.capture
         formed = capture._statistics
 
         def statistics(helper, x):  # what DoPr's capture forms Sigma from (autocast is off in there)
@@ -138,11 +138,10 @@ def run(name: str, variant: Variant = FP32, steps: int = STEPS, batches=None, **
     s_autocast = variant.sigma == "autocast"
     for x, y in batches[:steps]:
         if is_dopr and (g_autocast != s_autocast or variant.two_forwards):
-            capture.collecting = False                       # the G forward gathers no statistics
-            loss_of(net, x, y, g_autocast).backward()
+            with capture.paused():                           # the G forward gathers no statistics
+                loss_of(net, x, y, g_autocast).backward()
             grads = [p.grad.clone() for p in params]
             opt.zero_grad(set_to_none=True)
-            capture.collecting = opt.collecting
             loss_of(net, x, y, s_autocast).backward()        # the Sigma forward
             for p, g in zip(params, grads):
                 p.grad.copy_(g)

@@ -163,7 +163,7 @@ def test_a_wide_layer_compiles_its_blocked_gram_and_matches_eager():
         opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
         forward = torch.compile(layer, backend="aot_eager", fullgraph=True) if mode == "compiled" else layer
         forward(x).sum().backward()
-        sums[mode] = opt._capture.groups([""]).popitem()[1].sums[0]   # the root module is the layer ""
+        sums[mode] = opt.capture.groups([""]).popitem()[1].sums[0]   # the root module is the layer ""
     torch.testing.assert_close(sums["compiled"], sums["eager"], rtol=1e-6, atol=1e-3)
     assert torch._dynamo.explain(layer)(x).graph_break_count == 0
 

@@ -52,7 +52,7 @@ def test_a_new_rule_is_one_class_and_one_option_value(monkeypatch):
     gamma = 1e-3
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=gamma, weak_share_bound=0.5,
                weak_share_estimate="doubled")
-    assert isinstance(opt._damping, Doubled)
+    assert isinstance(opt.refresh.damping, Doubled)
     g, m = _step_grad(layer, opt, z, y)
     # float64 Cholesky solve against LU on a 5 x 5 system with cond(A) <= 1e4: rounding far under 1e-10
     torch.testing.assert_close(m, ap_reference(g, z, 2 * gamma), rtol=1e-10, atol=0.0)
@@ -73,7 +73,7 @@ def test_each_rule_keeps_its_state_and_counters_through_a_checkpoint(options, ru
     damping_scale and counts (the layout of older checkpoints) and come back in a fresh optimizer."""
     layer, z, y = _layer_and_data()
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=1e-6, **options)
-    assert type(opt._damping) is rule
+    assert type(opt.refresh.damping) is rule
     for _ in range(2):
         _step_grad(layer, opt, z, y)
     state = opt.state_dict()
@@ -100,13 +100,13 @@ def test_a_copy_pickled_before_the_rules_were_objects_keeps_its_factors_and_coun
                health_every=1)
     _step_grad(layer, opt, z, y)
     state = opt.__getstate__()
-    del state["_damping"]
-    state["_damping_scale"] = {("",): 4.0}
-    state["_counts"] = {**state["_counts"], "damping_choices": 7, "damping_raises": 5}
+    refresh = state.pop("_refresh")   # before dopr/refresh.py too: its state was DoPr's own
+    state.update(_cache=refresh.cache, _precond_ema=refresh.precond_ema, _damping_scale={("",): 4.0},
+                 _counts={**refresh.counts, "damping_choices": 7, "damping_raises": 5})
     state = copy.deepcopy(state)    # its own model, as a pickled copy has
     old = DoPr.__new__(DoPr)
     old.__setstate__(state)
-    assert old._damping.scale == {("",): 4.0}
+    assert old.refresh.damping.scale == {("",): 4.0}
     assert (old.stats()["damping_choices"], old.stats()["damping_raises"]) == (7, 5)
     opt.close()
     old.close()

@@ -339,14 +339,14 @@ def test_the_chosen_scale_holds_between_reports_and_survives_a_checkpoint():
         opt.zero_grad()
         ((lin(x) - y) ** 2).mean().backward()
         opt.step()
-    scale = dict(opt._damping.scale)
+    scale = dict(opt.refresh.damping.scale)
     assert len(scale) == 1 and next(iter(scale.values())) > 1        # chosen on refresh 0, held on refresh 1
     state = opt.state_dict()
     assert state["dopr"]["damping_scale"] == {"|".join(k): f for k, f in scale.items()}
     lin2, _, _ = _weak_layer()
     opt2 = DoPr(lin2, torch.optim.SGD(lin2.parameters(), lr=1e-3), damping=1e-6, health_every=3, weak_share_bound=0.5)
     opt2.load_state_dict(state)
-    assert opt2._damping.scale == scale
+    assert opt2.refresh.damping.scale == scale
     opt.close()
     opt2.close()
 
@@ -482,7 +482,7 @@ def test_dopr_with_the_filter_solves_at_its_factor_every_refresh_without_an_eige
     stats = opt.stats()
     assert stats["damping_choices"] == 3 and 1 <= stats["damping_raises"] <= 3 and "health" not in stats
     assert opt.state_dict()["dopr"]["counts"]["damping_choices"] == 3
-    assert opt._damping.scale == {}                                  # nothing held between refreshes
+    assert opt.refresh.damping.scale == {}                                  # nothing held between refreshes
     opt.close()
 
 

@@ -247,7 +247,7 @@ def test_layer_without_forward_passes_its_gradient_through_and_is_reported():
     ((model(x) - y) ** 2).mean().backward()
     opt.precondition()  # consumes the statistics of that forward
     ((model(x) - y) ** 2).mean().backward()  # the gradient of a forward...
-    opt._capture.layers[1].reset()  # ...whose statistics for the middle layer went missing
+    opt.capture.layers[1].reset()  # ...whose statistics for the middle layer went missing
     raw = model[2].weight.grad.clone()
     with pytest.warns(RuntimeWarning, match="no training forward"):
         opt.precondition()
@@ -413,3 +413,19 @@ def test_a_new_solver_is_a_registry_entry_not_a_change_to_the_step():
         assert len(calls) == 3 * 2  # every step one batched call per covariance size: d = 6+1 and 16+1 (two layers)
     finally:
         del solvers.SOLVERS["counted_cholesky"]
+
+
+def test_layers_lists_the_preconditioned_layers_and_a_paused_forward_gathers_nothing():
+    """Issue 75 item 1: ``layers()`` is the public list of the preconditioned layers (coverage's, in order);
+    ``capture.paused()`` runs a forward that gathers no statistics and leaves ``collecting`` as DoPr said."""
+    model = _mlp()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    names = [e.name for e in opt.coverage() if e.status == "preconditioned"]
+    assert [h.name for h in opt.layers()] == names == ["0", "2", "4"]
+    x, _ = _batch()
+    with opt.capture.paused():
+        model(x).sum().backward()
+    assert opt.pending_samples() == {n: 0 for n in names} and opt.capture.collecting is opt.collecting is True
+    model(x).sum().backward()
+    assert opt.pending_samples() == {n: 64 for n in names}
+    opt.close()

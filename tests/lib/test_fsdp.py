@@ -92,7 +92,7 @@ def _worker(rank, world, init_file, out):
     opt = build(model)
     _train(model, opt, xw[half], yw[half])
     result["weak"] = {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
-                      "scale": dict(opt._damping.scale), "health": opt.stats()["health"]}
+                      "scale": dict(opt.refresh.damping.scale), "health": opt.stats()["health"]}
     model, build, xw, yw = _weak("filter")  # the filter: the ranks add their two energies per bisection step
     fully_shard(model)
     opt = build(model)
@@ -143,8 +143,8 @@ def test_fsdp2_weak_share_bound_chooses_the_damping_one_process_chooses(sharded)
     opt = build(model)
     _train(model, opt, x, y)
     got = sharded["weak"]
-    assert opt._damping.scale and all(f > 1 for f in opt._damping.scale.values())
-    assert got["scale"] == opt._damping.scale
+    assert opt.refresh.damping.scale and all(f > 1 for f in opt.refresh.damping.scale.values())
+    assert got["scale"] == opt.refresh.damping.scale
     ((key, rep),) = got["health"].items()
     assert rep["weak_share"] == opt.stats()["health"][key]["weak_share"] <= 0.5
     for p, q in zip(model.parameters(), got["params"]):

@@ -141,7 +141,7 @@ def test_a_new_plan_runs_eagerly_once_then_replays(cpu_plans):
     model.c.weight.requires_grad_(False)        # a layer frozen: new layers, a new plan seen once: eager
     model.c.bias.requires_grad_(False)
     assert [step(), step(), step()] == [2, 3, 4]
-    assert len(opt._graphs.plans) == 1 and opt._graphs.off is None
+    assert len(opt.graphs.plans) == 1 and opt.graphs.off is None
 
 
 def test_freezing_a_whole_layer_between_steps_trains_on():
@@ -182,7 +182,7 @@ def test_more_plans_than_the_limit_turn_the_optimizer_eager(cpu_plans, monkeypat
             opt.step()
         opt.zero_grad()
     assert opt.stats()["graph_steps"] == 0
-    assert "more than 2 distinct step plans" in opt._graphs.off
+    assert "more than 2 distinct step plans" in opt.graphs.off
 
 
 def test_a_capture_that_raises_warns_once_and_the_step_runs_eagerly(cpu_plans, monkeypatch):
@@ -212,7 +212,7 @@ def test_options_off_the_captured_path_name_why_and_stay_eager(cpu_plans, option
     torch.manual_seed(0)
     model = Net()
     opt = dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=1e-2), **{option: value})
-    assert why in opt._graphs.off
+    assert why in opt.graphs.off
 
 
 def test_off_cuda_no_plan_is_made():
@@ -231,7 +231,7 @@ def test_a_copy_of_the_optimizer_plans_afresh(cpu_plans):
         opt.zero_grad()
     twin = copy.deepcopy(opt)
     assert opt.stats()["graph_steps"] == 2
-    assert not twin._graphs.plans and twin.stats()["graph_steps"] == 0   # graphs are not copied: planned afresh
+    assert not twin.graphs.plans and twin.stats()["graph_steps"] == 0   # graphs are not copied: planned afresh
     for _ in range(3):
         twin.model(torch.randn(8, 6)).sum().backward()
         twin.step()

@@ -177,7 +177,7 @@ def _autocast_check(device: str):
         out = model(x)
     assert out.dtype is torch.bfloat16
     out.float().square().sum().backward()
-    (stat,) = opt._capture.groups(["0"]).values()
+    (stat,) = opt.capture.groups(["0"]).values()
     sigma = stat.mean()[0].double().cpu()
     z = with_ones(x.to(torch.bfloat16).double().cpu())
     tol = torch.finfo(torch.float32).eps * (z.abs().T @ z.abs())   # a float32 sum of n terms, then / n

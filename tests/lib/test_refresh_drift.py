@@ -38,7 +38,7 @@ def _batches(seed=1, n=64):
 
 def _step(model, opt, xa, xb):
     """One step; returns whether its forwards gathered statistics."""
-    collecting = opt._capture.collecting
+    collecting = opt.capture.collecting
     model(xa, xb).backward()
     opt.step()
     opt.zero_grad()
@@ -62,7 +62,7 @@ def test_stationary_inputs_leave_the_drift_at_rounding_and_refresh_only_at_the_c
     xa, xb = _batches()
     gathered = [_step(model, opt, xa, xb) for _ in range(3 * k + 1)]
     assert gathered == [s % k == 0 for s in range(3 * k + 1)]
-    policy = opt._policy
+    policy = opt.refresh.policy
     for key, x in ((("a",), xa), (("b",), xb)):
         wt, ref = policy._probes[key]
         bound = 2 * _rounding_bound(x, wt) / ref.double()
@@ -78,24 +78,24 @@ def test_an_abrupt_change_refreshes_the_affected_layer_on_the_next_step_and_the_
     model, opt = _setup(k)
     xa, xb = _batches()
     assert [_step(model, opt, xa, xb) for _ in range(3)] == [True, False, False]
-    kept = opt._cache[("b",)]
-    old_a = opt._cache[("a",)]
+    kept = opt.refresh.cache[("b",)]
+    old_a = opt.refresh.cache[("a",)]
     shifted = xa.clone()
     shifted[:, 2] *= 10                                         # one direction of a's input, ten times larger
     assert not _step(model, opt, shifted, xb)                   # step 3: probed, not gathered
-    assert opt._policy.drift["a"] > opt.options.drift_threshold
-    assert opt._policy.drift["b"] < 1e-3
-    assert opt._capture.collecting                              # step 4 gathers ...
+    assert opt.refresh.policy.drift["a"] > opt.options.drift_threshold
+    assert opt.refresh.policy.drift["b"] < 1e-3
+    assert opt.capture.collecting                              # step 4 gathers ...
     assert _step(model, opt, shifted, xb)
-    assert opt._cache[("a",)] is not old_a                      # ... and refreshes a only
-    assert opt._cache[("b",)] is kept
+    assert opt.refresh.cache[("a",)] is not old_a                      # ... and refreshes a only
+    assert opt.refresh.cache[("b",)] is kept
     assert opt.stats()["factorizations"] == 2 + 1
     want = torch.linalg.inv(_sigma(shifted) + opt.options.damping * _sigma(shifted).trace() * torch.eye(7,
                                                                                                  dtype=torch.float64))
-    got = opt._cache[("a",)].p.double()
+    got = opt.refresh.cache[("a",)].p.double()
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))   # a's factor is the new Sigma's
     assert not _step(model, opt, shifted, xb)                   # the new input is the reference now: no drift
-    assert opt._policy.drift["a"] < 1e-3
+    assert opt.refresh.policy.drift["a"] < 1e-3
 
 
 def _sigma(x):
@@ -107,13 +107,13 @@ def test_the_probe_is_the_quadratic_form_of_the_batch_sigma():
     model, opt = _setup(4)
     xa, xb = _batches()
     _step(model, opt, xa, xb)                                   # step 0 refreshes: probes drawn
-    assert not opt._capture.collecting
+    assert not opt.capture.collecting
     ya, yb = _batches(seed=2, n=200)
     model(ya, yb).backward()                                    # a probed forward
     for key, y in ((("a",), ya), (("b",), yb)):
-        wt = opt._policy._probes[key][0]
+        wt = opt.refresh.policy._probes[key][0]
         assert wt.shape == (PROBES, y.shape[1] + 1)
-        s_sum, rows = opt._policy._acc[key]
+        s_sum, rows = opt.refresh.policy._acc[key]
         assert rows == len(y)
         s = s_sum.double() / rows
         exact = ((wt.double() @ _sigma(y)) * wt.double()).sum(1)   # w_j^T Sigma w_j in float64
@@ -132,7 +132,7 @@ def test_a_resume_is_bit_identical_to_the_uninterrupted_run():
 
     model, opt = _setup(k, lr=0.05)
     run(model, opt, shifted[:4])                                # step 3's change flags a: step 4 refreshes it
-    assert opt._policy._pending == {"a"}
+    assert opt.refresh.policy._pending == {"a"}
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     want = run(model, opt, shifted[4:])
@@ -154,11 +154,11 @@ def test_a_probed_step_gathers_no_statistics():
     model, opt = _setup(5)
     xa, xb = _batches()
     _step(model, opt, xa, xb)
-    assert not opt._capture.collecting
+    assert not opt.capture.collecting
     model(xa, xb).backward()
     assert opt.pending_samples() == {"a": 0, "b": 0}            # no Sigma's sums ...
-    assert set(opt._policy._acc) == {("a",), ("b",)}            # ... only the probes' r numbers
-    assert all(layer.stat is None for layer in opt._capture.layers)
+    assert set(opt.refresh.policy._acc) == {("a",), ("b",)}            # ... only the probes' r numbers
+    assert all(layer.stat is None for layer in opt.capture.layers)
 
 
 def test_layers_reading_one_input_share_one_probe():
@@ -170,7 +170,7 @@ def test_layers_reading_one_input_share_one_probe():
         (model["q"](x) * model["k"](x)).sum().backward()
         opt.step()
         opt.zero_grad()
-    policy = opt._policy
+    policy = opt.refresh.policy
     assert set(policy._probes) == {("q", "k")}
     (model["q"](x) * model["k"](x)).sum().backward()
     assert policy._acc[("q", "k")][1] == len(x)                 # one pass for the two members
@@ -206,7 +206,7 @@ def test_a_layer_solved_in_sample_space_is_probed_from_its_rows():
         if step == 3:
             x = x.clone()
             x[:, 0] *= 10
-        gathered.append(opt._capture.collecting)
+        gathered.append(opt.capture.collecting)
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()

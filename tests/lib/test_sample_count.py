@@ -85,7 +85,7 @@ def test_m_is_the_float64_formula_with_the_rules_lambda_and_finite_at_q_above_on
     (q >= 1) or cond(Sigma) ~ 1e2: rounding far under 1e-9."""
     layer, z, y = _layer_and_data(n, d)
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
-    assert type(opt._damping) is damping.SampleCountRule
+    assert type(opt.refresh.damping) is damping.SampleCountRule
     g, m = _step(layer, opt, z, y)
     q = d / n
     share = max(1 / KAPPA - (1 - math.sqrt(min(q, 1.0))) ** 2, d * torch.finfo(torch.float64).eps)
@@ -101,7 +101,7 @@ def test_the_seen_rule_scales_the_lift_past_q_one_by_q(n, d):
     (Cholesky vs LU on cond <= 4 N / ... + 1: rounding far under 1e-9)."""
     layer, z, y = _layer_and_data(n, d)
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count_seen")
-    assert type(opt._damping) is damping.SampleCountSeenRule
+    assert type(opt.refresh.damping) is damping.SampleCountSeenRule
     g, m = _step(layer, opt, z, y)
     q = d / n
     share = max(1 / KAPPA - (1 - math.sqrt(min(q, 1.0))) ** 2, d * torch.finfo(torch.float64).eps) * max(q, 1.0)
@@ -214,7 +214,7 @@ def test_the_rule_and_a_weak_share_bound_together_are_refused():
 # ------------------------------------------------------------------ the capture's count (issue 67 item 1)
 def _samples(opt, index=0):
     """The independent rows the capture holds for layer `index` since the last step (a 0-d tensor)."""
-    return opt._capture.layers[index].stat.samples
+    return opt.capture.layers[index].stat.samples
 
 
 def _share(n_eff, d):
@@ -232,7 +232,7 @@ def test_a_linear_layer_fed_correlated_tokens_counts_n_t_over_kish(rho):
     layer(_tokens(n, t, d, rho)).square().mean().backward()
     expected = n * t / (1.0 + (t - 1) * rho)
     tol = 5 * math.sqrt(2.0 / (n * d)) + 2.0 / n
-    assert opt._capture.layers[0].stat.count == n * t
+    assert opt.capture.layers[0].stat.count == n * t
     assert abs(float(_samples(opt)) / expected - 1.0) <= 1.5 * tol, (float(_samples(opt)), expected)
     opt.close()
 
@@ -309,12 +309,12 @@ def test_the_trace_rule_counts_nothing_and_steps_bit_for_bit_as_with_the_count()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), damping=1e-3)
-        opt._capture.count_samples = count
+        opt.capture.count_samples = count
         x = _tokens(8, 5, 6, 0.5, seed=4).float()
         for _ in range(2):
             opt.zero_grad()
             model(x).square().mean().backward()
-            has = [l.stat.samples is not None for l in opt._capture.layers]
+            has = [l.stat.samples is not None for l in opt.capture.layers]
             opt.step()
         opt.close()
         return [p.detach().clone() for p in model.parameters()], has
@@ -424,8 +424,8 @@ def test_a_compiled_forward_counts_its_rows():
     opt = DoPr(layer, torch.optim.SGD(layer.parameters(), lr=0.0), damping=0.0, damping_rule="sample_count")
     torch.compile(layer, backend="aot_eager")(x).square().mean().backward()
     g = layer.weight.grad.clone()
-    opt._capture.groups({""})      # the probes' count to the host
-    stat = opt._capture.layers[0].stat
+    opt.capture.groups({""})      # the probes' count to the host
+    stat = opt.capture.layers[0].stat
     assert stat.samples is None and stat.count == n * t
     opt.precondition()
     torch.testing.assert_close(layer.weight.grad, ap_reference(g, x.reshape(-1, d), _share(n * t, d), "trace_per_dim"),

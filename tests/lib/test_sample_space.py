@@ -69,7 +69,7 @@ def test_the_step_keeps_the_rows_and_forms_no_sigma():
     opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _data()
     ((model(x) - y) ** 2).sum().backward()
-    kept = [layer.stat for layer in opt._capture.layers]
+    kept = [layer.stat for layer in opt.capture.layers]
     assert all(isinstance(s, SampleRows) for s in kept)
     assert [tuple(s.rows.shape) for s in kept] == [(12, 25), (12, 40), (12, 31)]   # [z, 1] with a bias
     assert torch.equal(kept[0].rows[:, :24], x) and bool((kept[0].rows[:, 24] == 1).all())
@@ -82,7 +82,7 @@ def test_micro_batches_append_rows_and_become_sigma_when_they_reach_d():
     opt = DoPr(copied, torch.optim.SGD(copied.parameters(), lr=0.1))
     for x, y in batches:
         ((copied(x) - y) ** 2).sum().backward()
-    kinds = [type(layer.stat) for layer in opt._capture.layers]
+    kinds = [type(layer.stat) for layer in opt.capture.layers]
     assert kinds == [DenseCovariance, SampleRows, SampleRows]    # d = 25: Sigma; d = 40, 31 keep 27 rows
     rows, _ = _grads(model, batches)
     features, _ = _grads(model, batches, solve_space="features")

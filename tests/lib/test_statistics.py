@@ -110,8 +110,8 @@ def test_bf16_autocast_keeps_float32_statistics_and_matches_float32():
     model.zero_grad()
     opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), damping=1e-3)
     seen = []
-    orig = opt._capture._statistics
-    opt._capture._statistics = lambda helper, inp: seen.append(orig(helper, inp)) or seen[-1]
+    orig = opt.capture._statistics
+    opt.capture._statistics = lambda helper, inp: seen.append(orig(helper, inp)) or seen[-1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
     (((out.float() - y) ** 2).sum() / len(x)).backward()

@@ -254,7 +254,7 @@ def test_compiled_equals_eager_when_two_layers_inputs_coincide_on_one_step(coinc
             opt.zero_grad()
             forward(x1, x2).square().sum().backward()
             opt.step()
-        out[mode] = ([p.detach().clone() for p in model.parameters()], sorted(opt._precond_ema.buffers))
+        out[mode] = ([p.detach().clone() for p in model.parameters()], sorted(opt.refresh.precond_ema.buffers))
     assert out["eager"][1] == out["compiled"][1] == ["a", "b"]
     for p, q in zip(out["eager"][0], out["compiled"][0]):
         torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12)
@@ -271,14 +271,14 @@ def test_layers_that_always_share_keep_one_ema_and_a_layer_that_leaves_takes_its
         opt.zero_grad()
         (q(x) * k(x)).sum().backward()
         opt.step()
-    assert sorted(opt._precond_ema.buffers) == ["q|k"]
-    shared = [b.clone() for b in next(iter(opt._precond_ema.buffers.values()))["sums"]]
+    assert sorted(opt.refresh.precond_ema.buffers) == ["q|k"]
+    shared = [b.clone() for b in next(iter(opt.refresh.precond_ema.buffers.values()))["sums"]]
     opt.zero_grad()
     q(x).sum().backward()                         # k does not run
     opt.step()
-    assert sorted(opt._precond_ema.buffers) == ["k", "q"]
-    assert opt._precond_ema.buffers["k"]["t"] == 2 and opt._precond_ema.buffers["q"]["t"] == 3
-    torch.testing.assert_close(opt._precond_ema.buffers["k"]["sums"][0], shared[0], rtol=0, atol=0)
+    assert sorted(opt.refresh.precond_ema.buffers) == ["k", "q"]
+    assert opt.refresh.precond_ema.buffers["k"]["t"] == 2 and opt.refresh.precond_ema.buffers["q"]["t"] == 3
+    torch.testing.assert_close(opt.refresh.precond_ema.buffers["k"]["sums"][0], shared[0], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------ 4. damping 0, rank-deficient Sigma

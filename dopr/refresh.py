@@ -1,0 +1,229 @@
+"""The refresh: what turns a step's statistics into factors, and when (issue 75 item 1, the first verb).
+
+A :class:`Refresh` owns the refresh state of one DoPr optimizer: the refresh policy (dopr/refresh_policy.py,
+when factors are refreshed), the factors it keeps between refreshes (the cache, {group key: operator}), the
+layers with a gradient and no factor yet (unfactored) or waiting for the next refresh (idle), the damping rule
+(dopr/damping.py, lambda per group), the Sigma EMA (dopr/ema.py) and the counters of DoPr.stats(). It
+serialises that state itself (:meth:`Refresh.state_dict`, :meth:`Refresh.load_state_dict`: the entries of the
+checkpoint's ``"dopr"`` dict it owns, dopr/checkpoint.py). The other verb, apply (Gbar, the step's solve,
+read-back and write-back), is DoPr's (dopr/optimizer.py, dopr/apply.py).
+"""
+from __future__ import annotations
+
+import functools
+from collections import defaultdict, namedtuple
+
+from torch.autograd.profiler import record_function
+
+from . import apply, damping, refresh_policy, solvers
+from .ema import CovarianceEMA
+from .solve_space import choose as choose_space, group_rows
+from .statistics import statistics_dtype
+
+#: what a refresh borrows from its DoPr for one step: the solver and its bound factor, the health reports, the
+#: statistic kind, the layers' homogeneous flags (None unless the damping rule reads them), whether lambda's
+#: choice is a collective (FSDP2), damping_mode and the warn-once function
+Factoring = namedtuple("Factoring", "solver factor_with health statistic homogeneous collective damping_mode warn")
+
+
+def without(cache: dict, names) -> dict:
+    """The cached factors but those of `names`: a group that loses members keeps its factor for the rest."""
+    out = {}
+    for key, op in cache.items():
+        rest = tuple(n for n in key if n not in names)
+        if rest:
+            out[rest if len(rest) < len(key) else key] = op
+    return out
+
+
+def factor_for(solver, factor, keys: tuple, grads: dict):
+    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
+    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
+    them (dopr.solvers.cholesky_route)."""
+    if not solver.takes_rows or factor is None:
+        return factor
+    rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
+    return functools.partial(factor, rows=rows or None)
+
+
+def _means(kind, items: list, report: bool) -> tuple:
+    """(means, items) of a batch: Sigma = sums / counts stacked at once where no EMA proposed Sigmabar
+    (the items then carry each member's, when a report reads them)."""
+    keys, stats, means = zip(*items)
+    if means[0] is not None:
+        return list(means), items
+    means = kind.stacked_mean(list(stats))
+    return means, ([(key, stat, (m,)) for key, stat, m in zip(keys, stats, means.unbind(0))] if report else items)
+
+
+def cache_on_layers(cache: dict, helpers: dict) -> dict:
+    """The cached factors {group key: operator} in their layers' statistics dtype and on their device (a
+    checkpoint from another dtype or device, a model converted between refreshes: cast once, where they
+    differ); a float64 sample-space factor keeps its dtype (bit-identical resume). ``helpers``: {name: helper}."""
+    out = {}
+    for key, op in cache.items():
+        w = next((helpers[n].module.weight for n in key if n in helpers), None)
+        out[key] = op if w is None else solvers.operator_to(op, statistics_dtype(w.dtype), w.device)
+    return out
+
+
+class Refresh:
+    """The refresh state of one DoPr: ``policy``, ``damping``, ``precond_ema``, ``cache``, ``unfactored``,
+    ``idle`` and ``counts`` (what DoPr counts, its damping rule's counters apart)."""
+
+    def __init__(self, options) -> None:
+        self.policy = refresh_policy.build(options)      # when factors are refreshed
+        self.damping = damping.build(options)            # lambda per group, its state and counters
+        self.precond_ema = CovarianceEMA(options.precond_ema)
+        self.cache: dict = {}        # a caching policy: {group key: its last good factor}, kept until a new one
+        self.unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
+        self.idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
+                                       # step since the last refresh: they wait for the next refresh
+        self.counts = defaultdict(int)
+
+    @classmethod
+    def from_pickled(cls, options, state: dict) -> "Refresh":
+        """The refresh state of a DoPr copied or pickled before this module, popped from its ``__dict__``."""
+        out = cls(options)
+        rule, policy = state.pop("_damping", None), state.pop("_policy", None)
+        out.damping = damping.from_pickled(options, state) if rule is None else rule
+        out.policy = out.policy if policy is None else policy
+        out.precond_ema = state.pop("_precond_ema", out.precond_ema)
+        out.cache, out.unfactored, out.idle = state.pop("_cache", {}), state.pop("_unfactored", set()), state.pop("_idle", set())
+        out.counts = defaultdict(int, state.pop("_counts", {}))
+        state.pop("_damping_scale", None)
+        return out
+
+    def gathers(self, step: int) -> bool:
+        """Whether the forwards of AP step ``step`` gather statistics: when the policy says, and on the steps
+        after a layer had a gradient but no factor (it gets one then)."""
+        return self.policy.gathers(step) or bool(self.unfactored)
+
+    def counters(self) -> dict:
+        return {**self.counts, **self.damping.counters()}
+
+    def forget(self, names, keep: set) -> None:
+        """Drop the factors of `names` (their dimension changed) and the unfactored layers not in `keep`."""
+        self.cache = without(self.cache, names)
+        self.unfactored &= keep
+
+    def store(self, fresh: dict) -> None:
+        """New factors {group key: operator} replace their layers' old ones only."""
+        self.cache = {**without(self.cache, {n for key in fresh for n in key}), **fresh}
+
+    def after_step(self, grads: dict, collected: bool, refresh: bool, gathered: set, attached_now: set) -> None:
+        """precond_every > 1: unfactored and idle after a step. Unfactored: the layers the next step gathers
+        statistics for, those with a gradient and no factor (not run on a refresh step yet, added or thawed, a
+        first Sigma not finite), until they get one; idle: a layer with a gradient but no statistics on a
+        collecting step waits for the next refresh."""
+        if refresh:
+            self.idle = set()
+        if collected:
+            self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
+        covered = {n for key in self.cache for n in key}
+        self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
+
+    # ------------------------------------------------------------------ statistics into factors
+    def select(self, groups: dict, step: int, refresh: bool) -> tuple:
+        """(the groups to factor, whether the step refreshes every group): all of them on a full refresh; else
+        the policy's due groups and the layers without a factor (factors between refreshes)."""
+        due = self.policy.due(step, groups) if refresh else set()   # the policy's groups to refresh
+        refresh = refresh and len(due) == len(groups)
+        if not refresh:
+            groups = {sub: stat for key, stat in groups.items()
+                      if (sub := key if key in due else tuple(n for n in key if n in self.unfactored))}
+        return groups, refresh
+
+    def factor(self, groups: dict, grads: dict, gamma: float, refresh: bool, how: Factoring) -> list:
+        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
+        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
+        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
+        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
+        refreshes for layers without one (no health report, not counted)."""
+        report, out, flags = refresh and how.health.due(self.counts["refreshes"]), [], how.homogeneous
+        for (kind, shape, _, _), items in self._batches(choose_space(groups, grads), how.statistic).items():
+            keys = tuple(key for key, _, _ in items)
+            homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
+            with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
+                means, items = _means(kind, items, report)
+                batch, floor, finite = kind.prepare(means, gamma, how.damping_mode,   # one stack per size
+                                                    how.solver.finite_inputs, homogeneous)
+                b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, how.collective)
+                lam = self.damping.lam(b)
+                for warning in how.health.record_batch(b, lam) if report else ():    # on request (syncs)
+                    how.warn("health", warning)
+                out.append((keys, finite, kind.factor(batch, lam, factor_for(how.solver, how.factor_with, keys, grads),
+                                                      self.counts)))
+        self.counts["refreshes"] += int(refresh)
+        self.counts["factorizations"] += sum(len(keys) for keys, _, _ in out)
+        return out
+
+    def _batches(self, groups: dict, statistic: type) -> dict:
+        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
+        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
+        groups = self.precond_ema.shared_history(groups)
+        batches = defaultdict(list)
+        lazy = not self.precond_ema.on and hasattr(statistic, "stacked_mean")
+        for key, stat in groups.items():
+            if lazy and hasattr(stat, "stacked_mean"):    # the batch's Sigma at once, below (no per-group ops)
+                batches[(type(stat), stat.sums[0].shape, stat.sums[0].dtype, stat.sums[0].device)].append((key, stat, None))
+                continue
+            mean = self.precond_ema.propose(key, stat)                            # Sigmabar
+            batches[(type(stat), mean[0].shape, mean[0].dtype, mean[0].device)].append((key, stat, mean))
+        return batches
+
+    def operators(self, batches: list, refresh: bool) -> dict:
+        """{group key: operator} of a step's batches (a Deferred's operators, flags unread); between refreshes
+        over the cached ones."""
+        ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred) for k, op in zip(keys, res)}
+        ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
+                    for k, op in zip(keys, res.ops())})
+        return ops if refresh else {**self.cache, **ops}
+
+    def settle(self, ops: dict, batches: list, grads: dict, collected: bool, refresh: bool, gathered: set,
+               attached_now: set, step: int = 0, stats: dict = None) -> None:
+        """After the step's solve, a caching policy's: the new factors cached (and told to the policy with the
+        statistics they came from, ``stats``), unfactored and idle updated."""
+        if not self.policy.caches:
+            return
+        if collected:   # new factors replace their layers' old ones only
+            fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
+            self.store(fresh)
+            self.policy.refreshed(step, fresh, stats or {})   # the policy's new factors (drift: its probes)
+        self.after_step(grads, collected, refresh, gathered, attached_now)
+
+    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
+    def snapshot(self) -> tuple:
+        return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers)
+
+    def restore(self, saved: tuple) -> None:
+        self.counts, self.damping, self.cache, self.precond_ema.buffers = saved
+        self.precond_ema.pending = {}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The checkpoint's entries of the refresh state (its damping rule's state as ``damping_scale`` and its
+        counters among ``counts``, the layout of checkpoints before dopr/damping.py)."""
+        rule = self.damping.state_dict()
+        return {
+            "precond_ema": self.precond_ema.state_dict(),
+            "cache": {"|".join(k): solvers.operator_state(op) for k, op in self.cache.items()},
+            "counts": {**self.counts, **rule["counts"]},
+            "damping_scale": rule["damping_scale"],
+            "unfactored": sorted(self.unfactored),
+            "idle": sorted(self.idle),
+            **({"refresh_policy": policy} if (policy := self.policy.state_dict()) else {}),   # a stateful policy's
+        }
+
+    def load_state_dict(self, state: dict, helpers: dict, to) -> None:
+        """Restore :meth:`state_dict`'s entries; factors and EMA buffers cast to their layers (``helpers``,
+        {name: helper}; ``to``: a group key's {dtype, device})."""
+        self.precond_ema.load_state_dict(state["precond_ema"], to)
+        self.cache = cache_on_layers({tuple(k.split("|")): solvers.operator_from_state(s)
+                                      for k, s in state["cache"].items()}, helpers)
+        # checkpoints written before the step counter was kept once also hold it as counts["steps"]
+        self.counts = defaultdict(int, {k: v for k, v in state["counts"].items()
+                                        if k != "steps" and k not in self.damping.COUNTERS})
+        self.damping.load_state_dict(state)
+        self.unfactored, self.idle = set(state.get("unfactored", ())), set(state.get("idle", ()))
+        self.policy.load_state_dict(state.get("refresh_policy", {}))
