@@ -691,7 +691,7 @@ def damping() -> Measured:
     alone, fl_damped = arm(SAMPLE_COUNT["feature_learning"], "dopr_adamw"), arm(SAMPLE_COUNT["damped"], "dopr_adamw")
     words = {compare(seen, damped, "return_mean", "max"), compare(sit, sit_damped, "quality", "min")}
     paired = words.pop() if len(words) == 1 else "inconclusive"
-    return Measured(f"{NOT_RECOMPUTABLE}; seen form, Humanoid {spread(seen, 'return_mean')} vs damped "
+    return Measured(f"seen form, Humanoid {spread(seen, 'return_mean')} vs damped "
                     f"{spread(damped, 'return_mean')}; SiT digits FD {spread(sit, 'quality')} vs "
                     f"{spread(sit_damped, 'quality')}; alone: val {num(alone['val_loss_median'])} vs "
                     f"{num(fl_damped['val_loss_median'])}",
@@ -699,14 +699,25 @@ def damping() -> Measured:
                      f"as a default: {compare(alone, fl_damped, 'val_loss', 'min')} (alone)"),
                     f"sample-count rule: Humanoid {num(seen['return_mean_median'])} vs "
                     f"{num(damped['return_mean_median'])} damped; SiT FD {num(sit['quality_median'])} vs "
-                    f"{num(sit_damped['quality_median'])}", recomputed=False)
+                    f"{num(sit_damped['quality_median'])}")
 
 
-def _grid_gap(arm_selection: dict) -> float:
-    """The factor between an arm's winning rate and the nearest grid rate on either side (the larger of the two)."""
-    grid = sorted(float(v) for v in arm_selection["grid"]["optim.lr"])
-    i = grid.index(float(arm_selection["winner"]["optim.lr"]))
-    return max([grid[i] / grid[i - 1]] * (i > 0) + [grid[i + 1] / grid[i]] * (i + 1 < len(grid)))
+def _refined(arm_selection: dict) -> str:
+    """What the protocol's refinement rule did to an arm's coarse winner (docs/protocol.md, step 2), in words; a
+    selection made before the rule: the factor between its winning rate and the farther grid neighbour."""
+    r = arm_selection.get("refinement")
+    if r is None:
+        grid = sorted(float(v) for v in arm_selection["grid"]["optim.lr"])
+        i = grid.index(float(arm_selection["winner"]["optim.lr"]))
+        gap = max([grid[i] / grid[i - 1]] * (i > 0) + [grid[i + 1] / grid[i]] * (i + 1 < len(grid)))
+        return f"winner {rate(grid[i])}, a {gap:.0f}x grid gap, not refined" if gap > 3.5 else ""
+    if not r.get("points"):
+        return ""
+    lr = lambda v: (lambda m, e: f"{m.rstrip('0').rstrip('.')}e{int(e)}")(*f"{float(v):.2e}".split("e"))
+    tried = ", ".join(lr(p["optim.lr"]) for p in r["points"])
+    kept = r["winner"] == r["coarse_winner"]
+    return (f"winner {lr(r['winner']['optim.lr'])} " + ("kept" if kept else f"from {lr(r['coarse_winner']['optim.lr'])}")
+            + f" after refining at {tried}")
 
 
 def peers() -> Measured:
@@ -716,9 +727,9 @@ def peers() -> Measured:
     fd = compare(f["dopr_adamw"], f["soap"], "subspace_distance", "min")
     hw = compare(h["dopr_adamw"], h["soap"], "return_mean", "max")
     sw = compare(f["dopr_soap"], f["soap"], "val_loss", "min")
-    gap = _grid_gap(selection(PEERS_FL_SELECTION)["arms"]["soap"])
-    caveat = f"; SOAP's winner: a {gap:.0f}x grid gap" if gap > 3 else ""
-    return Measured(f"{NOT_RECOMPUTABLE}; DoPr-AdamW vs SOAP: val loss "
+    refined = _refined(selection(PEERS_FL_SELECTION)["arms"]["soap"])
+    caveat = f"; SOAP's {refined}" if refined else ""
+    return Measured(f"DoPr-AdamW vs SOAP: val loss "
                     f"{spread(f['dopr_adamw'], 'val_loss')} vs {spread(f['soap'], 'val_loss')} (seeds 1-10); "
                     f"Humanoid return {spread(h['dopr_adamw'], 'return_mean')} vs "
                     f"{spread(h['soap'], 'return_mean')} (seeds 1-5); DoPr-SOAP "
@@ -730,7 +741,7 @@ def peers() -> Measured:
                      f"DoPr-SOAP vs SOAP: {sw}", "SiT digits, SFT: not run here"),
                     f"DoPr-AdamW vs SOAP: val loss {num(f['dopr_adamw']['val_loss_median'])} vs "
                     f"{num(f['soap']['val_loss_median'])}; return {num(h['dopr_adamw']['return_mean_median'])} vs "
-                    f"{num(h['soap']['return_mean_median'])}", recomputed=False)
+                    f"{num(h['soap']['return_mean_median'])}")
 
 
 # --- issue 76: how stale a factor may be ---------------------------------------------------------------------
