@@ -762,7 +762,7 @@ def _by_k(folder: str, metric: str) -> dict:
     for k in sorted({int(float(r[STALE_AXIS])) for r in runs}):
         values = sorted(float(r[metric]) for r in runs if int(float(r[STALE_AXIS])) == k)
         out[k] = {f"{metric}_min": values[0], f"{metric}_median": median(values), f"{metric}_max": values[-1],
-                  "seeds": len(values)}
+                  "seeds": len(values), "values": values}
     return out
 
 
@@ -775,8 +775,11 @@ def staleness() -> Measured:
             clauses.append(f"{family}: not run here (yet)")
             continue
         by_k = _by_k(folder, metric)
-        ours.append(f"{family} ({metric}, {by_k[1]['seeds']} seeds): " +
-                    "; ".join(f"k={k} {spread(r, metric)}" for k, r in by_k.items()))
+        worst = by_k[1][f"{metric}_max" if mode == "min" else f"{metric}_min"]
+        beyond = lambda r: sum(v > worst if mode == "min" else v < worst for v in r["values"])
+        ours.append(f"{family} ({metric}, {by_k[1]['seeds']} seeds; seeds beyond k=1's worst): " +
+                    "; ".join(f"k={k} {spread(r, metric)}" + (f", {beyond(r)}" if k != 1 else "")
+                              for k, r in by_k.items()))
         words: dict = {}
         for k, r in by_k.items():
             if k != 1:
