@@ -40,7 +40,7 @@ import yaml
 from . import tuning
 from .arms import AT_GP_SETTING, Arm
 from .report import load_records
-from .tuning import _text
+from .tuning import override_text
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PRESETS = CHECKOUT / "conf" / "protocol"
@@ -138,7 +138,7 @@ def check(spec: dict) -> None:
 
 
 def _values(values) -> str:
-    return ",".join(_text(v) for v in values)
+    return ",".join(override_text(v) for v in values)
 
 
 def _where(path: Path) -> str:
@@ -217,7 +217,7 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
                 "where it is DoPr's own winner)")
         chosen = _expected_chosen(spec, arms)
     if stage == "protocol":
-        shared = [f"{k}={_text(v)}" for k, v in (spec.get("overrides") or {}).items() if v is not None]
+        shared = [f"{k}={override_text(v)}" for k, v in (spec.get("overrides") or {}).items() if v is not None]
         lines = []
         for name in chosen:
             grid = spec["arms"][name]["grid"] if name in spec["arms"] else {}
@@ -242,7 +242,7 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
 
 def _arm_args(spec: dict, arm: dict) -> list:
     """The overrides that make a job one arm's: its conf/tuned preset and its fixed values."""
-    return [f"+tuned/{spec['tuned']}={arm['preset']}", *(f"{k}={_text(v)}" for k, v in arm["overrides"].items())]
+    return [f"+tuned/{spec['tuned']}={arm['preset']}", *(f"{k}={override_text(v)}" for k, v in arm["overrides"].items())]
 
 
 def _stage_command(stage: str, spec: dict, root: Path) -> list:
@@ -299,7 +299,7 @@ def coarse_winner(spec: dict, arm: str, folder: Path, missing, notes: list) -> d
         notes.append(f"{arm}: no tune runs under {_where(folder)}: nothing to refine")
         return None
     how, records = spec.get("select") or {}, load_records([folder])
-    task = {} if {"metric", "mode"} <= set(how) else tuning._task_tuning(records)
+    task = {} if {"metric", "mode"} <= set(how) else tuning.task_tuning(records)
     coarse = next(iter(tuning.tune_arms(records, how.get("metric", task.get("metric")),
                                         how.get("mode", task.get("mode", "min"))).values()))
     grid = spec["arms"][arm]["grid"]
@@ -315,7 +315,7 @@ def could_refine(spec: dict, arms: list, axes: tuple, above: float) -> str:
     say: dict = {}
     for arm in arms:
         for axis, values in spec["arms"][arm]["grid"].items():
-            text = [_text(v) for v in sorted(values)] if axis.lstrip("+") in axes else []
+            text = [override_text(v) for v in sorted(values)] if axis.lstrip("+") in axes else []
             due = [v for v in text if tuning.refine_steps(axis, text, v, above)[0]]
             if due:
                 say.setdefault(f"at {axis.lstrip('+')} in {{{', '.join(due)}}}", []).append(arm)
@@ -339,7 +339,7 @@ def _study_plan(stage: str, spec: dict, arms: list, root: Path, run: list, after
                 missing(f"{_where(configs)} holds no config of {name}: the selection the study reuses has not run",
                         "assume its select wrote it")
             a = spec["arms"][name]
-            lines.append((run + [f"+tuned/{spec['configs']}={name}", *(f"{k}={_text(v)}" for k, v in a["overrides"].items()),
+            lines.append((run + [f"+tuned/{spec['configs']}={name}", *(f"{k}={override_text(v)}" for k, v in a["overrides"].items()),
                                  *(f"{k}={_values(v)}" for k, v in a["grid"].items()),
                                  f"seed={_values(spec['fresh_seeds'])}", *after,
                                  f"hydra.sweep.dir={_where(stage_dir / name)}", *extra],

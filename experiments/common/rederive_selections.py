@@ -94,7 +94,7 @@ def main() -> None:
                 have = _flat({k: v for k, v in body.items() if k != "defaults"})
                 wrong = {k.lstrip("+"): (have.get(k.lstrip("+")), v) for k, v in want.items() if "/" not in k
                          and not k.lstrip("+").startswith("ap.")
-                         and not tuning._same(tuning._value(str(v)), have.get(k.lstrip("+"), "<unset>"))}
+                         and not tuning.same_value(tuning.parse_value(str(v)), have.get(k.lstrip("+"), "<unset>"))}
                 dopr_res = sel["arms"][dopr]["resolved"]
                 text = "; ".join(f"{k} {h if h is not None else dopr_res.get(k)} (DoPr's) vs {gp}'s {v}"
                                  for k, (h, v) in wrong.items()) or "none: it already ran the GP's whole setting"

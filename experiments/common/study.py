@@ -23,8 +23,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .report import load_records, make_stamp, markdown_table, write_csv
-from .tuning import (_matches, _parse, _same, _task_tuning, _text, _value, chosen_settings, report, seed_list,
-                     spread_verdict)
+from .tuning import (chosen_settings, matches_setting, override_text, parse_override, parse_value, report, same_value,
+                     seed_list, spread_verdict, task_tuning)
 
 
 def axis_value(record: dict, axis: str):
@@ -33,8 +33,8 @@ def axis_value(record: dict, axis: str):
         value = OmegaConf.select(record["config"], axis, default=None)
         if value is not None:
             return value
-    over = dict(_parse(o) for o in record["summary"].get("overrides", []))
-    return _value(over[axis]) if axis in over else None
+    over = dict(parse_override(o) for o in record["summary"].get("overrides", []))
+    return parse_value(over[axis]) if axis in over else None
 
 
 def _without(selection: dict, axis: str) -> dict:
@@ -53,7 +53,7 @@ def study_rows(records: list, selection: dict, arm: str, axis: str, values: list
     plain = _without(selection, axis)
     rows = []
     for v in values:
-        at = [r for r in records if _same(axis_value(r, axis), v)]
+        at = [r for r in records if same_value(axis_value(r, axis), v)]
         row = next(r for r in report(at, plain, metrics, seeds) if r["arm"] == arm)
         rows.append({**row, axis: v})
     m, mode = selection["metric"], selection["mode"]
@@ -71,10 +71,10 @@ def run_rows(records: list, selection: dict, arm: str, axis: str, values: list, 
     out = []
     for r in records:
         s, v = r["summary"], axis_value(r, axis)
-        if s["optim"] == arm and s["seed"] in seeds and any(_same(v, x) for x in values) and _matches(r, setting):
+        if s["optim"] == arm and s["seed"] in seeds and any(same_value(v, x) for x in values) and matches_setting(r, setting):
             out.append({"arm": arm, axis: v, "seed": s["seed"], **{m: s.get(m) for m in metrics},
                         "wall_time_s": s.get("wall_time_s")})
-    return sorted(out, key=lambda r: (values.index(next(x for x in values if _same(r[axis], x))), r["seed"]))
+    return sorted(out, key=lambda r: (values.index(next(x for x in values if same_value(r[axis], x))), r["seed"]))
 
 
 def _cell(row: dict, m: str) -> str:
@@ -91,14 +91,14 @@ def write_study(rows: dict, runs: list, selection: dict, axis: str, metrics: lis
     stats = [f"{k}_{s}" for k in metrics for s in ("median", "min", "max")]
     write_csv(every, ["arm", axis, "seeds", "missing", "diverged", *stats, "verdict"], out / "study.csv")
     write_csv(runs, ["arm", axis, "seed", *metrics, "wall_time_s"], out / "study_runs.csv")
-    values = ", ".join(_text(r[axis]) for r in every if r["arm"] == every[0]["arm"])
+    values = ", ".join(override_text(r[axis]) for r in every if r["arm"] == every[0]["arm"])
     lines = [f"# A study at the committed setting: {axis} in {{{values}}}", "", stamp, "",
              f"Each arm at its setting from {source} (not tuned again), on the fresh seeds {seeds}; each metric median "
-             f"[min-max] over the seeds. Verdict per value against {axis}={_text(every[0][axis])} by {m} "
+             f"[min-max] over the seeds. Verdict per value against {axis}={override_text(every[0][axis])} by {m} "
              f"({'lower' if mode == 'min' else 'higher'} is better): better or worse where the seeds' ranges do not "
              "overlap, inconclusive where they do; none where a seed is missing (`missing`)."]
     for arm, arm_rows in rows.items():
-        table = [{axis: _text(r[axis]), "seeds": r["seeds"], **{k: _cell(r, k) for k in metrics},
+        table = [{axis: override_text(r[axis]), "seeds": r["seeds"], **{k: _cell(r, k) for k in metrics},
                   "verdict": r["verdict"], "missing": r.get("missing", ""), "diverged": r.get("diverged", "")}
                  for r in arm_rows]
         cols = [axis, "seeds", *metrics, "verdict"] + [c for c in ("missing", "diverged") if any(t[c] for t in table)]
@@ -124,9 +124,9 @@ def main(argv=None) -> None:
     if not records:
         raise SystemExit(f"refused: no finished job (summary.json) under {args.sweeps}")
     selection = json.loads(Path(args.selection).read_text())
-    values = [_value(v) for v in args.values.split(",")]
+    values = [parse_value(v) for v in args.values.split(",")]
     seeds = seed_list(args.seeds) if args.seeds else selection["fresh_seeds"]
-    metrics = _task_tuning(records).get("report", [selection["metric"]])
+    metrics = task_tuning(records).get("report", [selection["metric"]])
     command = "python -m experiments.common.study " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
                 args.selection)
     for arm, arm_rows in rows.items():
         for r in arm_rows:
-            print(arm, f"{args.axis}={_text(r[args.axis])}", r["seeds"], _cell(r, selection["metric"]), r["verdict"])
+            print(arm, f"{args.axis}={override_text(r[args.axis])}", r["seeds"], _cell(r, selection["metric"]), r["verdict"])
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from .report import load_records, make_stamp, write_table
 _NOT_A_SETTING = ("seed", "sweep", "launcher", "skip_finished", "resume", "hydra.", "logger", "device", "threads")
 
 
-def _parse(override: str) -> tuple:
+def parse_override(override: str) -> tuple:
     key, _, value = override.partition("=")
     return key, value
 
@@ -73,7 +73,7 @@ def _is_setting(key: str) -> bool:
     return not any(bare == k or bare.startswith(k) for k in _NOT_A_SETTING)
 
 
-def _value(text: str):
+def parse_value(text: str):
     """An override's value as Hydra reads it: a number, else YAML (lists, booleans, null), else the text."""
     for kind in (int, float):
         try:
@@ -83,7 +83,7 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     return str(a) == str(b)
@@ -95,7 +95,7 @@ def _arm_jobs(records: list) -> dict:
     arms: dict = {}
     for r in records:
         s = r["summary"]
-        over = dict(_parse(o) for o in s.get("overrides", []) if _is_setting(_parse(o)[0]))
+        over = dict(parse_override(o) for o in s.get("overrides", []) if _is_setting(parse_override(o)[0]))
         arms.setdefault(s["optim"], []).append((over, s["seed"], s))
     return arms
 
@@ -122,7 +122,7 @@ def knob_words(knob: str) -> str:
 
 
 def _at_default(knob: str, value) -> bool:
-    value = tuple(value) if isinstance(value, list) else _value(value) if isinstance(value, str) else value
+    value = tuple(value) if isinstance(value, list) else parse_value(value) if isinstance(value, str) else value
     default = _KNOB_DEFAULTS[knob]
     return value == default or (isinstance(default, str) and str(value) == default)
 #: the suffix of DoPr's config at the GP's whole winning setting (it was `_at_gp_lr`: the rate alone)
@@ -137,7 +137,7 @@ def grid_edges(grid: dict, winner: dict) -> tuple:
     axis of unordered values (a solver, a damping mode) has nothing beyond its values to widen to."""
     edges, unordered = [], []
     for axis, values in grid.items():
-        parsed = [_value(v) for v in values]
+        parsed = [parse_value(v) for v in values]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in parsed):
             unordered.append(axis)
             continue
@@ -161,7 +161,7 @@ REFINE_ABOVE = 3.5
 
 def _positive(text):
     """An axis value as a positive number, else None (0, a negative, a word: no geometric midpoint)."""
-    v = _value(text)
+    v = parse_value(text)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
 
@@ -170,7 +170,7 @@ def refine_steps(axis: str, values: list, winner: str, above: float = REFINE_ABO
     neighbour of the winner in the ordered grid `values` (either side) more than `above` times away gives the
     geometric midpoint sqrt(w * n) of that gap; a winner at the grid's edge gives none (the edge rule's), and so
     does a gap to a non-positive value (weight decay 0). `note` says why a winner needs none."""
-    i = next(i for i, v in enumerate(values) if _same(_value(v), _value(winner)))
+    i = next(i for i, v in enumerate(values) if same_value(parse_value(v), parse_value(winner)))
     if i in (0, len(values) - 1):
         return [], f"{axis.lstrip('+')}={winner} at the grid's edge (the edge rule's, nothing beyond the grid)"
     w, steps, within = _positive(winner), [], []
@@ -183,7 +183,7 @@ def refine_steps(axis: str, values: list, winner: str, above: float = REFINE_ABO
         gap = max(w / _positive(n), _positive(n) / w)
         if gap > above:
             steps.append({"axis": axis, "value": winner, "neighbour": n, "gap": gap,
-                          "point": _text(math.sqrt(w * _positive(n)))})
+                          "point": override_text(math.sqrt(w * _positive(n)))})
         else:
             within.append(f"{n} {gap:.3g}x")
     return steps, f"{axis.lstrip('+')}={winner}: nearest neighbours within {above:g}x ({', '.join(within)})"
@@ -252,7 +252,7 @@ def _tune_arm(arm: str, jobs: list, records: list, metric: str, mode: str) -> di
     rows = [{"setting": dict(zip(varying, setting)), "value": float(np.mean([float(v) for v in by_seed.values()])),
              "per_seed": {str(k): float(v) for k, v in sorted(by_seed.items())}} for setting, by_seed in trials.items()]
     rows.sort(key=lambda t: _score(t["value"], mode))
-    order = lambda v: (float(_value(v)) if isinstance(_value(v), (int, float)) else math.inf, str(v))
+    order = lambda v: (float(parse_value(v)) if isinstance(parse_value(v), (int, float)) else math.inf, str(v))
     grid = {k: sorted({over[k] for over, _, _ in jobs if k in over}, key=order) for k in varying}
     winner = rows[0]["setting"]
     edges, unordered = grid_edges(grid, winner)
@@ -307,7 +307,7 @@ def _refine_jobs(arm: dict, jobs: list, points: list) -> tuple:
     """(jobs at the points, as (the point's settings, seed, summary); the points some tuning seed has not run;
     [the settings of runs at no point or on another seed])."""
     keys = set(arm["base"]) | set(arm["grid"])
-    at = lambda over, p: set(over) == keys and all(_same(_value(over[k]), _value(v))
+    at = lambda over, p: set(over) == keys and all(same_value(parse_value(over[k]), parse_value(v))
                                                    for k, v in {**arm["base"], **p}.items())
     found, unasked, ran = [], [], {}
     for over, seed, s in jobs:
@@ -414,7 +414,7 @@ def dopr_knobs(arm: dict) -> tuple:
     """({knob: value} DoPr's own knobs the arm's tune grid held fixed, [the knobs it swept]). The values
     come from the winner's resolved config, else its command line; None where neither says."""
     swept = {k.lstrip("+~") for k in arm["grid"]}
-    given = {k.lstrip("+~"): _value(v) for k, v in arm["base"].items()}
+    given = {k.lstrip("+~"): parse_value(v) for k, v in arm["base"].items()}
     resolved = arm.get("resolved") or {}
     fixed = {k: resolved.get(k, given.get(k)) for k in DOPR_KNOBS if k not in swept}
     # a knob neither the config nor the command line records (an older config; None, the default, of an optional
@@ -473,8 +473,8 @@ def _lr_key(settings: dict):
     return next((k for k in settings if k.lstrip("+") == "optim.lr"), None)
 
 
-def _text(value) -> str:
-    """A resolved config value as an override's text (what _value reads back)."""
+def override_text(value) -> str:
+    """A resolved config value as an override's text (what parse_value reads back)."""
     return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
 
 
@@ -494,7 +494,7 @@ def gp_setting_for_dopr(selection: dict, gp: str, dopr: str) -> tuple:
         if k.startswith("ap.") or k == "ap":
             return  # DoPr's own knobs stay at DoPr's winner
         old = bare.get(k)
-        if old is not None and _same(_value(str(out[old])), _value(str(value))):
+        if old is not None and same_value(parse_value(str(out[old])), parse_value(str(value))):
             return
         if old is not None:
             del out[old]
@@ -508,8 +508,8 @@ def gp_setting_for_dopr(selection: dict, gp: str, dopr: str) -> tuple:
         for key, value in g["resolved"].items():
             if key.startswith(_NOT_COPIED) or key == "ap":
                 continue
-            if key not in d["resolved"] or not _same(value, d["resolved"][key]):
-                put(key, _text(value))
+            if key not in d["resolved"] or not same_value(value, d["resolved"][key]):
+                put(key, override_text(value))
     return out, copied
 
 
@@ -538,7 +538,7 @@ def tuned_config(overrides: dict, note: str) -> str:
         elif bare in ("optim", "task", "model"):
             defaults.append(f"  - override /{bare}: {value}")
         else:
-            OmegaConf.update(values, bare, _value(value), force_add=True)
+            OmegaConf.update(values, bare, parse_value(value), force_add=True)
     lines = ["# @package _global_", *(f"# {l}" for l in note.splitlines())]
     if defaults:
         lines += ["defaults:", *defaults]
@@ -645,10 +645,10 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
 def _same_settings(a: dict, b: dict) -> bool:
     norm = lambda d: {k.lstrip("+"): v for k, v in d.items()}
     a, b = norm(a), norm(b)
-    return a.keys() == b.keys() and all(_same(_value(a[k]), _value(b[k])) for k in a)
+    return a.keys() == b.keys() and all(same_value(parse_value(a[k]), parse_value(b[k])) for k in a)
 
 
-def _matches(record: dict, overrides: dict) -> bool:
+def matches_setting(record: dict, overrides: dict) -> bool:
     cfg = record["config"]
     for key, value in overrides.items():
         bare = key.lstrip("+~")
@@ -660,7 +660,7 @@ def _matches(record: dict, overrides: dict) -> bool:
         elif bare == "task":
             if str(OmegaConf.select(cfg, "task.name")) != value:
                 return False
-        elif not _same(OmegaConf.select(cfg, bare), _value(value)):
+        elif not same_value(OmegaConf.select(cfg, bare), parse_value(value)):
             return False
     return True
 
@@ -679,7 +679,7 @@ def _fresh_runs(records: list, selection: dict, seeds: list = None) -> list:
     for name, overrides in chosen_settings(selection).items():
         arm = arm_of(name)
         runs = {}  # one run per seed: when DoPr's winner is at the GP's setting, two names launch the same setting
-        for r in sorted((r for r in records if r["summary"]["optim"] == arm and _matches(r, overrides)),
+        for r in sorted((r for r in records if r["summary"]["optim"] == arm and matches_setting(r, overrides)),
                         key=lambda r: not any(o.endswith(f"={name}") for o in r["summary"].get("overrides", []))):
             runs.setdefault(r["summary"]["seed"], r)
         out.append((name, overrides, list(runs.values())))
@@ -814,7 +814,7 @@ def versus(rows: list, selection: dict, pairs: list) -> list:
     return lines
 
 
-def _task_tuning(records: list) -> dict:
+def task_tuning(records: list) -> dict:
     cfg = records[0]["config"]
     t = OmegaConf.select(cfg, "task.tuning") if cfg is not None else None
     if t is None:
@@ -879,7 +879,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     try:
         if args.action == "select":
-            task = _task_tuning(records) if not (args.metric and args.mode) else {}
+            task = task_tuning(records) if not (args.metric and args.mode) else {}
             seeds, source = (seed_list(args.seeds), "--seeds") if args.seeds else (
                 fresh_seeds_of(Path(args.configs)) if args.configs else (None, None))
             if seeds is None:
@@ -909,7 +909,7 @@ def main(argv=None) -> None:
             if not args.selection:
                 raise SystemExit("report needs --selection <selection.json>")
             sel = json.loads(Path(args.selection).read_text())
-            metrics = _task_tuning(records).get("report", [sel["metric"]])
+            metrics = task_tuning(records).get("report", [sel["metric"]])
             rows, every, extra = protocol_tables(records, sel, metrics)
             cols = ["arm", "setting", "seeds", "missing"] + [f"{m}_{s}" for m in metrics
                                                              for s in ("min", "median", "max", "mean", "se")]

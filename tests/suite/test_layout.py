@@ -470,3 +470,18 @@ def test_common_names_no_family():
     named = [f"{p.relative_to(ROOT)}:{line} {s!r}" for p in sorted((ROOT / "experiments" / "common").rglob("*.py"))
              for line, s in _module_strings(p.read_text(), modules)]
     assert not named, f"experiments/common names a family module: {named}"
+
+
+def test_no_suite_module_imports_another_modules_private_name():
+    """Issue 75 item 7: `protocol.py` imported tuning's private `_text`; a name shared between modules is public."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            ours = isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] in
+                                                         ("experiments", "dopr", "benchmarks"))
+            if ours:   # a third party's private name (numpy's _reconstruct for torch.load) is that party's affair
+                offenders += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders

@@ -298,13 +298,13 @@ def _peers_tuned(root: Path) -> tuple:
     1e-2 (1e-3 10x below, 3e-2 3x above), the others' within 3.5x of their neighbours. (the sweeps' folder, the
     refinement point of SOAP's winner)"""
     spec = protocol.resolve(protocol.load("feature_learning"), "peers")
-    lrs = [protocol._text(v) for v in spec["arms"]["soap"]["grid"]["optim.lr"]]
+    lrs = [protocol.override_text(v) for v in spec["arms"]["soap"]["grid"]["optim.lr"]]
     assert lrs[4:8] == ["0.001", "0.01", "0.03", "0.1"]
     tune = root / "multirun" / "protocol" / "feature_learning"
     for arm, folder, best in (("adamw", tune / "tune", "0.03"), ("dopr_adamw", tune / "tune", "0.03"),
                               ("soap", tune / "peers" / "tune", "0.01"), ("dopr_soap", tune / "peers" / "tune", "0.1")):
         _fake_sweep(folder / arm, arm, {lr: 1.0 if lr == best else 2.0 + i for i, lr in enumerate(lrs)})
-    return tune, protocol._text(math.sqrt(1e-3 * 1e-2))
+    return tune, protocol.override_text(math.sqrt(1e-3 * 1e-2))
 
 
 def test_the_refine_stages_dry_run_prints_the_midpoints_of_each_coarse_winners_wide_gaps(capsys, tmp_path):

@@ -182,14 +182,14 @@ def _job(arm, seed, value, lr, knob=None, **cfg):
     ap = {"damping": 1e-4, "damping_mode": "trace", "grad_ema": 0.0, "precond_ema": 0.0, **cfg.get("ap", {})}
     if knob:
         section, key = knob[0].split(".")
-        ({"optim": optim_cfg, "ap": ap})[section][key] = _value(knob[1])
+        ({"optim": optim_cfg, "ap": ap})[section][key] = parse_value(knob[1])
     rec["config"] = OmegaConf.create({"seed": seed, "sweep_name": f"tune_{arm}", "optim": optim_cfg, "ap": ap,
                                       "task": {"name": "toy", "schedule": cfg.get("schedule", "constant")}})
     return rec
 
 
-def _value(text):
-    return tuning._value(text)
+def parse_value(text):
+    return tuning.parse_value(text)
 
 
 def _sft_like():
@@ -592,7 +592,7 @@ def test_the_refinement_rule_halves_a_coarse_gap_geometrically_once_and_leaves_f
     zero = tuning.refinement({"a": _arm(grid, {"optim.lr": "1e-2", "optim.weight_decay": "0.0"})}, axes)["a"]
     assert zero["points"] == [{"optim.lr": due["points"][0]["optim.lr"], "optim.weight_decay": "0.0"}]
     wd = tuning.refinement({"a": _arm(grid, {"optim.lr": "3e-2", "optim.weight_decay": "1e-4"})}, axes)["a"]
-    assert wd["points"] == [{"optim.lr": "3e-2", "optim.weight_decay": tuning._text(math.sqrt(1e-6))}]
+    assert wd["points"] == [{"optim.lr": "3e-2", "optim.weight_decay": tuning.override_text(math.sqrt(1e-6))}]
     assert tuning.refine_steps("optim.weight_decay", ["0.0", "1e-4", "1e-2"], "0.0")[0] == []
     assert "not a positive number" in tuning.refine_steps("w", ["-1", "0", "1"], "0")[1]
     # an axis the rule does not refine is not refined, whatever its gaps
@@ -610,7 +610,7 @@ def _coarse():
 
 
 def test_select_refuses_a_due_refinement_not_run_and_takes_its_runs_in(tmp_path):
-    point = tuning._text(math.sqrt(1e-3 * 1e-2))
+    point = tuning.override_text(math.sqrt(1e-3 * 1e-2))
     cmd = "python -m experiments.common.protocol refine toy --variant v"
     with pytest.raises(ValueError) as refused:
         tuning.select(_coarse(), "val", fresh_seeds=[3], refine_command=cmd)
