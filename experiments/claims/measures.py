@@ -758,7 +758,10 @@ def peers() -> Measured:
 STALENESS = {"feature learning": ("results/staleness/feature_learning", "val_loss", "min"),
              "Humanoid": ("results/staleness/humanoid", "return_mean", "max"),
              "conv digits": ("results/staleness/conv_digits", "val_loss", "min"),
-             "SiT digits": ("results/staleness/sit_digits", "quality", "min")}
+             "SiT digits": ("results/staleness/sit_digits", "quality", "min"),
+             # the drift-triggered refresh (ap.refresh_policy=drift, threshold 0.1), k its cap
+             "feature learning, drift": ("results/staleness/feature_learning_drift", "val_loss", "min"),
+             "conv digits, drift": ("results/staleness/conv_digits_drift", "val_loss", "min")}
 STALE_AXIS = "ap.precond_every"
 
 
@@ -768,8 +771,10 @@ def _by_k(folder: str, metric: str) -> dict:
     out = {}
     for k in sorted({int(float(r[STALE_AXIS])) for r in runs}):
         values = sorted(float(r[metric]) for r in runs if int(float(r[STALE_AXIS])) == k)
+        fractions = [float(r["refresh_fraction"]) for r in runs if int(float(r[STALE_AXIS])) == k
+                     and r.get("refresh_fraction") not in (None, "")]
         out[k] = {f"{metric}_min": values[0], f"{metric}_median": median(values), f"{metric}_max": values[-1],
-                  "seeds": len(values), "values": values}
+                  "seeds": len(values), "values": values, "refreshed": median(fractions) if fractions else None}
     return out
 
 
@@ -786,6 +791,7 @@ def staleness() -> Measured:
         beyond = lambda r: sum(v > worst if mode == "min" else v < worst for v in r["values"])
         ours.append(f"{family} ({metric}, {by_k[1]['seeds']} seeds; seeds beyond k=1's worst): " +
                     "; ".join(f"k={k} {spread(r, metric)}" + (f", {beyond(r)}" if k != 1 else "")
+                              + (f", refreshing {pct(r['refreshed'])}" if "drift" in family and k != 1 else "")
                               for k, r in by_k.items()))
         words: dict = {}
         for k, r in by_k.items():

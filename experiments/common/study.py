@@ -9,7 +9,8 @@ by the protocol's rule: better or worse where the fresh seeds' ranges do not ove
 
 (`python -m experiments.common.protocol report <task> --variant <study>` writes this line.) Writes study.md (a table
 per arm: one row per value, each metric as median [min-max] over the seeds, the verdict against the first value),
-study.csv (the same rows, numbers) and study_runs.csv (one row per run: arm, value, seed, metrics, wall_time_s).
+study.csv (the same rows, numbers) and study_runs.csv (one row per run: arm, value, seed, metrics, the share of
+layer-steps that refreshed a factor, wall_time_s).
 """
 from __future__ import annotations
 
@@ -73,8 +74,15 @@ def run_rows(records: list, selection: dict, arm: str, axis: str, values: list, 
         s, v = r["summary"], axis_value(r, axis)
         if s["optim"] == arm and s["seed"] in seeds and any(same_value(v, x) for x in values) and matches_setting(r, setting):
             out.append({"arm": arm, axis: v, "seed": s["seed"], **{m: s.get(m) for m in metrics},
-                        "wall_time_s": s.get("wall_time_s")})
+                        "refresh_fraction": refresh_fraction(s), "wall_time_s": s.get("wall_time_s")})
     return sorted(out, key=lambda r: (values.index(next(x for x in values if same_value(r[axis], x))), r["seed"]))
+
+
+def refresh_fraction(summary: dict):
+    """The share of a DoPr run's preconditioned layer-steps that got a new factor (its counters: factorizations over
+    preconditioned); None for a run without them."""
+    counts = summary.get("dopr") or {}
+    return counts["factorizations"] / counts["preconditioned"] if counts.get("preconditioned") else None
 
 
 def _cell(row: dict, m: str) -> str:
@@ -90,7 +98,7 @@ def write_study(rows: dict, runs: list, selection: dict, axis: str, metrics: lis
     every = [r for arm_rows in rows.values() for r in arm_rows]
     stats = [f"{k}_{s}" for k in metrics for s in ("median", "min", "max")]
     write_csv(every, ["arm", axis, "seeds", "missing", "diverged", *stats, "verdict"], out / "study.csv")
-    write_csv(runs, ["arm", axis, "seed", *metrics, "wall_time_s"], out / "study_runs.csv")
+    write_csv(runs, ["arm", axis, "seed", *metrics, "refresh_fraction", "wall_time_s"], out / "study_runs.csv")
     values = ", ".join(override_text(r[axis]) for r in every if r["arm"] == every[0]["arm"])
     lines = [f"# A study at the committed setting: {axis} in {{{values}}}", "", stamp, "",
              f"Each arm at its setting from {source} (not tuned again), on the fresh seeds {seeds}; each metric median "

@@ -102,6 +102,7 @@ def _runs(root: Path, lr: float = 0.03, shift: float = 0.0) -> None:
             (job / "summary.json").write_text(json.dumps({
                 "task": "feature_learning", "optim": "dopr_adamw", "seed": seed, "val_loss": loss + shift,
                 "subspace_distance": loss / 10, "wall_time_s": 2.0,
+                "dopr": {"preconditioned": 2000, "factorizations": 2000 // k},
                 "overrides": ["+tuned/feature_learning_protocol=dopr_adamw", f"ap.precond_every={k}", f"seed={seed}"]}))
             (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({
                 "task": {"name": "feature_learning", "tuning": {"metric": "val_loss", "mode": "min",
@@ -135,9 +136,13 @@ def test_the_study_report_writes_a_table_per_arm_and_the_per_seed_csv(tmp_path, 
     assert [(r["ap.precond_every"], r["verdict"]) for r in table] == [
         ("1", "reference"), ("3", "inconclusive"), ("10", "worse"), ("30", "better"), ("100", "no verdict (partial)")]
     runs = list(csv.DictReader(open(out / "study_runs.csv")))
-    assert list(runs[0]) == ["arm", "ap.precond_every", "seed", "val_loss", "subspace_distance", "wall_time_s"]
+    assert list(runs[0]) == ["arm", "ap.precond_every", "seed", "val_loss", "subspace_distance", "refresh_fraction",
+                             "wall_time_s"]
     assert len(runs) == 14 and runs[0] == {"arm": "dopr_adamw", "ap.precond_every": "1", "seed": "1",
-                                           "val_loss": "1.0", "subspace_distance": "0.1", "wall_time_s": "2.0"}
+                                           "val_loss": "1.0", "subspace_distance": "0.1", "refresh_fraction": "1.0",
+                                           "wall_time_s": "2.0"}
+    # the share of layer-steps that refreshed: the run's factorizations over its preconditioned layer-steps
+    assert {r["ap.precond_every"]: r["refresh_fraction"] for r in runs}["10"] == "0.1"
 
 
 def test_a_study_report_refuses_a_tuning_seed(tmp_path):
