@@ -781,10 +781,10 @@ def _by_k(folder: str, metric: str) -> dict:
 def staleness() -> Measured:
     """DoPr-AdamW at its committed setting, the factor refreshed every k steps, each k against k = 1 on the fresh
     seeds by the page's rule (a family whose study has not run: not run here)."""
-    ours, clauses, heads = [], [], []
+    ours, clauses, heads, absent = [], [], [], []
     for family, (folder, metric, mode) in STALENESS.items():
         if not (ROOT / folder / "study_runs.csv").exists():
-            clauses.append(f"{family}: not run here (yet)")
+            absent.append(family)
             continue
         by_k = _by_k(folder, metric)
         worst = by_k[1][f"{metric}_max" if mode == "min" else f"{metric}_min"]
@@ -797,8 +797,8 @@ def staleness() -> Measured:
         for k, r in by_k.items():
             if k != 1:
                 words.setdefault(compare(r, by_k[1], metric, mode), []).append(str(k))
-        clauses += [f"{family}, k = {', '.join(ks)}: {w}" for w, ks in words.items()]
+        clauses += [f"{family}, k={', '.join(ks)}: {w}" for w, ks in words.items()]
         last = max(by_k)
-        heads.append(f"{family} {metric} k=1 {num(by_k[1][metric + '_median'])} vs k={last} "
-                     f"{num(by_k[last][metric + '_median'])}")
-    return Measured("; ".join(ours) or "no study has run", tuple(clauses), "; ".join(heads) or "-")
+        heads.append(f"{metric} k=1 {num(by_k[1][metric + '_median'])} vs k={last} {num(by_k[last][metric + '_median'])}")
+    clauses += [f"{len(absent)} more studies: not run here (yet: {', '.join(absent)})"] if absent else []
+    return Measured("; ".join(ours) or "no study has run", tuple(clauses), heads[0] if heads else "-")
