@@ -139,7 +139,7 @@ def test_the_parameters_in_place_of_the_model_are_refused_in_one_line_showing_th
 NUMERIC = {"damping": (1e-3, False), "grad_ema": (0.5, False), "precond_ema": (0.5, False),
            "precond_every": (2, True), "rank": (3, True), "eigh_rcond": (1e-5, False), "span_rcond": (1e-5, False),
            "span_cap": (10.0, False), "warmup_steps": (1, True), "clip_precond_norm": (2.0, False),
-           "health_every": (2, True), "weak_share_bound": (0.25, False)}
+           "health_every": (2, True), "weak_share_bound": (0.25, False), "drift_threshold": (0.2, False)}
 
 
 def _with(name, value) -> dict:
