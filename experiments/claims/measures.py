@@ -797,7 +797,8 @@ def staleness() -> Measured:
         for k, r in by_k.items():
             if k != 1:
                 words.setdefault(compare(r, by_k[1], metric, mode), []).append(str(k))
-        clauses += [f"{family}, k={', '.join(ks)}: {w}" for w, ks in words.items()]
+        first = next(w for w in ("worse", "better", "inconclusive") if w in words)   # the worst word leads
+        clauses.append(f"{family}: {first} (" + "; ".join(f"{w} at k={', '.join(ks)}" for w, ks in words.items()) + ")")
         last = max(by_k)
         heads.append(f"{metric} k=1 {num(by_k[1][metric + '_median'])} vs k={last} {num(by_k[last][metric + '_median'])}")
     clauses += [f"{len(absent)} more studies: not run here (yet: {', '.join(absent)})"] if absent else []
