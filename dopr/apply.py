@@ -1,10 +1,13 @@
 """The AP applied to a step's gradients: M = Gbar (Sigmabar + lambda I)^-1 for every layer, bucketed by
 operator type and gradient shape (one stack and one batched solve per bucket, no host sync), the step's
 one read-back of its non-finite and trouble flags, and the rare repair path it may open. DoPr.precondition
-calls them in that order; the factors come from dopr.refresh.Refresh.factor (dopr/statistics.py, dopr/solvers.py)."""
+calls them in that order through :class:`Apply`, which owns the gradient EMA and the buckets' write-back buffers;
+the factors come from dopr.refresh.Refresh.factor (dopr/statistics.py, dopr/solvers.py)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -12,6 +15,7 @@ from torch.autograd.profiler import record_function
 from . import solvers
 from .buckets import GradientBucket
 from .distributed import is_distributed, nonfinite_keys
+from .ema import GradientEMA
 from .statistics import statistics_dtype
 
 
@@ -96,3 +100,123 @@ def write_back(solved: list, helpers: dict) -> None:
         else:
             for name, m in zip(names, ms.unbind(0)):
                 helpers[name].set_grad(m)
+
+
+@dataclass
+class Borrowed:
+    """What the apply borrows from DoPr for one step: the layers' helpers ({name: helper}), the layers with no
+    samples this step and those that started training this step (raw gradient, warned elsewhere), whether the
+    parameters are sharded, DoPr's warn-once ``warn(what, message or a function giving it)`` and the capture's
+    ``no_forward_cause(names)``."""
+    helpers: dict
+    empty: set
+    attached_now: set
+    sharded: bool
+    warn: Callable
+    no_forward_cause: Callable
+
+
+class Apply:
+    """The apply side of a DoPr step: gradients into preconditioned gradients. It owns the gradient EMA
+    (``grad_ema``, dopr/ema.py) and the write-back buffers of the last step's buckets (``buckets``: {bucket key:
+    GradientBucket}); :meth:`__call__` solves M = Gbar A^-1 for every layer with a factor, reads the step's
+    flags back once, repairs where one is set (:func:`repair`) and writes M back as the gradients.
+    ``no_forward``: the layers that had a gradient but no training forward on the last step."""
+
+    def __init__(self, options) -> None:
+        self.options = options
+        self.grad_ema = GradientEMA(options.grad_ema)
+        self.buckets: dict = {}
+        self.no_forward: list = []
+
+    @classmethod
+    def from_pickled(cls, options, state: dict) -> "Apply":
+        """The apply side of a DoPr copied before this class: its ``_grad_ema`` and ``_no_forward`` were DoPr's."""
+        out = cls(options)
+        out.grad_ema = state.pop("_grad_ema", out.grad_ema)
+        out.no_forward = state.pop("_no_forward", [])
+        return out
+
+    def begin(self, step: int) -> None:
+        """A step starts: proposals of a step that raised are dropped, a scheduled rate is read at ``step``."""
+        self.grad_ema.pending.clear()
+        if self.grad_ema.scheduled:
+            self.grad_ema.beta = self.options.at("grad_ema", step)
+
+    def __call__(self, ops: dict, batches: list, grads: dict, graphed, raw: frozenset, refresh,
+                 borrowed: Borrowed) -> tuple:
+        """Every layer's M as its gradient, and the Sigma and gradient EMAs' proposals committed (the skipped
+        layers' not): ``ops`` {group key: operator}, ``batches`` the refresh's (their flags are read back with
+        G's), ``graphed`` a CUDA graph's replay or None, ``raw`` layers without a factor. Returns (the operators
+        after any repair, the solved buckets)."""
+        members = self.members(ops, grads, raw, borrowed)     # Gbar, M = Gbar A^-1 for every layer, speculatively:
+        solved, gflags, self.buckets = solve({n: op for n, op in members.items() if not graphed or n not in graphed.names},
+                                             grads, self.grad_ema, self.buckets)
+        solved, gflags = (graphed.solved + solved, graphed.gflags + gflags) if graphed else (solved, gflags)
+        flags = step_flags(batches, gflags)
+        if flags and any_set(flags, borrowed.sharded):        # the one read-back of the step
+            skip = lambda bad, what: self.skip(bad, what, refresh.counts, borrowed.warn)   # noqa: E731
+            ops, skipped = repair(batches, ops, grads, skip, refresh.counts, borrowed.sharded)
+            members = self.members(ops, grads, skipped | raw, borrowed)
+            solved, _, self.buckets = solve(members, grads, self.grad_ema, self.buckets)
+            refresh.precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
+            self.grad_ema.commit(skip=skipped)
+        else:
+            refresh.precond_ema.commit()
+            self.grad_ema.commit()
+        write_back(solved, borrowed.helpers)                  # each layer's M as its grad
+        return ops, solved
+
+    def members(self, ops: dict, grads: dict, skipped: frozenset, borrowed: Borrowed) -> dict:
+        """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
+        embedding's restricted to its token columns); warns about layers that had no training forward."""
+        group_of = {name: key for key in ops for name in key}
+        skipped = skipped | borrowed.empty
+        self.no_forward = [n for n in grads if n not in group_of and n not in skipped]
+        missing = sorted(set(self.no_forward) - borrowed.attached_now)   # the attach warning named the others
+        if missing:
+            borrowed.warn("no_forward", lambda: f"no training forward since the last step for {self.no_forward}: "
+                          "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
+                          + borrowed.no_forward_cause(missing))
+        out = {}
+        for name in grads:
+            if name in group_of and name not in skipped:
+                op, cols = ops[group_of[name]], borrowed.helpers[name].local_columns()
+                out[name] = op.restrict(cols) if cols is not None else op
+        return out
+
+    def skip(self, bad: set, what: str, counts: dict, warn: Callable) -> set:
+        """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and
+        warned once (the AP is skipped for them this step)."""
+        if not bad:
+            return set()
+        names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
+        if self.options.on_nonfinite == "raise":
+            raise FloatingPointError(f"non-finite {what} in DoPr layer(s) {names}")
+        counts["nonfinite_skips"] += len(names)
+        warn("nonfinite", f"non-finite {what} in {names}: AP skipped for them this step, "
+             "raw gradient to the GP (counted in DoPr.stats()['nonfinite_skips'])")
+        return bad
+
+    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
+    def snapshot(self) -> tuple:
+        return dict(self.grad_ema.buffers), self.no_forward
+
+    def restore(self, saved: tuple) -> None:
+        self.grad_ema.buffers, self.no_forward = saved
+        self.grad_ema.pending = {}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, helpers: dict) -> dict:
+        """The checkpoint's ``grad_ema`` entry: the gradient EMA's buffers (FSDP2: gathered to whole matrices)."""
+        return self.grad_ema.state_dict(helpers, whole=True)
+
+    def load_state_dict(self, state: dict, helpers: dict, to) -> None:
+        """Restore :meth:`state_dict`'s entry (FSDP2: each rank its rows), cast by ``to`` (dopr.checkpoint.placement)."""
+        self.grad_ema.load_state_dict(state, helpers, to)
+
+    def __getstate__(self) -> dict:   # the write-back buffers are not copied (rebuilt on the next step)
+        return {k: v for k, v in self.__dict__.items() if k != "buckets"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, buckets={})

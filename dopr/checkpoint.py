@@ -58,7 +58,7 @@ def load_optimizer_state_dict(model: nn.Module, opt: Optimizer, state: dict) -> 
 
 def ap_state(options, refresh, step: int, warmed: int, grad_ema: dict) -> dict:
     """DoPr.ap_state_dict: the entry ``"dopr"`` of a DoPr's state dict, from its options, its refresh object's
-    state (dopr/refresh.py), its step counters and its gradient EMA's state."""
+    state (dopr/refresh.py), its step counters and its apply object's state (the gradient EMA's, dopr/apply.py)."""
     state = refresh.state_dict()
     policy = state.pop("refresh_policy", None)
     return {"step": step, "warmed": warmed, "grad_ema": grad_ema, **state, "options": options.describe(),
@@ -73,9 +73,9 @@ def placement(helpers: dict):
     return to
 
 
-def load_ap_state(ours: dict, options, refresh, grad_ema, helpers: dict) -> tuple:
-    """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry into the refresh object and the gradient EMA,
-    warning about other options; returns (step, warmed)."""
+def load_ap_state(ours: dict, options, refresh, applied, helpers: dict) -> tuple:
+    """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry into the refresh object and the apply object
+    (its gradient EMA, dopr/apply.py), warning about other options; returns (step, warmed)."""
     mine = options.describe()
     differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
               if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}
@@ -85,6 +85,6 @@ def load_ap_state(ours: dict, options, refresh, grad_ema, helpers: dict) -> tupl
                       + "; loading it anyway, this optimizer's options apply from here on", UserWarning,
                       stacklevel=4)
     to = placement(helpers)
-    grad_ema.load_state_dict(ours["grad_ema"], helpers, to)
+    applied.load_state_dict(ours["grad_ema"], helpers, to)
     refresh.load_state_dict(ours, helpers, to)
     return ours["step"], ours.get("warmed", options.warmup_steps)   # older checkpoints: past any warm-up

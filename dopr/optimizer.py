@@ -19,7 +19,7 @@ step's gradients come from; dopr/refresh.py holds the refresh state that turns t
 refresh policy, the damping rule, the Sigma EMA, the cached factors and the counters) and factors each
 batch of groups; dopr/statistics.py the statistic kinds (dense covariance, rank-1 moments, diagonal), each
 knowing its diagonal and how to factor itself; dopr/solvers.py the solvers by name; dopr/damping.py the
-damping rules (lambda per group); dopr/apply.py the batched solve, the step's one read-back and the repair path; dopr/ema.py the two EMAs; dopr/distributed.py the one
+damping rules (lambda per group); dopr/apply.py the apply object (the gradient EMA, the buckets, the batched solve, the step's one read-back, the repair path, the write-back); dopr/ema.py the two EMAs; dopr/distributed.py the one
 all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
 """
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Mapping, Union
 import torch
 from torch import Tensor, nn
 
-from . import apply, graphs, sharding, solvers
+from . import graphs, sharding, solvers
+from .apply import Apply, Borrowed
 from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, load_ap_state
 from .distributed import agree_groups, all_reduce_statistics, is_distributed
-from .ema import GradientEMA
 from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
@@ -103,11 +103,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._factor_with = self._solver.bind(self.options)
         self._step = 0            # AP steps taken so far (stats()["steps"])
         self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
-        self._grad_ema = GradientEMA(self.options.grad_ema)
         self._refresh = Refresh(self.options)   # statistics into factors: policy, damping, Sigma EMA, cache, counters
-        self._buckets: dict = {}  # {bucket key: GradientBucket}: the write-back buffers of the last step's buckets
+        self._apply = Apply(self.options)       # gradients into M: gradient EMA, buckets, read-back, repair, write-back
         self._health = HealthReports(self.options.health_every)
-        self._no_forward, self._empty, self._warned, self._capture = [], set(), set(), None
+        self._empty, self._warned, self._capture = set(), set(), None
         self._attach()
         if not self._capture.layers:
             self.close()
@@ -168,13 +167,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             yield
             return
         saved = (self._refresh.snapshot(), {k: dict(v) for k, v in self._health.reports.items()},
-                 dict(self._grad_ema.buffers), self._empty, self._no_forward)
+                 self._apply.snapshot(), self._empty)
         try:
             yield
         except BaseException:
-            refresh, self._health.reports, self._grad_ema.buffers, self._empty, self._no_forward = saved
+            refresh, self._health.reports, applied, self._empty = saved
             self._refresh.restore(refresh)
-            self._grad_ema.pending = {}
+            self._apply.restore(applied)
             raise
 
     # ------------------------------------------------------------------ which layers
@@ -208,7 +207,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             old.close()
         self._capture.collecting = self.collecting
         self._layers_signature = self._signature()
-        self._buckets = {}   # and the CUDA graphs' plans (their counters kept)
+        self._apply.buckets = {}   # and the CUDA graphs' plans (their counters kept)
         self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._refresh.damping, self._sharded),
                                          getattr(self, "_graphs", None))
 
@@ -228,67 +227,61 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @torch.no_grad()
     def precondition(self) -> None:
         """Algorithm 2 on every preconditioned layer (called by :meth:`step`): G becomes M = Gbar (Sigmabar +
-        lambda I)^-1 for the GP. One stack, factorisation and solve per size, a refresh replayed from a CUDA graph
-        where its plan is static (dopr/graphs.py); one flag read back (a non-finite Sigma or G, a Cholesky factor
-        to retry) after everything is queued, and only when it is set the repair path (dopr.apply.repair)."""
+        lambda I)^-1 for the GP. The statistics gathered, the refresh object's factors (dopr/refresh.py, a refresh
+        replayed from a CUDA graph where its plan is static: dopr/graphs.py), the apply object's solve, one flag
+        read back and its repair path, write-back (dopr/apply.py), the refresh settled."""
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
-        self._refresh.precond_ema.pending.clear()                     # proposals of a step that raised are not kept
-        self._grad_ema.pending.clear()
         step = self._warmed + self._step                      # the optimizer's steps before this one
-        for ema, name in ((self._grad_ema, "grad_ema"), (self._refresh.precond_ema, "precond_ema")):
-            if ema.scheduled:                                 # a rate given as a function of the step
-                ema.beta = self.options.at(name, step)
+        self._refresh.begin(step, self.options)
+        self._apply.begin(step)
         collected, refresh = self.collecting, self._refresh.policy.gathers(self._step)
-        raw, gathered, groups = frozenset(), set(), {}
         self._refresh.cache = cache_on_layers(self._refresh.cache, grads)   # model.double(), .cuda() since the refresh: cast once
-        if collected:                                         # new statistics, new factors
-            groups = self._capture.groups(grads)              # layers reading one input share Sigma
-            groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
-            groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
-            all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
-                                  self._refresh.damping.reads_samples)
-            gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
-            groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
-            self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
-            if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
-                groups = {key: stat for key, stat in groups.items() if stat.count > 0}
-                self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
-                                "or mask, an expert no token was routed to): their gradients go to the GP raw "
-                                "(see DoPr.stats()['no_samples'])")
-            gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
-            graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
-            batches = (graphed.batches if graphed else []) + self._refresh.factor(   # Sigmabar, lambda, factors: nothing
-                {k: s for k, s in groups.items() if not graphed or k not in graphed.keys},   # read back yet
-                grads, gamma, refresh, self._factoring())
-            ops = self._refresh.operators(batches, refresh)
-        else:                                                 # in between: the cached inverses
-            batches, ops, self._empty, graphed = [], self._refresh.cache, set(), None
-            covered = {n for key in ops for n in key}
-            raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
-            if raw - self._attached_now:
-                self._warn_once("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
-                                "on a refresh step so far): raw this step, factored from the statistics of their "
-                                "next forward (see docs/library.md, precond_every)")
-        members = self._members(ops, grads, raw)     # Gbar, M = Gbar A^-1 for every layer, speculatively:
-        solved, gflags, self._buckets = apply.solve({n: op for n, op in members.items() if not graphed or n not in graphed.names},
-                                                    grads, self._grad_ema, self._buckets)
-        solved, gflags = (graphed.solved + solved, graphed.gflags + gflags) if graphed else (solved, gflags)
-        flags = apply.step_flags(batches, gflags)
-        if flags and apply.any_set(flags, self._sharded):     # the one read-back of the step
-            ops, skipped = apply.repair(batches, ops, grads, self._skip, self._refresh.counts, self._sharded)
-            members = self._members(ops, grads, skipped | raw)
-            solved, _, self._buckets = apply.solve(members, grads, self._grad_ema, self._buckets)
-            self._refresh.precond_ema.commit(skip={k for keys, _, _ in batches for k in keys if k in skipped})
-            self._grad_ema.commit(skip=skipped)
-        else:
-            self._refresh.precond_ema.commit()
-            self._grad_ema.commit()
-        apply.write_back(solved, self._helpers_now)           # each layer's M as its grad
+        groups, gathered, refresh, batches, ops, graphed, raw = (self._factors(grads, refresh, step) if collected
+                                                                 else self._cached(grads, refresh))
+        ops, solved = self._apply(ops, batches, grads, graphed, raw, self._refresh, self._borrowed())
         self._refresh.settle(ops, batches, grads, collected, refresh, gathered, self._attached_now, self._step, groups)
         self._refresh.counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
         self._capture.collecting = self.collecting
         self._capture.reset()
+
+    def _factors(self, grads: dict, refresh: bool, step: int) -> tuple:
+        """A collecting step: the statistics gathered (all-reduced), the policy's groups factored (Sigmabar,
+        lambda, factors: nothing read back yet). (groups, gathered names, refresh, batches, operators, graphed, raw)."""
+        groups = self._capture.groups(grads)              # layers reading one input share Sigma
+        groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
+        groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
+        all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
+                              self._refresh.damping.reads_samples)
+        gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
+        groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
+        self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
+        if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
+            groups = {key: stat for key, stat in groups.items() if stat.count > 0}
+            self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
+                            "or mask, an expert no token was routed to): their gradients go to the GP raw "
+                            "(see DoPr.stats()['no_samples'])")
+        gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
+        graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
+        batches = (graphed.batches if graphed else []) + self._refresh.factor(
+            {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh, self._factoring())
+        return groups, gathered, refresh, batches, self._refresh.operators(batches, refresh), graphed, frozenset()
+
+    def _cached(self, grads: dict, refresh: bool) -> tuple:
+        """A step between refreshes: the cached inverses; a layer with none gets its raw gradient (warned)."""
+        ops, self._empty = self._refresh.cache, set()
+        covered = {n for key in ops for n in key}
+        raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
+        if raw - self._attached_now:
+            self._warn_once("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
+                            "on a refresh step so far): raw this step, factored from the statistics of their "
+                            "next forward (see docs/library.md, precond_every)")
+        return {}, set(), refresh, [], ops, None, raw
+
+    def _borrowed(self) -> Borrowed:
+        """What the apply object borrows for this step (dopr.apply.Borrowed)."""
+        return Borrowed(self._helpers(), self._empty, self._attached_now, self._sharded, self._warn_once,
+                        lambda names: self._capture.no_forward_cause(names, self.model.training))
 
     def _graphed(self, groups: dict, grads: dict, gamma: float):
         """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
@@ -306,43 +299,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return Factoring(self._solver, self._factor_with, self._health, self._capture.statistic, flags,
                          self._sharded and is_distributed(), self.options.damping_mode, self._warn_once)
 
-    def _members(self, ops: dict, grads: dict, skipped: frozenset = frozenset()) -> dict:
-        """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
-        embedding's restricted to its token columns); warns about layers that had no training forward."""
-        group_of = {name: key for key in ops for name in key}
-        skipped = skipped | self._empty
-        self._no_forward = [n for n in grads if n not in group_of and n not in skipped]
-        missing = sorted(set(self._no_forward) - self._attached_now)   # the attach warning named the others
-        if missing and "no_forward" not in self._warned:
-            cause = self._capture.no_forward_cause(missing, self.model.training)
-            self._warn_once("no_forward", f"no training forward since the last step for {self._no_forward}: "
-                            "their gradients go to the GP unpreconditioned (see DoPr.stats()); the likely cause is "
-                            + cause)
-        self._helpers_now = self._helpers()
-        out = {}
-        for name in grads:
-            if name in group_of and name not in skipped:
-                op, cols = ops[group_of[name]], self._helpers_now[name].local_columns()
-                out[name] = op.restrict(cols) if cols is not None else op
-        return out
-
-    def _skip(self, bad: set, what: str) -> set:
-        """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and
-        warned once (the AP is skipped for them this step)."""
-        if not bad:
-            return set()
-        names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
-        if self.options.on_nonfinite == "raise":
-            raise FloatingPointError(f"non-finite {what} in DoPr layer(s) {names}")
-        self._refresh.counts["nonfinite_skips"] += len(names)
-        self._warn_once("nonfinite", f"non-finite {what} in {names}: AP skipped for them this step, "
-                        "raw gradient to the GP (counted in DoPr.stats()['nonfinite_skips'])")
-        return bad
-
-    def _warn_once(self, what: str, message: str) -> None:
+    def _warn_once(self, what: str, message) -> None:
+        """Warn about ``what`` once per optimizer; ``message`` a string or a function giving it (made only then)."""
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn("DoPr: " + message, RuntimeWarning, stacklevel=3)
+            warnings.warn("DoPr: " + (message() if callable(message) else message), RuntimeWarning, stacklevel=3)
 
     # ---------------------------------------------------------------------- reporting
     def layers(self) -> list:
@@ -353,6 +314,11 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def refresh(self) -> Refresh:
         """The refresh object (dopr/refresh.py): policy, damping rule, Sigma EMA, cached factors, counters."""
         return self._refresh
+
+    @property
+    def apply(self) -> Apply:
+        """The apply object (dopr/apply.py): the gradient EMA (``grad_ema``), the write-back buffers (``buckets``)."""
+        return self._apply
 
     @property
     def capture(self) -> ActivationCapture:
@@ -380,7 +346,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
         out = {k: 0 for k in self.COUNTERS}
         out.update(self._refresh.counters(), **self._graphs.counts, steps=self._step,
-                   no_forward=list(self._no_forward), no_samples=sorted(self._empty), **self._refresh.policy.stats())
+                   no_forward=list(self._apply.no_forward), no_samples=sorted(self._empty), **self._refresh.policy.stats())
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out
@@ -417,13 +383,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
         both)."""
         return ap_state(self.options, self._refresh, self._step, self._warmed,
-                        self._grad_ema.state_dict(self._helpers(), whole=True))
+                        self._apply.state_dict(self._helpers()))
 
     def load_ap_state_dict(self, ours: dict) -> None:
         """Restore :meth:`ap_state_dict`'s entry (FSDP2: each rank its rows of the EMAs). EMA buffers and
         cached factors are cast to their layer's dtype (statistics_dtype) and device, as torch.optim casts
         its state, but a sample-space factor's float64 L: a checkpoint fits a CUDA or float64 model."""
-        self._step, self._warmed = load_ap_state(ours, self.options, self._refresh, self._grad_ema, self._helpers())
+        self._step, self._warmed = load_ap_state(ours, self.options, self._refresh, self._apply, self._helpers())
         self._capture.collecting = self.collecting
 
     def _helpers(self) -> dict:
@@ -435,7 +401,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.close()
 
     # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_buckets", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
                   "load_state_dict") for when in ("pre", "post")))
 
     def __getstate__(self) -> dict:
@@ -447,13 +413,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.__dict__.update(state)
         for name, default in (("_sharded", False), ("_health", HealthReports(0)), ("_empty", set())):   # older copies
             self.__dict__.setdefault(name, default)
-        self._buckets = {}
         if isinstance(self.options, dict):   # a copy pickled when the options were a dict
             self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
         if "_refresh" not in state:   # a copy pickled before dopr/refresh.py
             self._refresh = Refresh.from_pickled(self.options, self.__dict__)
+        if "_apply" not in state:     # a copy pickled before dopr/apply.py's Apply
+            self._apply = Apply.from_pickled(self.options, self.__dict__)
         self._capture = None
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()

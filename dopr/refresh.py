@@ -192,6 +192,12 @@ class Refresh:
             self.policy.refreshed(step, fresh, stats or {})   # the policy's new factors (drift: its probes)
         self.after_step(grads, collected, refresh, gathered, attached_now)
 
+    def begin(self, step: int, options) -> None:
+        """A step starts: proposals of a step that raised are dropped, a scheduled Sigma rate is read at ``step``."""
+        self.precond_ema.pending.clear()
+        if self.precond_ema.scheduled:
+            self.precond_ema.beta = options.at("precond_ema", step)
+
     # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
         return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers)

@@ -66,7 +66,7 @@ def test_a_bias_without_gradient_is_read_as_zeros_layer_by_layer():
     model = nn.Sequential(*[nn.Linear(5, 5, dtype=torch.float64) for _ in range(2)])
     x = torch.randn(12, 5, dtype=torch.float64)
     opt, seen, raw = _step_m(model, x, clear_bias="1")
-    assert opt._buckets == {}
+    assert opt.apply.buckets == {}
     m = model[1]
     gw, gb = raw["1"]
     want = ap_reference(torch.cat([gw, gb[:, None]], 1), with_ones(seen["1"]), 1e-3)
@@ -83,7 +83,7 @@ def test_the_write_back_buffer_keeps_its_address_from_step_to_step():
         model(torch.randn(16, 8)).square().mean().backward()
         opt.step()
         opt.zero_grad()                       # gradients freed: new tensors next step
-        addresses.append(sorted(b.m.data_ptr() for b in opt._buckets.values()))
+        addresses.append(sorted(b.m.data_ptr() for b in opt.apply.buckets.values()))
     assert len(addresses[0]) == 1 and addresses[0] == addresses[1] == addresses[2]
 
 

@@ -83,10 +83,10 @@ def _worker(rank, world, init_file, out):
             ap = opt.ap_state_dict()
             fresh = _optimizer(model, name)
             fresh.load_ap_state_dict(ap)
-            mine = {k: v["g"] for k, v in opt._grad_ema.buffers.items()}
+            mine = {k: v["g"] for k, v in opt.apply.grad_ema.buffers.items()}
             result[name]["grad_ema"] = {k: v["g"] for k, v in ap["grad_ema"].items()}
             result[name]["reloaded_rows_equal"] = all(
-                torch.equal(fresh._grad_ema.buffers[k]["g"], g) for k, g in mine.items())
+                torch.equal(fresh.apply.grad_ema.buffers[k]["g"], g) for k, g in mine.items())
     model, build, xw, yw = _weak()          # weak_share_bound: the ranks add their energies per direction
     fully_shard(model)
     opt = build(model)

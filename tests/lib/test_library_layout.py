@@ -52,8 +52,8 @@ def test_every_gp_is_its_update_formula_on_the_one_step():
 
 
 def test_dopr_is_small_and_names_no_damping_rule():
-    """Issue 66 item 1, issue 75 item 1: the DoPr class at most 409 lines and its precondition at most 63 (as ast
-    counts them; the refresh state and the factoring are dopr/refresh.py's), Refresh.factor at most 25, and
+    """Issue 66 item 1, issue 75 item 1: the DoPr class at most 376 lines and its precondition at most 19 (as ast
+    counts them; the refresh state and the factoring are dopr/refresh.py's, the apply side dopr/apply.py's Apply), Refresh.factor at most 25, and
     dopr/optimizer.py names no damping rule, no trace mode and no weak-share option or function: a new
     rule is one class in dopr/damping.py plus the option value that chooses it."""
     tree = ast.parse((ROOT / "dopr" / "optimizer.py").read_text())
@@ -62,8 +62,8 @@ def test_dopr_is_small_and_names_no_damping_rule():
     (refresh,) = [n for n in ast.parse((ROOT / "dopr" / "refresh.py").read_text()).body
                   if isinstance(n, ast.ClassDef) and n.name == "Refresh"]
     (factor,) = [n for n in refresh.body if isinstance(n, ast.FunctionDef) and n.name == "factor"]
-    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 409
-    assert precondition.end_lineno - precondition.lineno + 1 <= 63
+    assert dopr_class.end_lineno - dopr_class.lineno + 1 <= 376
+    assert precondition.end_lineno - precondition.lineno + 1 <= 19
     assert factor.end_lineno - factor.lineno + 1 <= 25
     from dopr import damping
 
@@ -95,17 +95,16 @@ def _dopr_privates() -> set:
     return names - set(dir(Optimizer)) - {n for n in names if n.startswith("_optimizer_")}
 
 
-#: the DoPr private state tests/lib still reads (the gradient EMA, the write-back buffers: the apply side):
-#: the next step of issue 75 item 1 gives them public readers
-TESTS_STILL_READ = {"_grad_ema", "_buckets"}
+#: the DoPr private state tests/lib still reads: none (the apply side's is ``opt.apply``'s, dopr/apply.py)
+TESTS_STILL_READ: set = set()
 
 
 def test_nothing_outside_the_optimizer_reads_doprs_private_state():
     """Issue 75 item 1: dopr/, benchmarks/ and experiments/ reach DoPr through its public methods (``layers()``,
-    ``refresh``, ``capture``, ``graphs``, ``ap_state_dict``...) and its refresh object's (dopr/refresh.py): no ``x._name`` of a
+    ``refresh``, ``apply``, ``capture``, ``graphs``, ``ap_state_dict``...) and its refresh object's (dopr/refresh.py): no ``x._name`` of a
     DoPr private attribute but on ``self``, outside dopr/optimizer.py; tests/lib none but TESTS_STILL_READ."""
     private = _dopr_privates()
-    assert {"_capture", "_refresh", "_step", "_warmed", "_grad_ema"} <= private
+    assert {"_capture", "_refresh", "_apply", "_step", "_warmed"} <= private
     found = []
     for top in ("dopr", "benchmarks", "experiments", "tests/lib"):
         allowed = TESTS_STILL_READ if top == "tests/lib" else set()

@@ -167,8 +167,8 @@ def test_a_scheduled_optimizer_checkpoints_by_the_functions_name_and_copies():
     again = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), damping=schedule_by_name,
                  grad_ema=lambda step: 0.9)
     again.load_state_dict(loaded)                 # same functions (by name): no warning of other options
-    assert again._grad_ema.buffers.keys() == opt._grad_ema.buffers.keys()
-    assert all("decay" in b for b in again._grad_ema.buffers.values())
+    assert again.apply.grad_ema.buffers.keys() == opt.apply.grad_ema.buffers.keys()
+    assert all("decay" in b for b in again.apply.grad_ema.buffers.values())
     assert copy.deepcopy(opt).options.damping is schedule_by_name
 
 

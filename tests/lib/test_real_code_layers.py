@@ -125,8 +125,8 @@ def test_freezing_or_thawing_a_bias_mid_run_restarts_that_layers_emas(first):
     _step(model, opt, x)
     dims = {e.name: e.dim for e in opt.coverage() if e.status == "preconditioned"}
     assert dims["0"] == (7 if first else 8)
-    assert opt._grad_ema.buffers["0"]["t"] == 1 and opt._grad_ema.buffers["0"]["g"].shape == (5, dims["0"])
-    assert opt._grad_ema.buffers["2"]["t"] == 4      # the other layer's history goes on
+    assert opt.apply.grad_ema.buffers["0"]["t"] == 1 and opt.apply.grad_ema.buffers["0"]["g"].shape == (5, dims["0"])
+    assert opt.apply.grad_ema.buffers["2"]["t"] == 4      # the other layer's history goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
