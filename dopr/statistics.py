@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import quantities
 from .damping import trace_damping
 from .solvers import factor_diagonal, factor_rank1
 
@@ -26,9 +27,9 @@ class ActivationStatistics:
 
     kind = "?"
     symmetric = False  # a dense symmetric matrix: its EMA stores the upper triangle only
-    #: the independent rows among ``count`` (a 0-d device tensor, dopr.sample_count.independent_rows), set by
-    #: the capture for the sample-count damping rule only; None: every row counts (``count``)
-    samples = None
+    #: the per-layer quantities the damping rule reads ({name: 0-d device tensor}, dopr/quantities.py), set by
+    #: the capture for the names the rule declares (``DampingRule.reads``); a statistic's own dict once set
+    extras: dict = {}
 
     def __init__(self, sums: tuple, count: float) -> None:
         self.sums, self.count = tuple(sums), float(count)
@@ -36,10 +37,10 @@ class ActivationStatistics:
     def add_(self, other: "ActivationStatistics") -> "ActivationStatistics":
         for a, b in zip(self.sums, other.sums):
             a.add_(b)
-        samples = added_samples(self, other)
+        extras = quantities.merged(self.extras, self.count, other.extras, other.count)
         self.count += other.count
-        if samples is not None:
-            self.samples = samples
+        if extras:
+            self.extras = extras
         return self
 
     @staticmethod
@@ -49,8 +50,8 @@ class ActivationStatistics:
 
     def clone(self) -> "ActivationStatistics":
         out = type(self)(tuple(s.clone() for s in self.sums), self.count)
-        if self.samples is not None:
-            out.samples = self.samples
+        if self.extras:
+            out.extras = dict(self.extras)
         return out
 
     def mean(self) -> tuple:
@@ -87,12 +88,9 @@ class ActivationStatistics:
         raise NotImplementedError
 
 
-def added_samples(a: ActivationStatistics, b: ActivationStatistics):
-    """The independent rows of a + b: their ``samples`` added, ``count`` standing in for a missing one;
-    None when neither has any (no tensor op on the default path)."""
-    if a.samples is None and b.samples is None:
-        return None
-    return (a.samples if a.samples is not None else a.count) + (b.samples if b.samples is not None else b.count)
+def added_extras(a: ActivationStatistics, b: ActivationStatistics) -> dict:
+    """The per-layer quantities of a + b, each by its merge (dopr.quantities.merged); empty when neither has any."""
+    return quantities.merged(a.extras, a.count, b.extras, b.count)
 
 
 class DenseCovariance(ActivationStatistics):
