@@ -24,6 +24,7 @@ DoPrOptions accepts once the class is registered; dopr/optimizer.py does not cha
 from __future__ import annotations
 
 import copy
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,6 +40,13 @@ from .sample_count import ema_count_factor, sample_count_damping
 TRACE_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
 #: the modes that read whether a statistic's last coordinate is the homogeneous 1
 HOMOGENEOUS_MODES = ("trace_activations",)
+
+
+def trace_floor(gamma: float, mode: str):
+    """The trace rule's lambda as a function of a batch of Sigma's diagonals (and the homogeneous flags):
+    what a statistic kind's ``prepare`` takes (dopr.statistics.ActivationStatistics.prepare), which thereby
+    needs nothing of this module."""
+    return functools.partial(trace_damping, gamma, mode)
 
 
 def trace_damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:

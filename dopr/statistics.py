@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from . import quantities
-from .damping import trace_damping
 from .solvers import factor_diagonal, factor_rank1
 
 
@@ -69,16 +68,15 @@ class ActivationStatistics:
         raise NotImplementedError
 
     @classmethod
-    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
-                homogeneous=None) -> tuple:
+    def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
         """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
-        :meth:`factor` takes, the damping of each member (a (B,) tensor, from ``gamma`` and
-        ``damping_mode``, see dopr.damping.trace_damping) and whether its Sigma is finite
+        :meth:`factor` takes, the damping of each member (a (B,) tensor, ``floor(diags, homogeneous)``: the
+        trace rule's, dopr.damping.trace_floor, from the stacked diagonals) and whether its Sigma is finite
         (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
         every entry: O(d) to check). ``homogeneous``: per member, whether its last coordinate is the
         homogeneous 1 (only damping_mode "trace_activations" reads it). No host sync."""
         diags = torch.stack([cls.diagonal(m) for m in means])
-        return means, trace_damping(gamma, damping_mode, diags, homogeneous), diags.isfinite().all(-1)
+        return means, floor(diags, homogeneous), diags.isfinite().all(-1)
 
     @classmethod
     def factor(cls, batch, lam: Tensor, factor, counts: dict):
@@ -147,8 +145,7 @@ class DenseCovariance(ActivationStatistics):
         return mean[0].diagonal()
 
     @classmethod
-    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
-                homogeneous=None) -> tuple:
+    def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
         """One stack (a copy the solver may damp in place; a lone mean is the step's own) and batched
         damping. For a solver that needs finite input (``finite_inputs``, Solver.finite_inputs: eigh raises) a
         non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
@@ -159,7 +156,7 @@ class DenseCovariance(ActivationStatistics):
             sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
-        lam = trace_damping(gamma, damping_mode, diag, homogeneous)
+        lam = floor(diag, homogeneous)
         if finite_inputs and not bool(finite.all()):
             bad = ~finite
             sigma.masked_fill_(bad[:, None, None], 0.0)
