@@ -101,3 +101,47 @@ def test_an_unknown_quantity_is_named():
         quantities.quantity("nope")
     with pytest.raises(ValueError, match="merge must be one of"):
         quantities.register_quantity("nope", lambda helper, x, rows: x.sum(), merge="mean")
+
+
+def _all_reduce_worker(rank, world, init_file, out):
+    """Two statistics per rank: the first carries max_row_norm (3 on rank 0, 5 on rank 1) and samples on rank 1
+    only; the second carries max_row_norm on rank 0 only. Saves what all_reduce_statistics gives back."""
+    import torch.distributed as dist
+    from ranks import leave_process_group
+    from dopr.distributed import all_reduce_statistics
+    from dopr.statistics import DenseCovariance
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    quantities.register_quantity(
+        "max_row_norm", lambda helper, x, rows: helper.activations(x).square().sum(-1).max(), merge="max")
+    first = DenseCovariance((torch.full((2, 2), float(rank + 1)),), 4 + rank)
+    first.extras = {"max_row_norm": torch.tensor(3.0 + 2 * rank)}
+    if rank == 1:
+        first.extras["samples"] = torch.tensor(2.0)
+    second = DenseCovariance((torch.ones(2, 2),), 6)
+    if rank == 0:
+        second.extras = {"max_row_norm": torch.tensor(7.0)}
+    all_reduce_statistics([first, second], ("samples", "max_row_norm"))
+    leave_process_group()
+    torch.save([(st.sums[0], st.count, {k: float(v) for k, v in st.extras.items()}) for st in (first, second)],
+               f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_two_ranks_merge_each_quantity_by_its_declared_merge():
+    """all_reduce_statistics on 2 gloo ranks: "samples" summed with the sums (count standing in where a rank has
+    none), "max_row_norm" by max (a rank without it adds nothing); every rank gets the same."""
+    import os
+    import tempfile
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_all_reduce_worker, args=(2, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        r0, r1 = (torch.load(f"{out}.{r}") for r in (0, 1))
+    for a, b in zip(r0, r1):
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    (sums1, count1, extras1), (sums2, count2, extras2) = r0
+    assert torch.equal(sums1, torch.full((2, 2), 3.0)) and count1 == 9 and count2 == 12
+    assert extras1 == {"max_row_norm": 5.0, "samples": 4.0 + 2.0}
+    assert extras2 == {"max_row_norm": 7.0, "samples": 12.0}
