@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from . import sharding
 from .sample_space import accumulate
 from .compiled import Probes, hook_guards_skipped
-from .sample_count import independent_patches, independent_rows
-from .statistics import ActivationStatistics, added_samples
+from . import quantities
+from .statistics import ActivationStatistics, added_extras
 
 
 def _graph_task() -> int:
@@ -221,7 +221,7 @@ class ActivationCapture:
         self.layers = [LayerRecord(h) for h in helpers]
         self.statistic = statistic
         self.rows = None   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
-        self.count_samples = False   # set each statistic's independent rows (the sample-count damping rule)
+        self.reads: tuple = ()   # the per-layer quantities each statistic carries (the damping rule's reads, dopr/quantities.py)
         self.collecting = True
         self.observer = None   # a refresh policy's observe(helper, x): training forwards that gather nothing (dopr/refresh_drift.py)
         self._captures: dict = {}
@@ -315,8 +315,8 @@ class ActivationCapture:
             rows = self.rows is not None and not torch.compiler.is_compiling()   # probes carry Sigma's sums
             stat = helper.statistics(x, self.rows if rows and helper.statistic_type(self.statistic) is self.statistic
                                      else self.statistic)
-            if self.count_samples and stat.kind in ("dense", "samples") and not torch.compiler.is_compiling():
-                stat.samples = _independent_rows(helper, x, int(stat.count))
+            if self.reads and stat.kind in ("dense", "samples") and not torch.compiler.is_compiling():
+                stat.extras = quantities.compute(self.reads, helper, x, int(stat.count))
             return stat
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
@@ -415,12 +415,12 @@ class ActivationCapture:
         if layer.stat is None:
             layer.stat, layer.owned = stat, False
         else:
-            samples = added_samples(layer.stat, stat)
+            extras = added_extras(layer.stat, stat)
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
             layer.stat = accumulate(layer.stat, stat)   # sums add, rows append
-            if samples is not None:                     # (rows appended or turned into sums start without)
-                layer.stat.samples = samples
+            if extras:                                  # (rows appended or turned into sums start without)
+                layer.stat.extras = extras
         layer.sig.append(cid)
 
     def groups(self, names) -> OrderedDict:
@@ -502,24 +502,6 @@ class ActivationCapture:
         _remove_handles(self.handles)
         self.handles = []
         self._finalizer.detach()
-
-
-#: convolutions by mode: the dimensions of an input without a batch axis (one sample), and whether its
-#: patches' count is read from its pixels (dopr.sample_count.independent_patches: no unfolded copy)
-_CONVOLUTIONS = {"conv1d-full": (2, True), "conv2d-full": (3, True), "conv2d-sua": (3, True),
-                 "convtranspose1d-full": (2, False)}
-
-
-def _independent_rows(helper, x: Tensor, rows: int) -> Tensor:
-    """N_eff of the `rows` activation rows the layer input x gives (the statistic's ``samples``): x's batch
-    axis holds the samples of an (N, T..., d) or (N, C, *spatial) input, each row of a 2-D (N, d) input to a
-    Linear is one, and a convolution's unbatched input is one sample (its rows then count as they are)."""
-    unbatched, pixels = _CONVOLUTIONS.get(helper.mode, (None, False))
-    if x.dim() == unbatched:
-        return torch.full((), float(rows), dtype=torch.float32, device=x.device)
-    if pixels:
-        return independent_patches(x, rows)
-    return independent_rows(helper.activations(x), x.shape[0] if x.dim() >= 3 else rows)
 
 
 def _remove_handles(handles) -> None:

@@ -24,6 +24,7 @@ DoPrOptions accepts once the class is registered; dopr/optimizer.py does not cha
 from __future__ import annotations
 
 import copy
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,6 +40,13 @@ from .sample_count import ema_count_factor, sample_count_damping
 TRACE_MODES = ("trace", "trace_per_dim", "absolute", "trace_activations")
 #: the modes that read whether a statistic's last coordinate is the homogeneous 1
 HOMOGENEOUS_MODES = ("trace_activations",)
+
+
+def trace_floor(gamma: float, mode: str):
+    """The trace rule's lambda as a function of a batch of Sigma's diagonals (and the homogeneous flags):
+    what a statistic kind's ``prepare`` takes (dopr.statistics.ActivationStatistics.prepare), which thereby
+    needs nothing of this module."""
+    return functools.partial(trace_damping, gamma, mode)
 
 
 def trace_damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
@@ -230,8 +238,9 @@ class DampingRule:
 
     name = "?"
     COUNTERS: tuple = ()
-    #: the rule reads each statistic's ``samples`` (the capture then counts the independent rows)
-    reads_samples = False
+    #: the per-layer quantities the rule reads (dopr/quantities.py): the capture computes them into each
+    #: statistic's ``extras``, merged and all-reduced with its sums
+    reads: tuple = ()
 
     def __init__(self, options) -> None:
         self.options = options
@@ -367,8 +376,8 @@ class WeakShareByFilter(WeakShareRule):
 @register_rule("sample_count")
 class SampleCountRule(DampingRule):
     """lambda per dense group from q = d / N_eff (:func:`dopr.sample_count.sample_count_damping`), never below
-    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``samples``, which the
-    capture sets for this rule (``reads_samples``; its rows over :func:`dopr.sample_count.design_effect`, a
+    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``extras["samples"]``, which the
+    capture sets for this rule (``reads``; its rows over :func:`dopr.sample_count.design_effect`, a
     device tensor summed as ``count`` is), else its ``count``: its rows, summed over micro-batches and
     data-parallel ranks as Sigma's sums are (the same on every rank), each row a sample; times
     :func:`dopr.sample_count.ema_count_factor` under a constant ``precond_ema`` (a scheduled rate counts one
@@ -377,7 +386,7 @@ class SampleCountRule(DampingRule):
     same lambda, from tr(Sigma) = ||Xs||^2); other statistic kinds: the floor. One (B,) tensor
     built from host floats, the ``samples`` tensors and a batched trace: no eigendecomposition, no host sync."""
 
-    reads_samples = True
+    reads = ("samples",)
     #: at q > 1, lambda = tr(Sigma) / (KAPPA N_eff) (the seen directions' mean over KAPPA), not tr / (KAPPA d)
     seen = False
 
@@ -397,9 +406,10 @@ class SampleCountRule(DampingRule):
         trace = (sigma.square().sum((-2, -1)) if groups.kind.kind == "samples"
                  else sigma.diagonal(dim1=-2, dim2=-1).sum(-1))
         n_eff = torch.tensor(n, dtype=trace.dtype).to(trace.device, non_blocking=True)
-        if any(stat.samples is not None for _, stat, _ in groups.items):   # device tensors: stacked, no sync
-            n_eff = torch.stack([stat.samples.to(trace.dtype) * f if stat.samples is not None else n_eff[i]
-                                 for i, ((_, stat, _), f) in enumerate(zip(groups.items, factors))])
+        samples = [stat.extras.get("samples") for _, stat, _ in groups.items]
+        if any(s is not None for s in samples):   # device tensors: stacked, no sync
+            n_eff = torch.stack([s.to(trace.dtype) * f if s is not None else n_eff[i]
+                                 for i, (s, f) in enumerate(zip(samples, factors))])
         return torch.maximum(groups.floor.to(trace.dtype),
                              sample_count_damping(trace, sigma.shape[-1], n_eff, self.seen))
 

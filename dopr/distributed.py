@@ -18,6 +18,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
+from . import quantities
 from .statistics import statistics_dtype
 
 
@@ -25,20 +26,29 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_statistics(stats: list, samples: bool = False) -> None:
-    """Sum ActivationStatistics (in place: their sums and counts are replaced) over all ranks. ``samples``
-    (the same on every rank: the damping rule reads them): each statistic's independent rows travel too,
-    its ``count`` where it has none, and come back as 0-d device tensors (no read-back)."""
+def all_reduce_statistics(stats: list, reads: tuple = ()) -> None:
+    """Sum ActivationStatistics (in place: their sums and counts are replaced) over all ranks. ``reads`` (the
+    same on every rank: the damping rule's, dopr/quantities.py): each statistic's per-layer quantities travel
+    too, summed with the sums or in a second all-reduce by max, a missing one's stand-in
+    (dopr.quantities.stand_in) in its place, and come back as 0-d device tensors (no read-back)."""
     if not stats or not is_distributed():
         return
     like = stats[0].sums[0]
     counts = torch.tensor([float(st.count) for st in stats], dtype=like.dtype, device=like.device)
     parts = [s.flatten() for st in stats for s in st.sums] + [counts]
-    if samples:
-        parts.append(torch.stack([st.samples.to(counts.dtype) if st.samples is not None else counts[i]
-                                  for i, st in enumerate(stats)]))
+    summed = [n for n in reads if quantities.quantity(n).merge == "sum"]
+    maxed = [n for n in reads if quantities.quantity(n).merge == "max"]
+
+    def stacked(name):
+        return torch.stack([st.extras[name].to(counts.dtype) if name in st.extras
+                            else torch.as_tensor(quantities.stand_in(name, counts[i]), dtype=counts.dtype)
+                            for i, st in enumerate(stats)])
+    parts += [stacked(n) for n in summed]
     flat = torch.cat(parts)
     dist.all_reduce(flat)
+    highest = torch.stack([stacked(n) for n in maxed]) if maxed else None
+    if highest is not None:
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     offset = 0
     for st in stats:
         sums = []
@@ -48,9 +58,12 @@ def all_reduce_statistics(stats: list, samples: bool = False) -> None:
         st.sums = tuple(sums)
     for st, count in zip(stats, flat[offset:offset + len(stats)].tolist()):   # one read-back for every count
         st.count = float(count)
-    if samples:
-        for st, n in zip(stats, flat[offset + len(stats):].unbind()):
-            st.samples = n
+    offset += len(stats)
+    values = [(n, flat[offset + k * len(stats):offset + (k + 1) * len(stats)]) for k, n in enumerate(summed)]
+    values += [(n, highest[k]) for k, n in enumerate(maxed)]
+    if values:
+        for i, st in enumerate(stats):
+            st.extras = {**st.extras, **{n: v[i] for n, v in values}}
 
 
 def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:

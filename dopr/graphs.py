@@ -41,6 +41,7 @@ from torch import Tensor
 
 from . import solvers
 from .buckets import GradientBucket
+from .damping import trace_floor
 from .statistics import DenseCovariance, statistics_dtype
 
 #: distinct plans after which an optimizer stops capturing (its shapes are not static)
@@ -105,7 +106,7 @@ class StepGraph:
         for (keys, _, _, homogeneous, factor), sums in zip(self.batches, self.sums):
             sigma = sums / self.scalars[at:at + len(keys)][:, None, None]   # a fresh copy: the solver damps it
             at += len(keys)
-            sigma, lam, finite = DenseCovariance.prepare(sigma, gamma, self.mode, False, homogeneous)
+            sigma, lam, finite = DenseCovariance.prepare(sigma, trace_floor(gamma, self.mode), False, homogeneous)
             res = DenseCovariance.factor(sigma, lam, factor, {})
             batches.append((keys, finite, res))
             ops.update(zip(keys, res.ops()))

@@ -191,7 +191,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         old = self._capture
         self._capture = self._refresh.policy.attach(ActivationCapture(helpers, STATISTICS[self._solver.statistic]), self._health)
         self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
-        self._capture.count_samples = self._refresh.damping.reads_samples   # N_eff per statistic (sample-count rule)
+        self._capture.reads = self._refresh.damping.reads   # the per-layer quantities the rule reads (dopr/quantities.py)
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
             added, changed = self._capture.take_over(old)
@@ -252,7 +252,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
         groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
         all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
-                              self._refresh.damping.reads_samples)
+                              self._capture.reads)
         gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
         groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
         self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}

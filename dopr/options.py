@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import damping, refresh_policy, solvers
+from .sample_space import sample_space_blocker
 from . import refresh_drift  # noqa: F401  registers refresh_policy="drift" before an option is checked
 
 DAMPING_MODES = damping.TRACE_MODES
@@ -293,17 +294,3 @@ def options_table() -> str:
 
 DoPrOptions.__doc__ += "\n    Fields:\n\n" + "\n".join(
     f"    - ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in dataclasses.fields(DoPrOptions))
-
-
-def sample_space_blocker(options: DoPrOptions) -> Optional[str]:
-    """None when the sample-space solve (dopr/sample_space.py) can run under `options`, else why not:
-    what needs the d x d Sigma itself, or lambda > 0."""
-    if options.solver != "cholesky":
-        return f"solver={options.solver!r} factors Sigma itself, sample space needs 'cholesky'"
-    if callable(options.precond_ema) or options.precond_ema != 0:
-        return "precond_ema keeps an EMA of Sigma itself"
-    if options.health_every or options.weak_share_bound is not None:
-        return "health_every and weak_share_bound read Sigma's spectrum"
-    if not callable(options.damping) and options.damping == 0:
-        return "damping 0: the Woodbury identity needs lambda > 0"
-    return None

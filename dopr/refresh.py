@@ -146,7 +146,7 @@ class Refresh:
             homogeneous = None if flags is None else [flags.get(key[0], False) for key in keys]
             with record_function(apply.phase("factor", len(keys), shape)):   # a profile's span per size (dopr.profiling)
                 means, items = _means(kind, items, report)
-                batch, floor, finite = kind.prepare(means, gamma, how.damping_mode,   # one stack per size
+                batch, floor, finite = kind.prepare(means, damping.trace_floor(gamma, how.damping_mode),   # one stack per size
                                                     how.solver.finite_inputs, homogeneous)
                 b = damping.Groups(keys, kind, items, batch, floor, finite, grads, report, how.collective)
                 lam = self.damping.lam(b)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .quantities import register_quantity
+
 #: the amplification of the inverse the rule tolerates in its weakest direction: lambda stays 0 while the
 #: MP lower edge (1 - sqrt q)^2 is above 1 / KAPPA (q <= 1/4), and reaches tr(Sigma) / (KAPPA d) at q >= 1.
 #: The rule's one constant, chosen once (not per family).
@@ -110,3 +112,26 @@ def sample_count_damping(trace: Tensor, d: int, n_eff: Tensor, seen: bool = Fals
     share = (1.0 / KAPPA - edge).clamp_min(d * torch.finfo(trace.dtype).eps)
     lam = trace / d * share
     return lam * (d / n_eff).clamp_min(1.0) if seen else lam
+
+
+#: convolutions by mode: the dimensions of an input without a batch axis (one sample), and whether its
+#: patches' count is read from its pixels (:func:`independent_patches`: no unfolded copy)
+_CONVOLUTIONS = {"conv1d-full": (2, True), "conv2d-full": (3, True), "conv2d-sua": (3, True),
+                 "convtranspose1d-full": (2, False)}
+
+
+def layer_samples(helper, x: Tensor, rows: int) -> Tensor:
+    """N_eff of the `rows` activation rows the layer input x gives (the per-layer quantity ``samples``): x's batch
+    axis holds the samples of an (N, T..., d) or (N, C, *spatial) input, each row of a 2-D (N, d) input to a
+    Linear is one, and a convolution's unbatched input is one sample (its rows then count as they are)."""
+    unbatched, pixels = _CONVOLUTIONS.get(helper.mode, (None, False))
+    if x.dim() == unbatched:
+        return torch.full((), float(rows), dtype=torch.float32, device=x.device)
+    if pixels:
+        return independent_patches(x, rows)
+    return independent_rows(helper.activations(x), x.shape[0] if x.dim() >= 3 else rows)
+
+
+#: the sample-count rule's N_eff per layer (``SampleCountRule.reads``): the statistic's ``extras["samples"]``,
+#: summed over micro-batches and ranks as ``count`` is, which stands in for a statistic that has none
+register_quantity("samples", layer_samples, merge="sum", missing=lambda count: count)

@@ -48,9 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import solvers
-from .damping import trace_damping
 from .distributed import is_distributed
-from .options import sample_space_blocker
 from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, statistics_dtype
 
 #: the precision of the solve: Xs, K, its Cholesky factor and the apply (module docstring)
@@ -116,14 +114,13 @@ class SampleRows(ActivationStatistics):
         return mean[0].square().sum(-2)
 
     @classmethod
-    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
-                homogeneous=None) -> tuple:
+    def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
         if isinstance(means, Tensor):    # stacked already (stacked_mean)
             xs = means
         else:
             xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = cls.diagonal((xs,))
-        return xs, trace_damping(gamma, damping_mode, diag, homogeneous), diag.isfinite().all(-1)
+        return xs, floor(diag, homogeneous), diag.isfinite().all(-1)
 
     @classmethod
     def factor(cls, xs: Tensor, lam: Tensor, factor, counts: dict) -> "SampleSpaceBatch":
@@ -148,6 +145,20 @@ class AlwaysRows:
     @staticmethod
     def from_activations(z: Tensor, homogeneous: bool) -> SampleRows:
         return SampleRows.from_activations(z, homogeneous, auto=False)
+
+
+def sample_space_blocker(options) -> Optional[str]:
+    """None when the sample-space solve (dopr/sample_space.py) can run under `options`, else why not:
+    what needs the d x d Sigma itself, or lambda > 0."""
+    if options.solver != "cholesky":
+        return f"solver={options.solver!r} factors Sigma itself, sample space needs 'cholesky'"
+    if callable(options.precond_ema) or options.precond_ema != 0:
+        return "precond_ema keeps an EMA of Sigma itself"
+    if options.health_every or options.weak_share_bound is not None:
+        return "health_every and weak_share_bound read Sigma's spectrum"
+    if not callable(options.damping) and options.damping == 0:
+        return "damping 0: the Woodbury identity needs lambda > 0"
+    return None
 
 
 def row_statistic(options) -> Optional[type]:

@@ -95,7 +95,7 @@ def choose(groups: "OrderedDict", grads: dict) -> "OrderedDict":
             n, d = stat.rows.shape
             if solve_space(stat.rows.device.type, n, d, group_rows(key, grads)) == "features":
                 dense = stat.to_dense()
-                dense.samples = stat.samples
+                dense.extras = stat.extras
                 stat = dense
         out[key] = stat
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .damping import trace_damping
+from . import quantities
 from .solvers import factor_diagonal, factor_rank1
 
 
@@ -26,9 +26,9 @@ class ActivationStatistics:
 
     kind = "?"
     symmetric = False  # a dense symmetric matrix: its EMA stores the upper triangle only
-    #: the independent rows among ``count`` (a 0-d device tensor, dopr.sample_count.independent_rows), set by
-    #: the capture for the sample-count damping rule only; None: every row counts (``count``)
-    samples = None
+    #: the per-layer quantities the damping rule reads ({name: 0-d device tensor}, dopr/quantities.py), set by
+    #: the capture for the names the rule declares (``DampingRule.reads``); a statistic's own dict once set
+    extras: dict = {}
 
     def __init__(self, sums: tuple, count: float) -> None:
         self.sums, self.count = tuple(sums), float(count)
@@ -36,10 +36,10 @@ class ActivationStatistics:
     def add_(self, other: "ActivationStatistics") -> "ActivationStatistics":
         for a, b in zip(self.sums, other.sums):
             a.add_(b)
-        samples = added_samples(self, other)
+        extras = quantities.merged(self.extras, self.count, other.extras, other.count)
         self.count += other.count
-        if samples is not None:
-            self.samples = samples
+        if extras:
+            self.extras = extras
         return self
 
     @staticmethod
@@ -49,8 +49,8 @@ class ActivationStatistics:
 
     def clone(self) -> "ActivationStatistics":
         out = type(self)(tuple(s.clone() for s in self.sums), self.count)
-        if self.samples is not None:
-            out.samples = self.samples
+        if self.extras:
+            out.extras = dict(self.extras)
         return out
 
     def mean(self) -> tuple:
@@ -68,16 +68,15 @@ class ActivationStatistics:
         raise NotImplementedError
 
     @classmethod
-    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
-                homogeneous=None) -> tuple:
+    def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
         """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
-        :meth:`factor` takes, the damping of each member (a (B,) tensor, from ``gamma`` and
-        ``damping_mode``, see dopr.damping.trace_damping) and whether its Sigma is finite
+        :meth:`factor` takes, the damping of each member (a (B,) tensor, ``floor(diags, homogeneous)``: the
+        trace rule's, dopr.damping.trace_floor, from the stacked diagonals) and whether its Sigma is finite
         (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
         every entry: O(d) to check). ``homogeneous``: per member, whether its last coordinate is the
         homogeneous 1 (only damping_mode "trace_activations" reads it). No host sync."""
         diags = torch.stack([cls.diagonal(m) for m in means])
-        return means, trace_damping(gamma, damping_mode, diags, homogeneous), diags.isfinite().all(-1)
+        return means, floor(diags, homogeneous), diags.isfinite().all(-1)
 
     @classmethod
     def factor(cls, batch, lam: Tensor, factor, counts: dict):
@@ -87,12 +86,9 @@ class ActivationStatistics:
         raise NotImplementedError
 
 
-def added_samples(a: ActivationStatistics, b: ActivationStatistics):
-    """The independent rows of a + b: their ``samples`` added, ``count`` standing in for a missing one;
-    None when neither has any (no tensor op on the default path)."""
-    if a.samples is None and b.samples is None:
-        return None
-    return (a.samples if a.samples is not None else a.count) + (b.samples if b.samples is not None else b.count)
+def added_extras(a: ActivationStatistics, b: ActivationStatistics) -> dict:
+    """The per-layer quantities of a + b, each by its merge (dopr.quantities.merged); empty when neither has any."""
+    return quantities.merged(a.extras, a.count, b.extras, b.count)
 
 
 class DenseCovariance(ActivationStatistics):
@@ -149,8 +145,7 @@ class DenseCovariance(ActivationStatistics):
         return mean[0].diagonal()
 
     @classmethod
-    def prepare(cls, means: list, gamma: float, damping_mode: str, finite_inputs: bool = True,
-                homogeneous=None) -> tuple:
+    def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
         """One stack (a copy the solver may damp in place; a lone mean is the step's own) and batched
         damping. For a solver that needs finite input (``finite_inputs``, Solver.finite_inputs: eigh raises) a
         non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
@@ -161,7 +156,7 @@ class DenseCovariance(ActivationStatistics):
             sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
-        lam = trace_damping(gamma, damping_mode, diag, homogeneous)
+        lam = floor(diag, homogeneous)
         if finite_inputs and not bool(finite.all()):
             bad = ~finite
             sigma.masked_fill_(bad[:, None, None], 0.0)

@@ -116,3 +116,43 @@ def test_nothing_outside_the_optimizer_reads_doprs_private_state():
                         and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
                     found.append(f"{path.relative_to(ROOT)}:{n.lineno} .{n.attr}")
     assert found == []
+
+
+def _dopr_imports(path: Path) -> set:
+    """The dopr modules ``path`` imports (module level or in a function), as dotted names under dopr."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:   # relative: from the file's own package
+                base = ".".join(_module_name(path).split(".")[:-n.level]) + ("." + n.module if n.module else "")
+            out |= {base} | {f"{base}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+    return {m for m in out if m == "dopr" or m.startswith("dopr.")}
+
+
+def test_statistics_and_the_sample_space_import_neither_the_damping_rules_nor_the_options():
+    """Issue 75: dopr/statistics.py and dopr/sample_space.py are the statistics and their solves; the damping rules
+    (dopr/damping.py: the trace floor comes in as ``prepare``'s ``floor``) and the options (dopr/options.py: the
+    sample space says itself what blocks it, ``sample_space_blocker``) build on them, not the other way round."""
+    for name in ("statistics.py", "sample_space.py"):
+        imported = _dopr_imports(ROOT / "dopr" / name)
+        assert {"dopr.damping", "dopr.options"} & imported == set(), (name, sorted(imported))
+    assert "dopr.damping" in _dopr_imports(ROOT / "dopr" / "refresh.py")   # the parser sees relative imports
+
+
+def test_only_the_rule_and_the_quantity_name_the_sample_count():
+    """Issue 75 item 2: the per-layer quantities travel by name (dopr/quantities.py, ``stat.extras``); no library
+    file reads a statistic's ``.samples`` or a rule's ``reads_samples``, and only the rule (dopr/damping.py) and
+    the quantity's registration (dopr/sample_count.py) name the quantity "samples" as an ``extras`` key or a read."""
+    found = []
+    for path in sorted((ROOT / "dopr").rglob("*.py")):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr in ("samples", "reads_samples", "count_samples"):
+                found.append(f"{path.relative_to(ROOT)}:{n.lineno} .{n.attr}")
+        text = path.read_text()
+        if path.name not in ("damping.py", "sample_count.py") and any(
+                s in text for s in ('extras["samples"]', 'extras.get("samples")', '("samples",)', 'quantity("samples"')):
+            found.append(f"{path.relative_to(ROOT)}: names the quantity 'samples'")
+    assert found == []

@@ -214,7 +214,7 @@ def test_the_rule_and_a_weak_share_bound_together_are_refused():
 # ------------------------------------------------------------------ the capture's count (issue 67 item 1)
 def _samples(opt, index=0):
     """The independent rows the capture holds for layer `index` since the last step (a 0-d tensor)."""
-    return opt.capture.layers[index].stat.samples
+    return opt.capture.layers[index].stat.extras["samples"]
 
 
 def _share(n_eff, d):
@@ -309,12 +309,12 @@ def test_the_trace_rule_counts_nothing_and_steps_bit_for_bit_as_with_the_count()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         opt = DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-2), damping=1e-3)
-        opt.capture.count_samples = count
+        opt.capture.reads = ("samples",) if count else ()
         x = _tokens(8, 5, 6, 0.5, seed=4).float()
         for _ in range(2):
             opt.zero_grad()
             model(x).square().mean().backward()
-            has = [l.stat.samples is not None for l in opt.capture.layers]
+            has = ["samples" in l.stat.extras for l in opt.capture.layers]
             opt.step()
         opt.close()
         return [p.detach().clone() for p in model.parameters()], has
@@ -426,7 +426,7 @@ def test_a_compiled_forward_counts_its_rows():
     g = layer.weight.grad.clone()
     opt.capture.groups({""})      # the probes' count to the host
     stat = opt.capture.layers[0].stat
-    assert stat.samples is None and stat.count == n * t
+    assert "samples" not in stat.extras and stat.count == n * t
     opt.precondition()
     torch.testing.assert_close(layer.weight.grad, ap_reference(g, x.reshape(-1, d), _share(n * t, d), "trace_per_dim"),
                                rtol=1e-9, atol=1e-12)

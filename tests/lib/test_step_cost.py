@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dopr
 from dopr import statistics
+from dopr.damping import trace_floor
 
 #: every read of a device value to the host goes through _local_scalar_dense (item(), bool(), float())
 SYNCS = ("aten::_local_scalar_dense",)
@@ -239,7 +240,7 @@ def test_the_steps_numeric_core_compiles_whole(monkeypatch, lapack):
 
     def core(z, g):
         stats = [DenseCovariance.from_activations(z[i], True) for i in range(z.shape[0])]
-        sigma, lam, finite = DenseCovariance.prepare(DenseCovariance.stacked_mean(stats), 1e-3, "trace", False)
+        sigma, lam, finite = DenseCovariance.prepare(DenseCovariance.stacked_mean(stats), trace_floor(1e-3, "trace"), False)
         batch = solvers.CholeskyBatch(sigma, lam.to(sigma.dtype), 1e-6)
         return solvers.apply_stack(batch.ops(), g), batch.trouble | ~finite
 

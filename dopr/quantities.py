@@ -1,0 +1,91 @@
+"""Per-layer quantities a damping rule reads besides Sigma (issue 75 item 2: a rule declares its inputs).
+
+A quantity is a number per layer computed by the capture from the layer's helper and its input rows x each
+forward, kept in the statistic's ``extras`` ({name: 0-d device tensor}) and combined across micro-batches,
+checkpoint recomputations and data-parallel ranks as Sigma's sums are, by its declared merge ("sum" or "max").
+A rule names the quantities it reads in ``DampingRule.reads``; DoPr hands them to the capture
+(``ActivationCapture.reads``), which computes only those. Registering one::
+
+    register_quantity("max_row_norm", lambda helper, x, rows: helper.activations(x).square().sum(-1).max(),
+                      merge="max")
+
+and a rule with ``reads = ("max_row_norm",)`` finds ``stat.extras["max_row_norm"]`` in ``groups.items``: no
+other file changes. The sample count (dopr/sample_count.py, "samples") is registered this way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+#: the merges a quantity may declare, and each one's all-reduce op
+MERGES = {"sum": torch.add, "max": torch.maximum}
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """``compute(helper, x, rows)``: the quantity of one forward's input x (its ``rows`` activation rows), a 0-d
+    device tensor (no host sync); ``merge``: how two of them combine ("sum" or "max"); ``missing(count)``: what
+    stands in for a statistic that lacks it (rows appended or compiled forwards carry none), from its ``count``;
+    None: the other side's value as it is."""
+
+    name: str
+    compute: Callable
+    merge: str = "sum"
+    missing: Optional[Callable] = None
+
+    def combine(self, a, b):
+        return MERGES[self.merge](a, b) if self.merge != "sum" else a + b
+
+
+#: the registered quantities by name (``DampingRule.reads``' values)
+QUANTITIES: dict = {}
+
+
+def register_quantity(name: str, compute: Callable, merge: str = "sum", missing: Optional[Callable] = None) -> Quantity:
+    if merge not in MERGES:
+        raise ValueError(f"quantity {name!r}: merge must be one of {sorted(MERGES)}, got {merge!r}")
+    QUANTITIES[name] = q = Quantity(name, compute, merge, missing)
+    return q
+
+
+def quantity(name: str) -> Quantity:
+    try:
+        return QUANTITIES[name]
+    except KeyError:
+        raise KeyError(f"no per-layer quantity {name!r} is registered (dopr.quantities.register_quantity); "
+                       f"registered: {sorted(QUANTITIES)}") from None
+
+
+def compute(names: tuple, helper, x, rows: int) -> dict:
+    """{name: value} of the quantities ``names`` for one forward's input x."""
+    return {n: quantity(n).compute(helper, x, rows) for n in names}
+
+
+def merged(a: dict, a_count: float, b: dict, b_count: float) -> dict:
+    """The quantities of two statistics added together (``count``: each one's rows, for ``missing``); empty when
+    neither has any (no tensor op on the default path)."""
+    if not a and not b:
+        return {}
+    out = {}
+    for name in list(a) + [n for n in b if n not in a]:
+        q = quantity(name)
+        if name in a and name in b:
+            out[name] = q.combine(a[name], b[name])
+        elif q.missing is None:
+            out[name] = a[name] if name in a else b[name]
+        elif name in a:
+            out[name] = q.combine(a[name], q.missing(b_count))
+        else:
+            out[name] = q.combine(q.missing(a_count), b[name])
+    return out
+
+
+def stand_in(name: str, count):
+    """What a statistic without quantity ``name`` contributes to an all-reduce: ``missing(count)``, else the
+    merge's identity."""
+    q = quantity(name)
+    if q.missing is not None:
+        return q.missing(count)
+    return torch.zeros_like(count) if q.merge == "sum" else torch.full_like(count, -torch.inf)
