@@ -641,19 +641,19 @@ def grafting() -> Measured:
         gap = lambda reading: sorted(float(r[f"mean_gap_{reading}"]) for r in rs)
         g, orig = gap("grafted_on_transformed"), gap("original")
         acc = max(float(r["val_acc_transformed"]) for r in rs)
-        out.append(f"{name(o)} {num(g[1])} [{num(g[0])}-{num(g[-1])}] vs Original {num(orig[1])} "
-                   f"[{num(orig[0])}-{num(orig[-1])}]" if not out else f"{name(o)} {num(g[1])} vs {num(orig[1])}")
-        untrained = f" (by the rule; untrained: accuracy ≤ {acc:.2f})"
+        out.append(f"{name(o)} {num(g[1])} [{num(g[0])}-{num(g[-1])}] vs Original {num(orig[1])}" if not out
+                   else f"{name(o)} {num(g[1])} vs {num(orig[1])}")
+        untrained = " (by the rule; untrained)"
         clauses.append(f"{name(o)}: {graft_verdict(g, orig)}" + (untrained if acc < 0.2 else ""))
         if f"mean_gap_{control}" in rs[0]:
             c = gap(control)
-            out[-1] += f", maps' control {num(c[1])} [{num(c[0])}-{num(c[-1])}]"
-            clauses.append(f"{name(o)}, against the maps' control: {graft_verdict(g, c)}")
+            out[-1] += f", control {num(c[1])}" + (f" [{num(c[0])}-{num(c[-1])}]" if len(out) == 1 else "")
+            clauses.append(f"{name(o)} vs control: {graft_verdict(g, c)}")
     sgd = max(float(r["val_acc_transformed"]) for r in rows(GRAFTING_SGD) if r["optimizer"] == "sgd")
-    clauses.append(f"SGD: inconclusive (first reading only; untrained: ≤ {sgd:.2f})")
+    clauses.append("SGD: inconclusive (first reading; untrained)" if sgd < 0.2 else "SGD: inconclusive (first reading)")
     ran = f"mean_gap_{control}" in runs[0]
-    return Measured(f"mean loss gap to Transformed, the paper's reading (maps on), 3 seeds: "
-                    f"{'; '.join(out)}" + ("" if ran else "; control (Original, same maps) not run"),
+    return Measured(f"gap to Transformed, paper's reading, 3 seeds (control: Original+maps): "
+                    f"{'; '.join(out)}" + ("" if ran else "; control not run"),
                     tuple(clauses), f"Muon: gap to Transformed {out[0].split(' [')[0].split()[-1]} vs Original "
                                     f"{out[0].split('Original ')[1].split(' [')[0]}")
 
@@ -753,53 +753,74 @@ def peers() -> Measured:
 
 # --- issue 76: how stale a factor may be ---------------------------------------------------------------------
 
-#: each family's study at the committed setting (conf/protocol/<task>.yaml, variant staleness): its folder, the
-#: selection's metric and mode
-STALENESS = {"feature learning": ("results/staleness/feature_learning", "val_loss", "min"),
-             "Humanoid": ("results/staleness/humanoid", "return_mean", "max"),
-             "conv digits": ("results/staleness/conv_digits", "val_loss", "min"),
-             "SiT digits": ("results/staleness/sit_digits", "quality", "min"),
-             # the drift-triggered refresh (ap.refresh_policy=drift, threshold 0.1), k its cap
-             "feature learning, drift": ("results/staleness/feature_learning_drift", "val_loss", "min"),
-             "conv digits, drift": ("results/staleness/conv_digits_drift", "val_loss", "min")}
+#: each family's study at the committed setting (conf/protocol/<task>.yaml): its folder under results/staleness/,
+#: the selection's metric and mode. Variant staleness: precond_every k; variant drift: the drift refresh, k its cap
+STALENESS = {"feature learning": ("feature_learning", "val_loss", "min"), "conv digits": ("conv_digits", "val_loss", "min"),
+             "Humanoid": ("humanoid", "return_mean", "max"), "SiT digits": ("sit_digits", "quality", "min")}
 STALE_AXIS = "ap.precond_every"
 
 
 def _by_k(folder: str, metric: str) -> dict:
-    """{k: that k's runs' min / median / max of `metric`} from the study's per-seed runs."""
-    runs = rows(f"{folder}/study_runs.csv")
-    out = {}
+    """{k: that k's runs' min / median / max of `metric`, the values, the median refresh fraction}, from the study's
+    per-seed runs (None where the study has not run)."""
+    path = f"results/staleness/{folder}/study_runs.csv"
+    if not (ROOT / path).exists():
+        return None
+    runs, out = rows(path), {}
     for k in sorted({int(float(r[STALE_AXIS])) for r in runs}):
-        values = sorted(float(r[metric]) for r in runs if int(float(r[STALE_AXIS])) == k)
-        fractions = [float(r["refresh_fraction"]) for r in runs if int(float(r[STALE_AXIS])) == k
-                     and r.get("refresh_fraction") not in (None, "")]
+        mine = [r for r in runs if int(float(r[STALE_AXIS])) == k]
+        values = sorted(float(r[metric]) for r in mine)
+        fractions = [float(r["refresh_fraction"]) for r in mine if r.get("refresh_fraction") not in (None, "")]
         out[k] = {f"{metric}_min": values[0], f"{metric}_median": median(values), f"{metric}_max": values[-1],
-                  "seeds": len(values), "values": values, "refreshed": median(fractions) if fractions else None}
+                  "values": values, "refreshed": median(fractions) if fractions else None}
     return out
+
+
+def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"])) -> tuple:
+    """(ours, clauses, headline) over the families: `cell(k, row, metric, mode, k=1's row)` each k's text; each
+    family's clause its worst word against k = 1 first, each k's word in the parentheses."""
+    ours, clauses, absent = [], [], []
+    for family, (folder, metric, mode) in STALENESS.items():
+        by_k = _by_k(folder + suffix, metric)
+        if by_k is None:
+            absent.append(family)
+            continue
+        ref = by_k[1]
+        ours.append(f"{family} ({len(ref['values'])} seeds, k=1 {ref_cell(ref, metric)}): " +
+                    "; ".join(cell(k, r, metric, mode, ref) for k, r in by_k.items() if k != 1))
+        words: dict = {}
+        for k, r in by_k.items():
+            if k != 1:
+                words.setdefault(compare(r, ref, metric, mode), []).append(str(k))
+        first = next(w for w in ("worse", "better", "inconclusive") if w in words)
+        others = "; else " + "/".join(w for w in words if w != first) if len(words) > 1 else ""
+        clauses.append(f"{family}: {first} (k={', '.join(words[first])}{others})")
+    clauses += [f"{', '.join(absent)}: not run here"] if absent else []
+    return "; ".join(ours) or "no study has run", tuple(clauses)
+
+
+def _past_worst(r: dict, metric: str, mode: str, ref: dict) -> int:
+    """How many of a k's seeds end beyond k = 1's worst seed."""
+    worst = ref[f"{metric}_max" if mode == "min" else f"{metric}_min"]
+    return sum(v > worst if mode == "min" else v < worst for v in r["values"])
 
 
 def staleness() -> Measured:
     """DoPr-AdamW at its committed setting, the factor refreshed every k steps, each k against k = 1 on the fresh
-    seeds by the page's rule (a family whose study has not run: not run here)."""
-    ours, clauses, heads, absent = [], [], [], []
-    for family, (folder, metric, mode) in STALENESS.items():
-        if not (ROOT / folder / "study_runs.csv").exists():
-            absent.append(family)
-            continue
-        by_k = _by_k(folder, metric)
-        worst = by_k[1][f"{metric}_max" if mode == "min" else f"{metric}_min"]
-        beyond = lambda r: sum(v > worst if mode == "min" else v < worst for v in r["values"])
-        ours.append(f"{family} ({metric}, {by_k[1]['seeds']} seeds; seeds beyond k=1's worst): " +
-                    "; ".join(f"k={k} {spread(r, metric)}" + (f", {beyond(r)}" if k != 1 else "")
-                              + (f", refreshing {pct(r['refreshed'])}" if "drift" in family and k != 1 else "")
-                              for k, r in by_k.items()))
-        words: dict = {}
-        for k, r in by_k.items():
-            if k != 1:
-                words.setdefault(compare(r, by_k[1], metric, mode), []).append(str(k))
-        first = next(w for w in ("worse", "better", "inconclusive") if w in words)   # the worst word leads
-        clauses.append(f"{family}: {first} (" + "; ".join(f"{w} at k={', '.join(ks)}" for w, ks in words.items()) + ")")
-        last = max(by_k)
-        heads.append(f"{metric} k=1 {num(by_k[1][metric + '_median'])} vs k={last} {num(by_k[last][metric + '_median'])}")
-    clauses += [f"{len(absent)} more studies: not run here (yet: {', '.join(absent)})"] if absent else []
-    return Measured("; ".join(ours) or "no study has run", tuple(clauses), heads[0] if heads else "-")
+    seeds by the page's rule; each k's median and its seeds beyond k = 1's worst."""
+    ours, clauses = _studies("", lambda k, r, m, mode, ref: f"{k}: {num(r[m + '_median'])}, {_past_worst(r, m, mode, ref)}")
+    first = _by_k("feature_learning", "val_loss")
+    head = (f"feature learning val loss k=1 {num(first[1]['val_loss_median'])} vs k=100 {num(first[100]['val_loss_median'])}"
+            if first else "-")
+    return Measured("k: val loss median, seeds past k=1's worst; " + ours, clauses, head)
+
+
+def drift_refresh() -> Measured:
+    """The drift refresh (threshold 0.1) with k as its cap against refreshing every step (k = 1), each cap's
+    median, its seeds past k = 1's worst and its median share of layer-steps refreshed."""
+    ours, clauses = _studies("_drift", lambda k, r, m, mode, ref: f"{k}: {num(r[m + '_median'])}, "
+                                                               f"{_past_worst(r, m, mode, ref)}, {pct(r['refreshed'])}")
+    first = _by_k("feature_learning_drift", "val_loss")
+    head = (f"cap 100: val loss {num(first[100]['val_loss_median'])} vs {num(first[1]['val_loss_median'])}, refreshing "
+            f"{pct(first[100]['refreshed'])}" if first else "-")
+    return Measured("cap: val loss median, seeds past k=1's worst, share refreshed; " + ours, clauses, head)
