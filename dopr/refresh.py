@@ -89,6 +89,10 @@ class Refresh:
         self.counts = defaultdict(int)
         self.gathering = True          # whether the forwards now gather statistics (:meth:`next_step`)
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy pickled before ``empty`` and ``gathering`` moved here from DoPr gets their starting values."""
+        self.__dict__.update({"empty": set(), "gathering": True, **state})
+
     @classmethod
     def from_pickled(cls, options, state: dict) -> "Refresh":
         """The refresh state of a DoPr copied or pickled before this module, popped from its ``__dict__``."""
