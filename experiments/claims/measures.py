@@ -816,6 +816,17 @@ def staleness() -> Measured:
     return Measured("k: val loss median, seeds past k=1's worst; " + ours, clauses, head)
 
 
+def staleness_ema() -> Measured:
+    """As `staleness`, with the statistics EMA 0.9 (gathered on refresh steps only): each k against k = 1 at the same
+    EMA; the refresh fraction is 1 / k."""
+    span = lambda r, m: f"{num(r[m + '_median'])} [{num(r[m + '_min'])}-{num(r[m + '_max'])}]"
+    ours, clauses = _studies("_ema", lambda k, r, m, mode, ref: f"{k}: {span(r, m)}", span)
+    first = _by_k("feature_learning_ema", "val_loss")
+    head = (f"k=10 (10% refreshed): feature learning val loss {num(first[10]['val_loss_median'])} vs k=1 "
+            f"{num(first[1]['val_loss_median'])}" if first else "-")
+    return Measured("k: median [range]; " + ours, clauses, head)
+
+
 def drift_refresh() -> Measured:
     """The drift refresh (threshold 0.1) with k as its cap against refreshing every step (k = 1), each cap's
     median, its seeds past k = 1's worst and its median share of layer-steps refreshed."""
