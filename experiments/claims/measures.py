@@ -777,7 +777,7 @@ def _by_k(folder: str, metric: str) -> dict:
     return out
 
 
-def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"])) -> tuple:
+def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"]), joiner="; ") -> tuple:
     """(ours, clauses, headline) over the families: `cell(k, row, metric, mode, k=1's row)` each k's text; each
     family's clause its worst word against k = 1 first, each k's word in the parentheses."""
     ours, clauses, absent = [], [], []
@@ -787,8 +787,8 @@ def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"])) -> 
             absent.append(family)
             continue
         ref = by_k[1]
-        ours.append(f"{family} ({len(ref['values'])} seeds, k=1 {ref_cell(ref, metric)}): " +
-                    "; ".join(cell(k, r, metric, mode, ref) for k, r in by_k.items() if k != 1))
+        ours.append(f"{family} (n={len(ref['values'])}, k=1 {ref_cell(ref, metric)}): " +
+                    joiner.join(cell(k, r, metric, mode, ref) for k, r in by_k.items() if k != 1))
         words: dict = {}
         for k, r in by_k.items():
             if k != 1:
@@ -813,7 +813,7 @@ def staleness() -> Measured:
     first = _by_k("feature_learning", "val_loss")
     head = (f"feature learning val loss k=1 {num(first[1]['val_loss_median'])} vs k=100 {num(first[100]['val_loss_median'])}"
             if first else "-")
-    return Measured("k: val loss median, seeds past k=1's worst; " + ours, clauses, head)
+    return Measured("k: median, seeds past k=1's worst; " + ours, clauses, head)
 
 
 def staleness_ema() -> Measured:
@@ -830,9 +830,9 @@ def staleness_ema() -> Measured:
 def drift_refresh() -> Measured:
     """The drift refresh (threshold 0.1) with k as its cap against refreshing every step (k = 1), each cap's
     median, its seeds past k = 1's worst and its median share of layer-steps refreshed."""
-    ours, clauses = _studies("_drift", lambda k, r, m, mode, ref: f"{k}: {num(r[m + '_median'])}, "
-                                                               f"{_past_worst(r, m, mode, ref)}, {pct(r['refreshed'])}")
+    ours, clauses = _studies("_drift", lambda k, r, m, mode, ref: f"{k}: {num(r[m + '_median'])} "
+                                                               f"({_past_worst(r, m, mode, ref)}, {pct(r['refreshed'])})", joiner=", ")
     first = _by_k("feature_learning_drift", "val_loss")
     head = (f"cap 100: val loss {num(first[100]['val_loss_median'])} vs {num(first[1]['val_loss_median'])}, refreshing "
             f"{pct(first[100]['refreshed'])}" if first else "-")
-    return Measured("cap: val loss median, seeds past k=1's worst, share refreshed; " + ours, clauses, head)
+    return Measured("cap: median (seeds past k=1's worst, refreshed); " + ours, clauses, head)
