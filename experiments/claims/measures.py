@@ -787,7 +787,7 @@ def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"]), joi
             absent.append(family)
             continue
         ref = by_k[1]
-        ours.append(f"{family} (n={len(ref['values'])}, k=1 {ref_cell(ref, metric)}): " +
+        ours.append(f"{family} (n={len(ref['values'])}; 1: {ref_cell(ref, metric)}): " +
                     joiner.join(cell(k, r, metric, mode, ref) for k, r in by_k.items() if k != 1))
         words: dict = {}
         for k, r in by_k.items():
@@ -795,7 +795,8 @@ def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"]), joi
                 words.setdefault(compare(r, ref, metric, mode), []).append(str(k))
         first = next(w for w in ("worse", "better", "inconclusive") if w in words)
         others = "; else " + "/".join(w for w in words if w != first) if len(words) > 1 else ""
-        clauses.append(f"{family}: {first} (k={', '.join(words[first])}{others})")
+        which = "every k" if len(words) == 1 and len(words[first]) > 2 else f"k={', '.join(words[first])}"
+        clauses.append(f"{family}: {first} ({which}{others})")
     clauses += [f"{', '.join(absent)}: not run here"] if absent else []
     return "; ".join(ours) or "no study has run", tuple(clauses)
 
@@ -813,7 +814,7 @@ def staleness() -> Measured:
     first = _by_k("feature_learning", "val_loss")
     head = (f"feature learning val loss k=1 {num(first[1]['val_loss_median'])} vs k=100 {num(first[100]['val_loss_median'])}"
             if first else "-")
-    return Measured("k: median, seeds past k=1's worst; " + ours, clauses, head)
+    return Measured("k: median, past k=1's worst; " + ours, clauses, head)
 
 
 def staleness_ema() -> Measured:
