@@ -31,7 +31,7 @@ import contextlib
 import itertools
 import weakref
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -215,14 +215,16 @@ class LayerRecord:
 
 
 class ActivationCapture:
-    """The hooks on `helpers`' modules, gathering statistics of type `statistic` while `collecting`."""
+    """The hooks on `helpers`' modules, gathering statistics of type `statistic` while `collecting`: when the
+    refresh object says so (``refresh.gathering``, dopr/refresh.py), but inside :meth:`paused`."""
 
-    def __init__(self, helpers: list, statistic: type) -> None:
+    def __init__(self, helpers: list, statistic: type, refresh, rows=None) -> None:
         self.layers = [LayerRecord(h) for h in helpers]
         self.statistic = statistic
-        self.rows = None   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
-        self.reads: tuple = ()   # the per-layer quantities each statistic carries (the damping rule's reads, dopr/quantities.py)
-        self.collecting = True
+        self.refresh = refresh   # asked whether forwards gather: its plain bool, so a compiled forward guards on it
+        self.rows = rows   # dense layers' statistic where the solve may run in sample space (dopr/sample_space.py)
+        self.reads: tuple = refresh.damping.reads   # the per-layer quantities each statistic carries (dopr/quantities.py)
+        self._paused = False
         self.observer = None   # a refresh policy's observe(helper, x): training forwards that gather nothing (dopr/refresh_drift.py)
         self._captures: dict = {}
         self._nodes: dict = {}
@@ -254,14 +256,19 @@ class ActivationCapture:
         self._weight_hooks[index] = hooks
         self.handles += hooks
 
+    @property
+    def collecting(self) -> bool:
+        """Whether forwards now gather statistics: as the refresh object says, but inside :meth:`paused`."""
+        return self.refresh.gathering and not self._paused
+
     @contextlib.contextmanager
     def paused(self):
-        """Forwards inside gather nothing (one whose gradient is not the step's); then as DoPr last said."""
-        collecting, self.collecting = self.collecting, False
+        """Forwards inside gather nothing (one whose gradient is not the step's); then as the refresh says."""
+        paused, self._paused = self._paused, True
         try:
             yield
         finally:
-            self.collecting = collecting
+            self._paused = paused
 
     def on_forward(self, index: int, module: nn.Module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled() and self.collecting):
@@ -433,11 +440,12 @@ class ActivationCapture:
                 by_sig.setdefault(tuple(layer.sig), []).append(layer)
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
 
-    def take_over(self, old: "ActivationCapture") -> tuple:
+    def take_over(self, old: "ActivationCapture", warn: Callable) -> tuple:
         """(added, changed): this capture replaces `old` (a rebuild, DoPr._attach); its layers that `old`
         had keep the statistics they gathered, but those whose bias was frozen or thawed have another dim
         (homogeneous coordinates): what they gathered, and their EMA histories (restarted by their shape),
-        no longer fit. Returns the layer names new here and those whose dim changed."""
+        no longer fit. Returns the layer names new here and those whose dim changed, each kind said once by
+        ``warn(what, message)`` (DoPr's warn-once): their gradients are raw this step."""
         before = {l.helper.name: l for l in old.layers}
         changed = sorted(l.helper.name for l in self.layers if l.helper.name in before
                          and before[l.helper.name].helper.dim != l.helper.dim)
@@ -445,7 +453,14 @@ class ActivationCapture:
             prev = before.get(layer.helper.name)
             if prev is not None and prev.stat is not None and layer.helper.name not in changed:
                 layer.stat, layer.owned, layer.sig, layer.compiled = prev.stat, prev.owned, prev.sig, prev.compiled
-        return sorted(set(l.helper.name for l in self.layers) - set(before)), changed
+        added = sorted(set(l.helper.name for l in self.layers) - set(before))
+        if added:
+            warn("attach", f"layers {added} train now: preconditioned from the next step on "
+                 "(this step's gradient for them is raw; see DoPr.coverage())")
+        if changed:
+            warn("resized", f"layers {changed} froze or thawed their bias, which changes the AP's dimension: "
+                 "preconditioned from the next step on, their EMAs restarted (this step's gradient for them is raw)")
+        return added, changed
 
     def no_forward_cause(self, names, training: bool = True) -> str:
         """Why the layers `names`, which have a gradient, gathered no statistics since the last step, from

@@ -107,6 +107,12 @@ class HealthReports:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
+    def snapshot(self) -> dict:   # undo (on_nonfinite="raise"): the reports as before a step that raised
+        return {k: dict(v) for k, v in self.reports.items()}
+
+    def restore(self, saved: dict) -> None:
+        self.reports = saved
+
     def record(self, key: tuple, stat, mean: tuple, lam, grads: dict, spec: Optional[tuple] = None,
                g2: Optional[Tensor] = None) -> Optional[str]:
         """Report on group `key` (dense statistics only) from Sigmabar `mean` and the members' raw

@@ -29,20 +29,21 @@ import warnings
 from typing import Mapping, Union
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from . import graphs, sharding, solvers
 from .apply import Apply, Borrowed
-from ._optimizer_surface import WrapsBase, init_hook_registries, needs_closure, refuse_foreign
+from ._optimizer_surface import (WrapsBase, init_hook_registries, refuse_base, refuse_foreign, refuse_foreign_group,
+                                 with_load_hooks, with_state_dict_hooks)
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, load_ap_state
-from .distributed import agree_groups, all_reduce_statistics, is_distributed
+from .distributed import is_distributed
+from .gp.base import evaluate
 from .health import HealthReports
 from .layers import find_layers
 from .options import DoPrOptions
-from .refresh import Factoring, Refresh, cache_on_layers, factor_for
-from .sample_space import SampleRows, gather_rows, row_statistic
-from .solve_space import choose as choose_space
+from .refresh import Factoring, Refresh
+from .sample_space import row_statistic
 from .statistics import STATISTICS
 
 
@@ -84,15 +85,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             raise TypeError(f"DoPr takes the model, not its parameters (got {type(model).__name__}): DoPr(model, base), "
                             "e.g. DoPr(model, torch.optim.AdamW(model.parameters(), lr=1e-3))")
         self.options = DoPrOptions.of(options, **overrides)
-        if not isinstance(base, torch.optim.Optimizer):
-            raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
-        # LBFGS-like bases re-evaluate the closure several times per step and read each evaluation's
-        # gradient as the gradient of the closure's loss (line search, curvature pairs). The AP's M
-        # is not that gradient, and its EMAs and precond_every count steps, not evaluations.
-        if needs_closure(base):
-            raise ValueError(f"Invalid base: {type(base).__name__} needs a closure in step(); DoPr "
-                             "preconditions the gradient once per step and cannot wrap a base that re-evaluates it")
-
+        refuse_base(base, "DoPr")   # a torch.optim.Optimizer that needs no closure (LBFGS re-evaluates the gradient)
         module = _unwrap(model)
         refuse_foreign(module, [p for g in base.param_groups for p in g["params"]],
                        "the base optimizer holds {n} parameter(s) that are not in the model (shapes {shapes}); "
@@ -106,7 +99,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._refresh = Refresh(self.options)   # statistics into factors: policy, damping, Sigma EMA, cache, counters
         self._apply = Apply(self.options)       # gradients into M: gradient EMA, buckets, read-back, repair, write-back
         self._health = HealthReports(self.options.health_every)
-        self._empty, self._warned, self._capture = set(), set(), None
+        self._warned, self._capture = set(), None
         self._attach()
         if not self._capture.layers:
             self.close()
@@ -124,14 +117,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """The base's ``add_param_group``, for the model's parameters only (as the constructor asks);
         a refused group leaves the optimizer unchanged."""
-        if isinstance(param_group, dict) and "params" in param_group:
-            params = param_group["params"]
-            if isinstance(params, Tensor):
-                params = [params]
-            elif not isinstance(params, set):   # a set: the base refuses it (its order is not fixed)
-                param_group["params"] = params = list(params)   # a generator can be read only once
-            refuse_foreign(self.model, params, "add_param_group got {n} parameter(s) that are not in the model "
-                           "(shapes {shapes}); DoPr only steps the model's parameters")
+        refuse_foreign_group(self.model, param_group)
         self.base.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -139,17 +125,14 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:   # evaluated here once; base.step() gets none, a second one would undo the AP
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)   # here once; base.step() gets none, a second one would undo the AP
         if self._signature() != self._layers_signature:   # a layer was (un)frozen or a param group added
             self._attach()
         if self.warming_up:                   # the base GP alone: raw gradients
             self._warmed += 1
             self._refresh.counts["warmup_steps"] += 1
             self._capture.reset()
-            self._capture.collecting = self.collecting
+            self._refresh.next_step(self._step, self.warming_up)
         else:
             with self._undone_on_raise():
                 self.precondition()
@@ -166,14 +149,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self.options.on_nonfinite != "raise":
             yield
             return
-        saved = (self._refresh.snapshot(), {k: dict(v) for k, v in self._health.reports.items()},
-                 self._apply.snapshot(), self._empty)
+        parts = (self._refresh, self._health, self._apply)
+        saved = [part.snapshot() for part in parts]
         try:
             yield
         except BaseException:
-            refresh, self._health.reports, applied, self._empty = saved
-            self._refresh.restore(refresh)
-            self._apply.restore(applied)
+            for part, state in zip(parts, saved):
+                part.restore(state)
             raise
 
     # ------------------------------------------------------------------ which layers
@@ -189,23 +171,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
             {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
         old = self._capture
-        self._capture = self._refresh.policy.attach(ActivationCapture(helpers, STATISTICS[self._solver.statistic]), self._health)
-        self._capture.rows = row_statistic(self.options)   # solve_space: rows instead of Sigma where n < d
-        self._capture.reads = self._refresh.damping.reads   # the per-layer quantities the rule reads (dopr/quantities.py)
+        self._capture = self._refresh.policy.attach(ActivationCapture(   # solve_space: rows instead of Sigma where n < d
+            helpers, STATISTICS[self._solver.statistic], self._refresh, row_statistic(self.options)), self._health)
         self._attached_now = set()   # layers that started training this step: raw gradient, said once
         if old is not None:
-            added, changed = self._capture.take_over(old)
+            added, changed = self._capture.take_over(old, self._warn_once)   # each said once
             self._attached_now = set(added) | set(changed)
             self._refresh.forget(changed, set(l.helper.name for l in self._capture.layers))   # old dimension: no fit
-            if added:
-                self._warn_once("attach", f"layers {added} train now: preconditioned from the next step on "
-                                "(this step's gradient for them is raw; see DoPr.coverage())")
-            if changed:
-                self._warn_once("resized", f"layers {changed} froze or thawed their bias, which changes the "
-                                "AP's dimension: preconditioned from the next step on, their EMAs restarted "
-                                "(this step's gradient for them is raw)")
             old.close()
-        self._capture.collecting = self.collecting
+        self._refresh.next_step(self._step, self.warming_up)
         self._layers_signature = self._signature()
         self._apply.buckets = {}   # and the CUDA graphs' plans (their counters kept)
         self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._refresh.damping, self._sharded),
@@ -220,8 +194,8 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
     @property
     def collecting(self) -> bool:
         """Whether forwards now gather statistics: not while warming up; when the refresh policy says, and on the
-        steps after a layer had a gradient but no factor (it gets one then)."""
-        return not self.warming_up and self._refresh.gathers(self._step)
+        steps after a layer had a gradient but no factor (it gets one then). The capture reads the refresh's answer."""
+        return self._refresh.gathers(self._step, self.warming_up)
 
     # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
@@ -232,72 +206,30 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         read back and its repair path, write-back (dopr/apply.py), the refresh settled."""
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
         step = self._warmed + self._step                      # the optimizer's steps before this one
-        self._refresh.begin(step, self.options)
+        self._refresh.begin(step, self.options, grads)
         self._apply.begin(step)
-        collected, refresh = self.collecting, self._refresh.policy.gathers(self._step)
-        self._refresh.cache = cache_on_layers(self._refresh.cache, grads)   # model.double(), .cuda() since the refresh: cast once
-        groups, gathered, refresh, batches, ops, graphed, raw = (self._factors(grads, refresh, step) if collected
-                                                                 else self._cached(grads, refresh))
+        collected, refresh, how = self.collecting, self._refresh.policy.gathers(self._step), self._factoring()
+        groups, gathered, refresh, batches, ops, graphed, raw = (
+            self._refresh.gather(self._capture, grads, refresh, self._step, self.options.at("damping", step), how)
+            if collected else self._refresh.cached(grads, refresh, how))
         ops, solved = self._apply(ops, batches, grads, graphed, raw, self._refresh, self._borrowed())
         self._refresh.settle(ops, batches, grads, collected, refresh, gathered, self._attached_now, self._step, groups)
         self._refresh.counts["preconditioned"] += sum(len(s[0]) for s in solved)
         self._step += 1
-        self._capture.collecting = self.collecting
+        self._refresh.next_step(self._step, self.warming_up)
         self._capture.reset()
-
-    def _factors(self, grads: dict, refresh: bool, step: int) -> tuple:
-        """A collecting step: the statistics gathered (all-reduced), the policy's groups factored (Sigmabar,
-        lambda, factors: nothing read back yet). (groups, gathered names, refresh, batches, operators, graphed, raw)."""
-        groups = self._capture.groups(grads)              # layers reading one input share Sigma
-        groups = agree_groups(groups, self._capture.layers, self._capture.statistic)  # data parallel: one layout
-        groups = gather_rows(groups, self._capture.rows)  # data parallel: every rank's rows (sample space)
-        all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
-                              self._capture.reads)
-        gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
-        groups, refresh = self._refresh.select(groups, self._step, refresh)   # the policy's, the unfactored
-        self._empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
-        if self._empty:                                   # an empty batch or mask: Sigma = 0/0, no AP
-            groups = {key: stat for key, stat in groups.items() if stat.count > 0}
-            self._warn_once("no_samples", f"no samples this step for {sorted(self._empty)} (an empty batch "
-                            "or mask, an expert no token was routed to): their gradients go to the GP raw "
-                            "(see DoPr.stats()['no_samples'])")
-        gamma, groups = self.options.at("damping", step), choose_space(groups, grads)
-        graphed = self._graphed(groups, grads, gamma) if refresh else None   # a CUDA graph's replay (dopr/graphs.py)
-        batches = (graphed.batches if graphed else []) + self._refresh.factor(
-            {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh, self._factoring())
-        return groups, gathered, refresh, batches, self._refresh.operators(batches, refresh), graphed, frozenset()
-
-    def _cached(self, grads: dict, refresh: bool) -> tuple:
-        """A step between refreshes: the cached inverses; a layer with none gets its raw gradient (warned)."""
-        ops, self._empty = self._refresh.cache, set()
-        covered = {n for key in ops for n in key}
-        raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
-        if raw - self._attached_now:
-            self._warn_once("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
-                            "on a refresh step so far): raw this step, factored from the statistics of their "
-                            "next forward (see docs/library.md, precond_every)")
-        return {}, set(), refresh, [], ops, None, raw
 
     def _borrowed(self) -> Borrowed:
         """What the apply object borrows for this step (dopr.apply.Borrowed)."""
-        return Borrowed(self._helpers(), self._empty, self._attached_now, self._sharded, self._warn_once,
+        return Borrowed(self._helpers(), self._refresh.empty, self._attached_now, self._sharded, self._warn_once,
                         lambda names: self._capture.no_forward_cause(names, self.model.training))
-
-    def _graphed(self, groups: dict, grads: dict, gamma: float):
-        """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
-        if self._graphs.off is not None or self._health.due(self._refresh.counts["refreshes"]):
-            return None
-        how = self._factoring()
-        out = self._graphs.run(groups, grads, gamma, lambda keys: factor_for(self._solver, self._factor_with, keys, grads),
-                               self._refresh.damping.reads_homogeneous and how.homogeneous, self.options.damping_mode)
-        self._refresh.counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
-        return out
 
     def _factoring(self) -> Factoring:
         """What the refresh borrows for this step's factors (dopr.refresh.Factoring)."""
         flags = {h.name: h.homogeneous for h in self.layers()} if self._refresh.damping.reads_homogeneous else None
         return Factoring(self._solver, self._factor_with, self._health, self._capture.statistic, flags,
-                         self._sharded and is_distributed(), self.options.damping_mode, self._warn_once)
+                         self._sharded and is_distributed(), self.options.damping_mode, self._warn_once,
+                         self._graphs, self._attached_now)
 
     def _warn_once(self, what: str, message) -> None:
         """Warn about ``what`` once per optimizer; ``message`` a string or a function giving it (made only then)."""
@@ -322,7 +254,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @property
     def capture(self) -> ActivationCapture:
-        """The forward hooks that gather Sigma's statistics (dopr/capture.py); DoPr tells it when to gather."""
+        """The forward hooks that gather Sigma's statistics (dopr/capture.py); they ask the refresh object when."""
         return self._capture
 
     @property
@@ -346,34 +278,26 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
         out = {k: 0 for k in self.COUNTERS}
         out.update(self._refresh.counters(), **self._graphs.counts, steps=self._step,
-                   no_forward=list(self._apply.no_forward), no_samples=sorted(self._empty), **self._refresh.policy.stats())
+                   no_forward=list(self._apply.no_forward), no_samples=sorted(self._refresh.empty), **self._refresh.policy.stats())
         if self._health.reports:
             out["health"] = dict(self._health.reports)
         return out
 
     # ------------------------------------------------------------------ state and hooks
     def state_dict(self) -> dict:
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        sd = self.base.state_dict()
-        sd[KEY] = self.ap_state_dict()
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            sd = sd if out is None else out
-        return sd
+        """The base's state dict and the AP's entry ``"dopr"`` (:meth:`ap_state_dict`), torch.optim's hooks around."""
+        return with_state_dict_hooks(self, lambda: {**self.base.state_dict(), KEY: self.ap_state_dict()})
 
     def load_state_dict(self, state_dict: dict) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
-            state_dict = state_dict if out is None else out
-        state_dict = dict(state_dict)
-        ours = state_dict.pop(KEY, None)
+        """Restore :meth:`state_dict`'s: the base's, then the AP's entry (refused if missing), torch.optim's hooks around."""
+        with_load_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict: dict) -> None:
+        ours, state_dict = state_dict.get(KEY), {k: v for k, v in state_dict.items() if k != KEY}
         if ours is None:
             raise ValueError("state_dict has no 'dopr' entry: it was not saved from a DoPr optimizer")
         self.base.load_state_dict(state_dict)
         self.load_ap_state_dict(ours)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def ap_state_dict(self) -> dict:
         """The AP's own state (what ``state_dict()["dopr"]`` holds): step, EMA buffers, cached
@@ -390,7 +314,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         cached factors are cast to their layer's dtype (statistics_dtype) and device, as torch.optim casts
         its state, but a sample-space factor's float64 L: a checkpoint fits a CUDA or float64 model."""
         self._step, self._warmed = load_ap_state(ours, self.options, self._refresh, self._apply, self._helpers())
-        self._capture.collecting = self.collecting
+        self._refresh.next_step(self._step, self.warming_up)
 
     def _helpers(self) -> dict:
         return {h.name: h for h in self.layers()}
@@ -411,10 +335,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        for name, default in (("_sharded", False), ("_health", HealthReports(0)), ("_empty", set())):   # older copies
-            self.__dict__.setdefault(name, default)
-        if isinstance(self.options, dict):   # a copy pickled when the options were a dict
-            self.options = DoPrOptions.from_dict(self.options)
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
         if "_refresh" not in state:   # a copy pickled before dopr/refresh.py

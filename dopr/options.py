@@ -26,6 +26,8 @@ CONV2D_MODES = ("full", "sua")
 NONFINITE = ("skip", "raise")
 #: where the cholesky solve runs (dopr/sample_space.py)
 SOLVE_SPACES = ("auto", "features", "samples")
+#: refresh_policy="drift"'s test (dopr/refresh_drift.py)
+DRIFT_TESTS = refresh_drift.TESTS
 
 Schedule = Callable[[int], float]
 
@@ -110,6 +112,12 @@ class DoPrOptions:
         "r_j that of the Sigma it was factored from; a relative change (batch noise alone is about sqrt(2 / rows)); "
         "inf: precond_every's cap alone (dopr/refresh_drift.py)",
         lambda v: _number(v) and v > 0, "must be a number > 0 (inf: the cap alone)")
+    drift_test: str = _option(
+        "plain", "refresh_policy drift's test: plain (max_j |s_j / r_j - 1| > drift_threshold, r_j from the Sigma "
+        "the factor was made from) or noise (r_j from the first batch after the refresh, out of sample, and a group "
+        "refreshed when |s_j / r_j - 1| passes drift_threshold by more than 3 standard errors, each estimated from "
+        "the batches' per-sample fourth moments; dopr/refresh_drift.py)",
+        lambda v: v in DRIFT_TESTS, f"choose from {DRIFT_TESTS}", show=repr)
     conv2d: str = _option(
         "full", "Conv2d covariance: full (im2col patches) or sua (channels, spatially uncorrelated)",
         lambda v: v in CONV2D_MODES, f"choose from {CONV2D_MODES}", label="conv2d mode", show=repr)

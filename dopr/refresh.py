@@ -16,14 +16,18 @@ from collections import defaultdict, namedtuple
 from torch.autograd.profiler import record_function
 
 from . import apply, damping, refresh_policy, solvers
+from .distributed import agree_groups, all_reduce_statistics
 from .ema import CovarianceEMA
+from .sample_space import SampleRows, gather_rows
 from .solve_space import choose as choose_space, group_rows
 from .statistics import statistics_dtype
 
 #: what a refresh borrows from its DoPr for one step: the solver and its bound factor, the health reports, the
 #: statistic kind, the layers' homogeneous flags (None unless the damping rule reads them), whether lambda's
-#: choice is a collective (FSDP2), damping_mode and the warn-once function
-Factoring = namedtuple("Factoring", "solver factor_with health statistic homogeneous collective damping_mode warn")
+#: choice is a collective (FSDP2), damping_mode, the warn-once function, the CUDA graphs (dopr/graphs.py) and
+#: the layers that started training this step (raw, their warning said)
+Factoring = namedtuple("Factoring", "solver factor_with health statistic homogeneous collective damping_mode warn "
+                                    "graphs attached_now")
 
 
 def without(cache: dict, names) -> dict:
@@ -69,7 +73,9 @@ def cache_on_layers(cache: dict, helpers: dict) -> dict:
 
 class Refresh:
     """The refresh state of one DoPr: ``policy``, ``damping``, ``precond_ema``, ``cache``, ``unfactored``,
-    ``idle`` and ``counts`` (what DoPr counts, its damping rule's counters apart)."""
+    ``idle``, ``empty``, ``counts`` (what DoPr counts, its damping rule's counters apart) and ``gathering``, which
+    the capture's forward hooks read (dopr/capture.py): a plain bool, so a compiled forward guards on its value and
+    compiles once per value, as it would on a flag of its own."""
 
     def __init__(self, options) -> None:
         self.policy = refresh_policy.build(options)      # when factors are refreshed
@@ -79,7 +85,13 @@ class Refresh:
         self.unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
         self.idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
                                        # step since the last refresh: they wait for the next refresh
+        self.empty: set = set()        # layers with no samples this step (an empty batch or mask): raw gradients
         self.counts = defaultdict(int)
+        self.gathering = True          # whether the forwards now gather statistics (:meth:`next_step`)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy pickled before ``empty`` and ``gathering`` moved here from DoPr gets their starting values."""
+        self.__dict__.update({"empty": set(), "gathering": True, **state})
 
     @classmethod
     def from_pickled(cls, options, state: dict) -> "Refresh":
@@ -90,14 +102,18 @@ class Refresh:
         out.policy = out.policy if policy is None else policy
         out.precond_ema = state.pop("_precond_ema", out.precond_ema)
         out.cache, out.unfactored, out.idle = state.pop("_cache", {}), state.pop("_unfactored", set()), state.pop("_idle", set())
-        out.counts = defaultdict(int, state.pop("_counts", {}))
+        out.counts, out.empty = defaultdict(int, state.pop("_counts", {})), state.pop("_empty", set())
         state.pop("_damping_scale", None)
         return out
 
-    def gathers(self, step: int) -> bool:
-        """Whether the forwards of AP step ``step`` gather statistics: when the policy says, and on the steps
-        after a layer had a gradient but no factor (it gets one then)."""
-        return self.policy.gathers(step) or bool(self.unfactored)
+    def gathers(self, step: int, warming_up: bool) -> bool:
+        """Whether the forwards of AP step ``step`` gather statistics: not while warming up; when the policy says,
+        and on the steps after a layer had a gradient but no factor (it gets one then)."""
+        return not warming_up and (self.policy.gathers(step) or bool(self.unfactored))
+
+    def next_step(self, step: int, warming_up: bool) -> None:
+        """The answer the capture reads until the next step (``gathering``): whether step ``step`` gathers."""
+        self.gathering = self.gathers(step, warming_up)
 
     def counters(self) -> dict:
         return {**self.counts, **self.damping.counters()}
@@ -124,6 +140,48 @@ class Refresh:
         self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
 
     # ------------------------------------------------------------------ statistics into factors
+    def gather(self, capture, grads: dict, refresh: bool, step: int, gamma: float, how: Factoring) -> tuple:
+        """A collecting step: the statistics gathered (all-reduced), the policy's groups factored (Sigmabar, lambda,
+        factors: nothing read back yet). (groups, gathered names, refresh, batches, operators, graphed, raw)."""
+        groups = capture.groups(grads)                             # layers reading one input share Sigma
+        groups = agree_groups(groups, capture.layers, capture.statistic)   # data parallel: one layout
+        groups = gather_rows(groups, capture.rows)                 # data parallel: every rank's rows (sample space)
+        all_reduce_statistics([s for s in groups.values() if not isinstance(s, SampleRows)],   # the global Sigma
+                              capture.reads)
+        gathered = {n for key, stat in groups.items() if stat.count > 0 for n in key}
+        groups, refresh = self.select(groups, step, refresh)       # the policy's, the unfactored
+        self.empty = {n for key, stat in groups.items() if stat.count == 0 for n in key}
+        if self.empty:                                             # an empty batch or mask: Sigma = 0/0, no AP
+            groups = {key: stat for key, stat in groups.items() if stat.count > 0}
+            how.warn("no_samples", f"no samples this step for {sorted(self.empty)} (an empty batch "
+                     "or mask, an expert no token was routed to): their gradients go to the GP raw "
+                     "(see DoPr.stats()['no_samples'])")
+        groups = choose_space(groups, grads)
+        graphed = self._graphed(groups, grads, gamma, how) if refresh else None   # a CUDA graph's replay
+        batches = (graphed.batches if graphed else []) + self.factor(
+            {k: s for k, s in groups.items() if not graphed or k not in graphed.keys}, grads, gamma, refresh, how)
+        return groups, gathered, refresh, batches, self.operators(batches, refresh), graphed, frozenset()
+
+    def cached(self, grads: dict, refresh: bool, how: Factoring) -> tuple:
+        """A step between refreshes: the cached inverses; a layer with none gets its raw gradient (warned)."""
+        ops, self.empty = self.cache, set()
+        covered = {n for key in ops for n in key}
+        raw = frozenset(n for n in grads if n not in covered)   # factored from the next step's statistics
+        if raw - how.attached_now:
+            how.warn("unfactored", f"layers {sorted(raw)} have a gradient but no factor yet (no forward "
+                     "on a refresh step so far): raw this step, factored from the statistics of their "
+                     "next forward (see docs/library.md, precond_every)")
+        return {}, set(), refresh, [], ops, None, raw
+
+    def _graphed(self, groups: dict, grads: dict, gamma: float, how: Factoring):
+        """A refresh's (batches, solved, G's flags) from a CUDA graph (dopr/graphs.py), counted; None: eager."""
+        if how.graphs.off is not None or how.health.due(self.counts["refreshes"]):
+            return None
+        out = how.graphs.run(groups, grads, gamma, lambda keys: factor_for(how.solver, how.factor_with, keys, grads),
+                             self.damping.reads_homogeneous and how.homogeneous, how.damping_mode)
+        self.counts["factorizations"] += sum(len(keys) for keys, _, _ in out.batches) if out else 0
+        return out
+
     def select(self, groups: dict, step: int, refresh: bool) -> tuple:
         """(the groups to factor, whether the step refreshes every group): all of them on a full refresh; else
         the policy's due groups and the layers without a factor (factors between refreshes)."""
@@ -192,18 +250,20 @@ class Refresh:
             self.policy.refreshed(step, fresh, stats or {})   # the policy's new factors (drift: its probes)
         self.after_step(grads, collected, refresh, gathered, attached_now)
 
-    def begin(self, step: int, options) -> None:
-        """A step starts: proposals of a step that raised are dropped, a scheduled Sigma rate is read at ``step``."""
+    def begin(self, step: int, options, helpers: dict) -> None:
+        """A step starts: proposals of a step that raised are dropped, a scheduled Sigma rate is read at ``step``,
+        the cached factors cast to their layers (``helpers`` {name: helper}: model.double(), .cuda() since)."""
         self.precond_ema.pending.clear()
         if self.precond_ema.scheduled:
             self.precond_ema.beta = options.at("precond_ema", step)
+        self.cache = cache_on_layers(self.cache, helpers)
 
     # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
-        return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers)
+        return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers), self.empty
 
     def restore(self, saved: tuple) -> None:
-        self.counts, self.damping, self.cache, self.precond_ema.buffers = saved
+        self.counts, self.damping, self.cache, self.precond_ema.buffers, self.empty = saved
         self.precond_ema.pending = {}
 
     # ------------------------------------------------------------------ state

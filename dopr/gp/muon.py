@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from torch.optim import _muon
 
 from .. import sharding
-from .._optimizer_surface import init_hook_registries, needs_closure
+from .._optimizer_surface import init_hook_registries, needs_closure, with_load_hooks, with_state_dict_hooks
 from .base import BaseGP, evaluate
 from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
@@ -96,6 +96,35 @@ def mark_role(module: nn.Module, role: str) -> nn.Module:
     return module
 
 
+def _heads_and_inputs(modules: dict, linears: list, convs: list, head_names, input_names) -> tuple:
+    """(head modules, input modules) by name, as :func:`route_matrix_params` takes them: named, else marked
+    (:func:`mark_role`), else the last ``nn.Linear`` / the first layer in module order (none when the model has an
+    ``nn.Embedding``: it reads the input). ``modules``: {name: module}; ``convs``: the convolutions routed to Muon."""
+    def named(names, what):
+        names = set([names] if isinstance(names, str) else names)
+        missing = sorted(names - modules.keys())
+        if missing:
+            raise ValueError(f"{what} not found among the model's modules: {missing}")
+        return names
+
+    marked = {role: {name for name, m in modules.items() if getattr(m, ROLE_ATTRIBUTE, None) == role}
+              for role in ROLES}
+    if head_names is not None:
+        heads = named(head_names, "head_names")
+    else:
+        heads = marked["output"] or set(linears[-1:])
+    if input_names is not None:
+        inputs = named(input_names, "input_names")
+    elif marked["input"]:
+        inputs = marked["input"] - heads
+    elif any(isinstance(m, nn.Embedding) for m in modules.values()):
+        inputs = set()
+    else:   # the first layer in module order (a convolution too, when convolutions go to Muon)
+        first = [name for name, m in modules.items() if name in linears or name in convs]
+        inputs = set(first[:1]) - heads
+    return heads, inputs
+
+
 def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None,
                         input_layer: str = "adamw", input_names: Iterable[str] | None = None,
                         conv: str = "adamw"):
@@ -130,29 +159,7 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
     linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
     convs = [name for name, m in modules.items()
              if conv == "flatten" and isinstance(m, nn.modules.conv._ConvNd) and not m.transposed]
-
-    def named(names, what):
-        names = set([names] if isinstance(names, str) else names)
-        missing = sorted(names - modules.keys())
-        if missing:
-            raise ValueError(f"{what} not found among the model's modules: {missing}")
-        return names
-
-    marked = {role: {name for name, m in modules.items() if getattr(m, ROLE_ATTRIBUTE, None) == role}
-              for role in ROLES}
-    if head_names is not None:
-        heads = named(head_names, "head_names")
-    else:
-        heads = marked["output"] or set(linears[-1:])
-    if input_names is not None:
-        inputs = named(input_names, "input_names")
-    elif marked["input"]:
-        inputs = marked["input"] - heads
-    elif any(isinstance(m, nn.Embedding) for m in modules.values()):
-        inputs = set()
-    else:   # the first layer in module order (a convolution too, when convolutions go to Muon)
-        first = [name for name, m in modules.items() if name in linears or name in convs]
-        inputs = set(first[:1]) - heads
+    heads, inputs = _heads_and_inputs(modules, linears, convs, head_names, input_names)
     adamw_modules = heads | (inputs if input_layer == "adamw" else set())
 
     adamw_ids = {id(p) for name in adamw_modules for p in modules[name].parameters()}
@@ -291,24 +298,18 @@ class HybridOptimizer(Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        state_dict = {"optimizers": {n: opt.state_dict() for n, opt in self.optimizers.items()}}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        return state_dict
+        return with_state_dict_hooks(self, lambda: {"optimizers": {n: opt.state_dict() for n, opt in self.optimizers.items()}})
 
     def load_state_dict(self, state_dict) -> None:
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
+        with_load_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict) -> None:
         saved = state_dict["optimizers"]
         if saved.keys() != self.optimizers.keys():
             raise ValueError(f"state_dict has members {sorted(saved)}, "
                              f"this optimizer has {sorted(self.optimizers)}")
         for name, opt in self.optimizers.items():
             opt.load_state_dict(saved[name])
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def add_param_group(self, param_group) -> None:
         raise RuntimeError(

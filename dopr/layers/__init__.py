@@ -121,33 +121,81 @@ class CoverageEntry:
         return f"{self.name or '<root>'} ({self.type}): {self.status}: {what}"
 
 
+class _ModelMap:
+    """What :func:`find_layers` reads of ``model`` once, before its walk: who owns each parameter, every name a
+    module is held under, the modules whose forward computes with a functional weight and the parametrized ones.
+    A module held under several names (nn.ModuleList([blk] * 3), a siamese ``self.a = self.b = enc``) is one layer
+    called several times: one helper, one Sigma over all its uses. Only a parameter held by two different modules
+    (an embedding tied to the unembedding) is tied."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.owners: dict = {}    # id(parameter) -> {id(module): its first name}
+        self.aliases: dict = {}   # id(module) -> every name it is held under
+        for mname, module in model.named_modules(remove_duplicate=False):
+            self.aliases.setdefault(id(module), []).append(mname)
+            for p in module.parameters(recurse=False):
+                self.owners.setdefault(id(p), {}).setdefault(id(module), mname)
+        self.functional = {}
+        for mname, module in model.named_modules():
+            for cls, why in FUNCTIONAL_WEIGHTS.items():
+                if isinstance(module, cls):
+                    self.functional[mname] = why
+        # weight_norm / spectral_norm (torch.nn.utils.parametrizations, or the legacy hook): the weight is computed
+        # from other parameters, whose gradients are not the linear map's G that the AP acts on
+        self.parametrized = {name for name, m in model.named_modules()
+                             if isinstance(getattr(m, "weight", None), Tensor) and not isinstance(m.weight, nn.Parameter)
+                             and any(p.requires_grad for p in m.parameters())}
+        self.loras = lora_inputs(model)
+
+    def skip_reason(self, name: str, module: nn.Module, own: list, options: dict) -> Optional[str]:
+        """Why a module owning trainable parameters ``own`` is not preconditioned, before any helper is made for it:
+        frozen, named in skip_layers, inside a functional-weight module, a parametrization's, complex; else None."""
+        if not any(p.requires_grad for p in own):
+            return "frozen (no parameter requires grad)"
+        skip = next((k for k in options.get("skip_layers", ()) for a in self.aliases[id(module)]
+                     if a == k or a.startswith(k + ".") or type(module).__name__ == k), None)
+        if skip is not None:
+            return f"named in skip_layers ({skip!r}); its parameters go to the GP unchanged"
+        parent = next((f for f in self.functional if name == f or name.startswith(f + ".")), None)
+        if parent is not None:
+            return self.functional[parent]
+        owner = next((p for p in self.parametrized
+                      if name.startswith(f"{p}.parametrizations." if p else "parametrizations.")), None)
+        if owner is not None:
+            return (f"the parametrization of {owner or '<root>'}'s weight (its original parameters): to the GP "
+                    "unchanged")
+        complex_ = next((p.dtype for p in own if p.is_complex()), None)
+        if complex_ is not None:
+            return (f"complex parameters ({complex_}): the AP is for real weights (a complex input's Sigma "
+                    "is the Hermitian E[z z^H], which no solver factors); its parameters go to the GP unchanged")
+        return None
+
+    def helper(self, name: str, module: nn.Module, optimized: set, options: dict) -> Union[LayerHelper, str]:
+        """The module's helper, or why it has none: no preconditioner for its type, its factory's refusal, a tied
+        weight, a weight the base optimizer does not hold."""
+        found = self.loras.get(id(module))
+        factory = _factory_for(module) if found is None else partial(_lora_input, found=found)
+        if factory is None:
+            return f"no activation preconditioner for {type(module).__name__}; its parameters go to the GP unchanged"
+        helper = factory(module, name, options)
+        if isinstance(helper, str):
+            return helper
+        tied = [o for p in helper.parameters() for m, o in self.owners[id(p)].items() if m != id(module)]
+        if tied:
+            return (f"weight shared with {tied[0]} (tied): two different layers use it, with inputs of "
+                    "their own, and no one Sigma is theirs; its parameters go to the GP unchanged")
+        if any(id(p) not in optimized for p in helper.parameters()):
+            return "its weight is not in the base optimizer"
+        return helper
+
+
 def find_layers(model: nn.Module, optimized: set, options: dict):
     """Walk ``model``: (helpers, coverage) for every module owning trainable parameters."""
-    # a module held under several names (nn.ModuleList([blk] * 3), a siamese ``self.a = self.b = enc``) is one
-    # layer called several times: one helper, one Sigma over all its uses. Only a parameter held by two
-    # different modules (an embedding tied to the unembedding) is tied.
-    owners: dict = {}    # id(parameter) -> {id(module): its first name}
-    aliases: dict = {}   # id(module) -> every name it is held under
-    for mname, module in model.named_modules(remove_duplicate=False):
-        aliases.setdefault(id(module), []).append(mname)
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), {}).setdefault(id(module), mname)
-    functional = {}
-    for mname, module in model.named_modules():
-        for cls, why in FUNCTIONAL_WEIGHTS.items():
-            if isinstance(module, cls):
-                functional[mname] = why
-
-    # weight_norm / spectral_norm (torch.nn.utils.parametrizations, or the legacy hook): the weight is computed
-    # from other parameters, whose gradients are not the linear map's G that the AP acts on
-    parametrized = {name for name, m in model.named_modules()
-                    if isinstance(getattr(m, "weight", None), Tensor) and not isinstance(m.weight, nn.Parameter)
-                    and any(p.requires_grad for p in m.parameters())}
-    loras = lora_inputs(model)
+    model_map = _ModelMap(model)
     helpers, coverage = [], []
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
-        if name in parametrized:
+        if name in model_map.parametrized:
             coverage.append(CoverageEntry(name, type(module).__name__, "skipped", reason=(
                 "its weight is computed from other parameters (a parametrization such as weight_norm or "
                 "spectral_norm): their gradients are not the linear map's G the AP acts on, so they go to the GP "
@@ -157,48 +205,12 @@ def find_layers(model: nn.Module, optimized: set, options: dict):
             continue
         entry = CoverageEntry(name, type(module).__name__, "skipped")
         coverage.append(entry)
-        if not any(p.requires_grad for p in own):
-            entry.reason = "frozen (no parameter requires grad)"
+        found = model_map.skip_reason(name, module, own, options) or model_map.helper(name, module, optimized, options)
+        if isinstance(found, str):
+            entry.reason = found
             continue
-        skip = next((k for k in options.get("skip_layers", ()) for a in aliases[id(module)]
-                     if a == k or a.startswith(k + ".") or type(module).__name__ == k), None)
-        if skip is not None:
-            entry.reason = f"named in skip_layers ({skip!r}); its parameters go to the GP unchanged"
-            continue
-        parent = next((f for f in functional if name == f or name.startswith(f + ".")), None)
-        if parent is not None:
-            entry.reason = functional[parent]
-            continue
-        owner = next((p for p in parametrized if name.startswith(f"{p}.parametrizations." if p else "parametrizations.")),
-                     None)
-        if owner is not None:
-            entry.reason = (f"the parametrization of {owner or '<root>'}'s weight (its original parameters): to the GP "
-                            "unchanged")
-            continue
-        complex_ = next((p.dtype for p in own if p.is_complex()), None)
-        if complex_ is not None:
-            entry.reason = (f"complex parameters ({complex_}): the AP is for real weights (a complex input's Sigma "
-                            "is the Hermitian E[z z^H], which no solver factors); its parameters go to the GP unchanged")
-            continue
-        found = loras.get(id(module))
-        factory = _factory_for(module) if found is None else partial(_lora_input, found=found)
-        if factory is None:
-            entry.reason = f"no activation preconditioner for {type(module).__name__}; its parameters go to the GP unchanged"
-            continue
-        helper = factory(module, name, options)
-        if isinstance(helper, str):
-            entry.reason = helper
-            continue
-        tied = [o for p in helper.parameters() for m, o in owners[id(p)].items() if m != id(module)]
-        if tied:
-            entry.reason = (f"weight shared with {tied[0]} (tied): two different layers use it, with inputs of "
-                            "their own, and no one Sigma is theirs; its parameters go to the GP unchanged")
-            continue
-        if any(id(p) not in optimized for p in helper.parameters()):
-            entry.reason = "its weight is not in the base optimizer"
-            continue
-        entry.status, entry.mode, entry.dim = "preconditioned", helper.mode, helper.dim
-        helpers.append(helper)
+        entry.status, entry.mode, entry.dim = "preconditioned", found.mode, found.dim
+        helpers.append(found)
     return helpers, coverage
 
 

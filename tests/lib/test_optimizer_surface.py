@@ -324,3 +324,25 @@ def test_build_names_an_unexpected_keyword_and_the_option_it_resembles():
     with pytest.raises(TypeError) as err:
         dopr.build(_mlp(), "adamw")
     assert str(err.value) == "missing keyword lr for adamw (the learning rate)"
+
+
+def test_a_copy_pickled_before_the_refresh_object_held_empty_and_gathering_steps_on():
+    """A DoPr pickled when DoPr itself held ``empty`` and the capture's flag (its Refresh without them) loads, reports
+    stats() and steps to the same parameters as the live optimizer."""
+    _seed_globals(0)
+    model = _mlp()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _loss(model, 1).backward()
+    opt.step()
+    opt.zero_grad()
+    state = vars(opt.refresh)
+    saved = {k: state.pop(k) for k in ("empty", "gathering")}   # as pickled by the code before them
+    old = pickle.dumps(opt)
+    state.update(saved)
+    copied = pickle.loads(old)
+    assert copied.stats()["steps"] == opt.stats()["steps"]
+    for o in (opt, copied):
+        _loss(o.model, 2).backward()
+        o.step()
+    for a, b in zip(model.parameters(), copied.model.parameters()):
+        assert torch.equal(a, b)

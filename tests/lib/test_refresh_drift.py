@@ -120,7 +120,8 @@ def test_the_probe_is_the_quadratic_form_of_the_batch_sigma():
         assert torch.all((s - exact).abs() <= _rounding_bound(y, wt)), (s, exact)
 
 
-def test_a_resume_is_bit_identical_to_the_uninterrupted_run():
+@pytest.mark.parametrize("test", ["plain", "noise"])
+def test_a_resume_is_bit_identical_to_the_uninterrupted_run(test):
     k = 6
     xs = [_batches()] * 10                                     # stationary but for a's shift at step 3
     shifted = [(x[0] * torch.tensor([1, 1, 10, 1, 1, 1.0]), x[1]) if 3 <= i else x for i, x in enumerate(xs)]
@@ -130,7 +131,7 @@ def test_a_resume_is_bit_identical_to_the_uninterrupted_run():
             _step(model, opt, xa, xb)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    model, opt = _setup(k, lr=0.05)
+    model, opt = _setup(k, lr=0.05, drift_test=test)
     run(model, opt, shifted[:4])                                # step 3's change flags a: step 4 refreshes it
     assert opt.refresh.policy._pending == {"a"}
     buf = io.BytesIO()
@@ -139,7 +140,7 @@ def test_a_resume_is_bit_identical_to_the_uninterrupted_run():
 
     buf.seek(0)
     saved = torch.load(buf, weights_only=False)
-    model2, opt2 = _setup(k, lr=0.05)
+    model2, opt2 = _setup(k, lr=0.05, drift_test=test)
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     got = run(model2, opt2, shifted[4:])
@@ -212,3 +213,83 @@ def test_a_layer_solved_in_sample_space_is_probed_from_its_rows():
         opt.zero_grad()
     assert opt.stats()["sample_space_solves"] == 2
     assert gathered == [True, False, False, False, True, False]   # step 3's change refreshes at step 4
+
+
+# ---------------------------------------------------------------- drift_test="noise"
+def _fresh(step, n, scale_a=1.0):
+    """A batch of step `step` from one fixed distribution (a's input scaled by `scale_a` per column)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 6, generator=gen) * scale_a, torch.randn(n, 5, generator=gen)
+
+
+def _crossings(test, steps=30, n=64):
+    """Per layer, the steps whose probes passed the test (fresh stationary batches of n rows, cap 100)."""
+    model, opt = _setup(100, drift_test=test)
+    out = {"a": 0, "b": 0}
+    for step in range(steps):
+        _step(model, opt, *_fresh(step, n))
+        for name in opt.refresh.policy._pending:               # flagged by this step's probes
+            out[name] += 1
+    return out, opt
+
+
+def test_stationary_small_batches_cross_the_plain_test_and_not_the_noise_test():
+    """64 rows: s_j / r_j of two batches scatters by about sqrt(4 / 64) = 0.25, past the threshold 0.1; the noise
+    test holds |s_j / r_j - 1| against 0.1 + 3 standard errors and does not cross."""
+    plain, opt_plain = _crossings("plain")
+    noise, opt_noise = _crossings("noise")
+    assert plain == {"a": 15, "b": 15}                     # every probed step: refreshed every other step
+    assert noise == {"a": 0, "b": 0}
+    assert opt_plain.stats()["factorizations"] == 2 + sum(plain.values()) - 2   # step 29's flags: step 30, not run
+    assert opt_noise.stats()["factorizations"] == 2                      # step 0's, then the cap alone
+
+
+def test_the_noise_test_refreshes_an_abruptly_changed_layer_only():
+    model, opt = _setup(100, drift_test="noise")
+    for step in range(3):                                      # 0: refresh; 1: the reference pass; 2: probed
+        assert _step(model, opt, *_fresh(step, 256)) == (step == 0)
+    kept, old_a = opt.refresh.cache[("b",)], opt.refresh.cache[("a",)]
+    policy = opt.refresh.policy
+    assert policy.drift["a"] == 0.0 and policy.drift["b"] == 0.0   # inside the noise: no drift left
+    assert not _step(model, opt, *_fresh(3, 256, torch.tensor([1, 1, 10, 1, 1, 1.0])))   # a's column 2 ten times
+    assert policy.drift["a"] > opt.options.drift_threshold
+    assert policy.drift["b"] < opt.options.drift_threshold
+    assert opt.capture.collecting
+    assert _step(model, opt, *_fresh(4, 256, torch.tensor([1, 1, 10, 1, 1, 1.0])))
+    assert opt.refresh.cache[("a",)] is not old_a and opt.refresh.cache[("b",)] is kept
+    assert opt.stats()["factorizations"] == 2 + 1
+
+
+def test_the_noise_tests_standard_error_is_the_per_sample_one_in_float64():
+    """Rows grouped by sample (a Linear on (B, T, d): T rows per sample): the relative variance of s_j is
+    var_b(T_b) / (B mean_b(T_b)^2), T_b the sample's sum of (z w_j)^2, the unbiased variance over the B samples."""
+    from dopr.refresh_drift import _relvar
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = dopr.DoPr(model, torch.optim.SGD(model.parameters(), lr=0.0), refresh_policy="drift", precond_every=10,
+                    drift_test="noise")
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(40, 6, generator=gen)
+    model(x0).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    x = torch.randn(12, 5, 6, generator=gen) * torch.linspace(0.5, 3, 6)   # 12 samples of 5 rows
+    x[:, :, 0] += torch.randn(12, 1, generator=gen)                           # correlated within a sample
+    model(x).square().mean().backward()
+    policy = opt.refresh.policy
+    s_sum, rows, squares, samples = policy._acc[("",)] if ("",) in policy._acc else next(iter(policy._acc.values()))
+    assert (rows, samples) == (60, 12)
+    wt = next(iter(policy._probes.values()))[0].double()
+    z = torch.cat([x.double().reshape(60, 6), torch.ones(60, 1, dtype=torch.float64)], 1)
+    t = ((z @ wt.T) ** 2).reshape(12, 5, -1).sum(1)                           # T_b (12, r)
+    want = t.var(0) / (12 * t.mean(0) ** 2)
+    got = _relvar(s_sum.double(), squares.double(), torch.tensor([float(samples)], dtype=torch.float64))
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    iid = (((z @ wt.T) ** 4).mean(0) / ((z @ wt.T) ** 2).mean(0) ** 2 - 1) / 60   # rows taken as independent
+    assert not torch.allclose(got, iid, rtol=0.1)                             # the grouping matters here
+    opt.zero_grad()
+    policy.gathers(2)                                      # the fold: the first pass is the reference
+    probe = next(iter(policy._probes.values()))
+    assert torch.allclose(probe[2], want, rtol=1e-5) and probe[3] == 60
+    assert torch.allclose(probe[1].double(), (z @ wt.T).square().mean(0), rtol=1e-5)
