@@ -1,6 +1,6 @@
 """A tuning arm as a record (gp, ap, variant): the GP, whether DoPr wraps it, and which of its chosen settings
 ("": its own winner; "at_gp_setting": DoPr at its GP's whole winning setting). The names in summary.json
-("optim") and in selection.json / conf_selected/tuned/ are derived from it, and read back into it by :meth:`Arm.read`,
+("optim") and in selection.json / conf/tuned/ are derived from it, and read back into it by :meth:`Arm.read`,
 so the committed selections keep resolving."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """Its name in selection.json and conf_selected/tuned/: the runs' name, then the variant's."""
+        """Its name in selection.json and conf/tuned/: the runs' name, then the variant's."""
         return f"{self.optim}_{self.variant}" if self.variant else self.optim
 
     def but(self, **fields) -> "Arm":

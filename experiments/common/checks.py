@@ -283,17 +283,17 @@ def discard_fresh_folder(folder: Path) -> None:
 
 
 def _group_dirs(conf: Path, group: str) -> list:
-    """The folders of a config group over the config roots (conf/, conf_selected/: experiments/common/presets.py)."""
+    """The folders of a config group over the config roots (conf/, conf_handwritten/: experiments/common/presets.py)."""
     return [r / group for r in roots(conf) if (r / group).is_dir()]
 
 
 def _where(conf: Path, group: str) -> str:
-    """A group's folder(s) as a message names them: conf/tuned/sit_digits/, conf_selected/tuned/sit_mnist_protocol/."""
+    """A group's folder(s) as a message names them: conf_handwritten/tuned/sit_digits/, conf/tuned/sit_mnist_protocol/."""
     return " and ".join(f"{d.relative_to(conf.parent)}/" for d in _group_dirs(conf, group)) or f"conf/{group}/"
 
 
 def refuse_unknown_group(argv: list, conf: Path) -> None:
-    """`+tuned/sit_mnist=adamw`: a config group path (with a /) that no config root (conf/, conf_selected/)
+    """`+tuned/sit_mnist=adamw`: a config group path (with a /) that no config root (conf/, conf_handwritten/)
     has, which Hydra takes for a key; refused naming the close groups (tuned/sit_mnist_protocol). A command
     that adds a config search path (hydra.searchpath) is left to Hydra."""
     if any(a.startswith("hydra.searchpath") for a in argv):

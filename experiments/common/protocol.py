@@ -9,8 +9,7 @@ the task's preset conf/protocol/<task>.yaml (data, not a Hydra config group):
 
 tune: `run.py -m` over each arm's grid on the tuning seeds; refine: `run.py -m` over the refinement points of each
 arm's coarse winner (tuning.refinement; the preset's `select: {refine_axes, refine_above}`), nothing where none is due;
-select: `tuning select` over the tune and refine sweeps, writing conf_selected/tuned/<configs>/ (the tool's presets,
-the config group `tuned` as conf/tuned/'s hand-written ones are: experiments/common/presets.py)
+select: `tuning select` over the tune and refine sweeps, writing conf/tuned/<configs>/
 and <results>/selection.*; protocol: every config select wrote, on the fresh seeds; report: `tuning report`.
 Sweeps go to multirun/protocol/<task>[/<variant>]/<stage>/<arm>, every launch with skip_finished=true, so a
 stage resumes where it stopped. An arm a variant leaves as the task has it tunes in the task's own folder (its
@@ -18,7 +17,7 @@ jobs are shared). `--dry-run` prints the command lines, then (as `# ` lines) how
 long they take (the median committed run time per job of the task and arm, naming the files it read) and the
 folders the stage writes, and runs and writes nothing, before the earlier stages ran too. Other arguments pass
 through (to Hydra for tune, refine and protocol, to tuning.py for select and report). `--root` puts multirun/,
-conf_selected/tuned/ and results/ under another folder (the tests' temporary one).
+conf/tuned/ and results/ under another folder (the tests' temporary one).
 
 A study variant (`study: {axis, values, arms}`, `from: <variant>`; docs/protocol.md "A study at the committed
 setting") tunes and selects nothing: `protocol` runs the reused selection's configs of those arms at every value of
@@ -40,7 +39,7 @@ import yaml
 
 from . import tuning
 from .arms import AT_GP_SETTING, Arm
-from .presets import SELECTED_ROOT, refuse_hand_written
+from .presets import refuse_hand_written
 from .report import load_records
 from .tuning import override_text
 
@@ -71,8 +70,7 @@ def _known(spec: dict, keys: tuple, where: str) -> None:
 
 def resolve(preset: dict, variant: str = None) -> dict:
     """The protocol one (preset, variant) runs: its keys with the variant's merged in, and per arm
-    {preset: its +tuned/<tuned> config (conf/tuned/, or conf_selected/tuned/ for a selection's), overrides: fixed
-    values, grid: {axis: [values]}}."""
+    {preset: its +tuned/<tuned> config, overrides: fixed values, grid: {axis: [values]}}."""
     spec = {k: v for k, v in preset.items() if k != "variants"}
     if variant:
         variants = preset.get("variants") or {}
@@ -100,7 +98,7 @@ def resolve(preset: dict, variant: str = None) -> dict:
 
 def _study(preset: dict, spec: dict, variant: str) -> dict:
     """A study variant (`study: {axis, values, arms}`, optionally `from: <variant>`): nothing tuned or selected; its
-    arms start from the conf_selected/tuned/ configs of the selection it reuses (the task's own, or the variant `from`
+    arms start from the conf/tuned/ configs of the selection it reuses (the task's own, or the variant `from`
     names), each with the axis as its grid on the fresh seeds; its tables go to its own `results` (default
     results/<task>/<variant>)."""
     where = f"{spec['task']} variant {variant}"
@@ -174,10 +172,10 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
     count)], writes: [(folder, what it holds)], notes: [lines]}. A stage whose earlier stage has not run is
     refused, except in a dry run, which shows the commands that stage would leave (and says so)."""
     run = ["python", "run.py", "-m", f"task={spec['task']}"]
-    after = ["skip_finished=true"] + ([f"hydra.searchpath=[file://{root / SELECTED_ROOT}]"] if root != CHECKOUT else [])
+    after = ["skip_finished=true"] + ([f"hydra.searchpath=[file://{root / 'conf'}]"] if root != CHECKOUT else [])
     stage_dir = root / "multirun" / "protocol" / spec["task"] / (spec["variant"] or "") / "protocol"
-    configs, results = root / SELECTED_ROOT / "tuned" / spec["configs"], root / spec["results"]
-    refuse_hand_written(configs, _expected_chosen(spec, list(spec["arms"])))   # `configs`: not a conf/tuned/ group
+    configs, results = root / "conf" / "tuned" / spec["configs"], root / spec["results"]
+    refuse_hand_written(configs, _expected_chosen(spec, list(spec["arms"])))   # `configs`: not a hand-written group
     notes = []
 
     def missing(message, instead):
@@ -245,7 +243,7 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
 
 
 def _arm_args(spec: dict, arm: dict) -> list:
-    """The overrides that make a job one arm's: its +tuned preset and its fixed values."""
+    """The overrides that make a job one arm's: its conf/tuned preset and its fixed values."""
     return [f"+tuned/{spec['tuned']}={arm['preset']}", *(f"{k}={override_text(v)}" for k, v in arm["overrides"].items())]
 
 
@@ -331,7 +329,7 @@ def _study_plan(stage: str, spec: dict, arms: list, root: Path, run: list, after
                 missing, notes: list) -> dict:
     """plan() of a study variant: tune and select refused (it reuses a selection); protocol: each arm's committed
     config at every value of the axis on the fresh seeds; report: `experiments.common.study`, its tables."""
-    configs, selection = root / SELECTED_ROOT / "tuned" / spec["configs"], root / spec["selection"] / "selection.json"
+    configs, selection = root / "conf" / "tuned" / spec["configs"], root / spec["selection"] / "selection.json"
     if stage in ("tune", "refine", "select"):
         raise ValueError(f"{spec['task']} variant {spec['variant']} is a study at the committed setting: nothing to "
                          f"{stage}, it reuses the selection {_where(selection)} ({_where(configs)}); run its protocol "
@@ -463,7 +461,7 @@ def main(argv=None) -> None:
     p.add_argument("--arms", help="only these arms, comma-separated (e.g. one arm a process)")
     p.add_argument("--dry-run", action="store_true", help="print the command lines, the job count, the time "
                    "estimate and the folders the stage writes; run and write nothing")
-    p.add_argument("--root", type=Path, default=CHECKOUT, help="where multirun/, conf_selected/tuned/, results/ go")
+    p.add_argument("--root", type=Path, default=CHECKOUT, help="where multirun/, conf/tuned/, results/ go")
     args, extra = p.parse_known_args(argv)
     try:
         preset = load(args.task)

@@ -2,7 +2,7 @@
 jobs (their multirun folders are not committed) and without running anything.
 
 For each committed results/**/selection.json: the winners at the edge of a numeric axis (two-value
-axes included), and for each committed DoPr-at-the-GP preset (conf_selected/tuned/*_protocol/*_at_gp*.yaml)
+axes included), and for each committed DoPr-at-the-GP preset (conf/tuned/*_protocol/*_at_gp*.yaml)
 the keys of the GP's winning setting it failed to copy. The GP's and DoPr's winning configs are
 composed with Hydra from the protocol sweep and each arm's recorded overrides, which stands in for
 the tuning jobs' .hydra/config.yaml.
@@ -21,7 +21,6 @@ from pathlib import Path
 import yaml
 
 from experiments.common import tuning
-from experiments.common.presets import SELECTED_ROOT
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -45,9 +44,9 @@ def _flat(node: dict, prefix: str = "") -> dict:
 
 
 def committed() -> list:
-    """[(selection.json, conf_selected/tuned/<group>, the select command)] from the presets' notes."""
+    """[(selection.json, conf/tuned/<group>, the select command)] from the presets' notes."""
     found = {}
-    for preset in sorted((ROOT / SELECTED_ROOT).glob("tuned/*_protocol/*.yaml")):
+    for preset in sorted(CONF.glob("tuned/*_protocol/*.yaml")):
         text = preset.read_text()
         see = re.search(r"see (\S+)/selection\.md", text)
         made = re.search(r"made by: (.*)", text)

@@ -36,11 +36,7 @@ get the same budget and no reported seed took part in the choice.
    setting, seed, `fixed`: one of the fixed fresh seeds or not, the metrics, wall time, revision).
 
     python -m experiments.common.tuning select multirun/<tune gp> multirun/<tune dopr> \
-        [--refined multirun/<refine gp> ...] --configs conf_selected/tuned/<group> --out results/<task>/protocol
-
-The presets go to conf_selected/tuned/<group>/ (experiments/common/presets.py): the config group `tuned`, as the
-hand-written ones in conf/tuned/ are, in a config root of their own; `--configs conf/tuned/<group>` (as the
-committed presets' `made by:` lines say) means that folder, and a group that conf/tuned/ has is refused.
+        [--refined multirun/<refine gp> ...] --configs conf/tuned/<group> --out results/<task>/protocol
     python -m experiments.common.tuning report multirun/<fresh> \
         --selection results/<task>/protocol/selection.json --out results/<task>/protocol
 """
@@ -61,7 +57,7 @@ from dopr.options import DoPrOptions
 
 from .arms import AT_GP_SETTING, Arm
 from .optim import optim_name
-from .presets import MARK, refuse_hand_written, selected_folder
+from .presets import refuse_hand_written
 from .report import load_records, make_stamp, write_table
 
 # overrides that say where or how a job ran, not what it trained: never part of a setting
@@ -607,11 +603,9 @@ def settings_count(arm: dict) -> str:
 
 
 def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None, command: str = "") -> None:
-    """selection.json / .md / .csv into `out`, and one preset per chosen setting into `configs` (a
-    conf_selected/tuned/<group> folder; conf/tuned/<group> names the same, presets.selected_folder). A group
-    that conf/tuned/ has (hand-written presets) is refused before anything is written."""
+    """selection.json / .md / .csv into `out`, and one preset per chosen setting into `configs` (a conf/tuned/<group>
+    folder). A group that conf_handwritten/tuned/ has (hand-written presets) is refused before anything is written."""
     if configs is not None:
-        configs = selected_folder(configs)
         refuse_hand_written(configs, list(chosen_settings(selection)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
@@ -640,7 +634,7 @@ def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None
             if name != twin and _same_settings(overrides, chosen[twin]):
                 (configs / f"{name}.yaml").unlink(missing_ok=True)  # DoPr chose the GP's setting: nothing new to run
                 continue
-            note = (f"{name}: {MARK} on seeds "
+            note = (f"{name}: chosen by the tuning protocol (experiments/common/tuning.py) on seeds "
                     f"{selection['seeds']} by {selection['metric']} ({selection['mode']}); see {out / 'selection.md'}\n"
                     f"made by: {command}")
             if name != twin:
@@ -835,10 +829,9 @@ def task_tuning(records: list) -> dict:
 
 
 def fresh_seeds_of(configs: Path) -> tuple:
-    """(seeds, source): the `seed` of the protocol sweep that runs this conf_selected/tuned/<group> folder
-    (conf/sweep/*.yaml beside it with a `+tuned/<group>` parameter), or (None, None)."""
-    configs = selected_folder(configs)
-    for preset in sorted((configs.parent.parent.parent / "conf" / "sweep").glob("*.yaml")):
+    """(seeds, source): the `seed` of the protocol sweep that runs this conf/tuned/<group> folder
+    (conf/sweep/*.yaml with a `+tuned/<group>` parameter), or (None, None)."""
+    for preset in sorted((configs.parent.parent / "sweep").glob("*.yaml")):
         params = OmegaConf.select(OmegaConf.load(preset), "hydra.sweeper.params") or {}
         if any(k.lstrip("+") == f"tuned/{configs.name}" for k in params) and "seed" in params:
             return seed_list(str(params["seed"])), str(preset)
@@ -860,8 +853,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="where selection.* / protocol.* go")
     p.add_argument("--metric", help="default: the task's task.tuning.metric")
     p.add_argument("--mode", choices=["min", "max"], help="default: the task's task.tuning.mode")
-    p.add_argument("--configs", help="select: write one tuned config per arm into this conf_selected/tuned/<group> "
-                                     "folder (conf/tuned/<group> names the same; a hand-written group is refused)")
+    p.add_argument("--configs", help="select: write one tuned config per arm into this conf/tuned/<group> folder")
     p.add_argument("--selection", help="report: the selection.json that chose the settings")
     p.add_argument("--allow-unequal", action="store_true", help="select: accept unequal trial counts per pair")
     p.add_argument("--accept-edge", metavar="REASON",
@@ -897,7 +889,7 @@ def main(argv=None) -> None:
                 fresh_seeds_of(Path(args.configs)) if args.configs else (None, None))
             if seeds is None:
                 raise ValueError("no fresh-seed list to fix: pass --seeds (e.g. 3,4,5; `python -m experiments.common."
-                                 "protocol select <task>` passes its preset's) or --configs conf_selected/tuned/<group> of a "
+                                 "protocol select <task>` passes its preset's) or --configs conf/tuned/<group> of a "
                                  "sweep that sets seed")
             gp_from = None
             if args.gp_from:
@@ -911,9 +903,6 @@ def main(argv=None) -> None:
                          args.refine_above, args.skip_refine, refine)
             sel["fresh_seeds_from"] = source
             write_selection(sel, out, stamp, Path(args.configs) if args.configs else None, command)
-            if args.configs and selected_folder(Path(args.configs)) != Path(args.configs):
-                print(f"--configs {args.configs}: the tool's presets are in {selected_folder(Path(args.configs))} "
-                      "(conf/tuned/ holds the hand-written ones); written there")
             for arm, a in sel["arms"].items():
                 edge = f"; at the grid's edge: {describe_edges([{'arm': arm, **e} for e in a['at_grid_edge']])}" \
                     if a["at_grid_edge"] else ""

@@ -133,7 +133,7 @@ def test_the_sweep_summary_counts_the_jobs_of_a_glob_over_the_tuned_presets(comp
     with open_dict(sweep):   # what the protocol stage's sweeps did as a preset (conf/sweep/sit_mnist_protocol.yaml)
         sweep.hydra.sweeper.params = {"+tuned/sit_mnist_protocol": "glob(*)", "seed": "3,4,5"}
     jobs = sweep_jobs(sweep)
-    presets = sorted(p.stem for p in (ROOT / "conf_selected" / "tuned" / "sit_mnist_protocol").glob("*.yaml"))
+    presets = sorted(p.stem for p in (ROOT / "conf" / "tuned" / "sit_mnist_protocol").glob("*.yaml"))
     assert len(jobs) == 3 * len(presets)   # seeds 3, 4, 5 x every preset the selection wrote
     assert sorted({o for job in jobs for o in job if o.startswith("+tuned/")}) == \
         [f"+tuned/sit_mnist_protocol={p}" for p in presets]

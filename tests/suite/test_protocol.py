@@ -122,7 +122,7 @@ def _preset_jobs(task: str, stage: str) -> dict:
         return out
     assert not raw.get("fresh_axes")
     out = {}
-    for config in (ROOT / "conf_selected" / "tuned" / raw["configs"]).glob("*.yaml"):
+    for config in (ROOT / "conf" / "tuned" / raw["configs"]).glob("*.yaml"):
         arm = config.stem.removesuffix("_at_gp_setting")
         out[arm] = out.get(arm, 0) + len(raw["fresh_seeds"])
     return out
@@ -151,10 +151,10 @@ def test_every_stages_dry_run_says_jobs_time_and_folders_and_writes_nothing(caps
     pytest.importorskip("hydra")
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "keep.md").write_text("unchanged\n")
-    before, git = _tree(tmp_path), ["git", "-C", str(ROOT), "status", "--porcelain", "--", "results", "conf", "conf_selected"]
+    before, git = _tree(tmp_path), ["git", "-C", str(ROOT), "status", "--porcelain", "--", "results", "conf"]
     status = subprocess.run(git, capture_output=True, text=True).stdout
     results = tmp_path / "results" / "peers" / "humanoid"
-    configs = tmp_path / "conf_selected" / "tuned" / "humanoid_peers_protocol"
+    configs = tmp_path / "conf" / "tuned" / "humanoid_peers_protocol"
     for stage in protocol.STAGES:
         protocol.main([stage, "humanoid", "--dry-run", "--root", str(tmp_path)])   # returns: exit status 0
         out = capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_a_bad_task_variant_arm_or_axis_is_refused_in_one_line_naming_it(tmp_pat
     _fails(["tune", str(bad), "--dry-run"], "unknown key 'grids'")
     # the fresh seeds before any selection: nothing to run, and the stage to run first named (a dry run shows them)
     _fails(["protocol", "sit_digits", "--root", str(tmp_path)],
-           f"{tmp_path}/conf_selected/tuned/sit_digits_protocol holds no selected config of the arms adamw, dopr_adamw: run "
+           f"{tmp_path}/conf/tuned/sit_digits_protocol holds no selected config of the arms adamw, dopr_adamw: run "
            "select first")
 
 
@@ -267,7 +267,7 @@ def test_a_tiny_protocol_runs_tune_select_protocol_report(tmp_path):
     sel = json.loads((tmp_path / "results" / "toy" / "selection.json").read_text())
     assert sel["fresh_seeds"] == [1] and set(sel["arms"]) == {"sgd", "dopr_sgd"}
     assert "| chosen |" in (tmp_path / "results" / "toy" / "selection.md").read_text()
-    chosen = {p.stem for p in (tmp_path / "conf_selected" / "tuned" / "toy_protocol").glob("*.yaml")}
+    chosen = {p.stem for p in (tmp_path / "conf" / "tuned" / "toy_protocol").glob("*.yaml")}
     assert {"sgd", "dopr_sgd"} <= chosen
     _stage("protocol", str(toy), *root)
     fresh = [json.loads(p.read_text()) for p in (tmp_path / "multirun" / "protocol" / "feature_learning" / "protocol")
@@ -318,7 +318,7 @@ def test_the_refine_stages_dry_run_prints_the_midpoints_of_each_coarse_winners_w
     out = capsys.readouterr().out
     assert _commands(out) == [
         f"python run.py -m task=feature_learning +tuned/feature_learning=soap ap.damping_mode=trace optim.lr={point} "
-        f"seed=0 skip_finished=true 'hydra.searchpath=[file://{tmp_path}/conf_selected]' "
+        f"seed=0 skip_finished=true 'hydra.searchpath=[file://{tmp_path}/conf]' "
         f"hydra.sweep.dir={tune}/peers/refine/soap"]
     assert "# jobs: 1 (soap 1) in 1 run.py sweep" in out
     assert "# adamw: no refinement: optim.lr=0.03: nearest neighbours within 3.5x (0.01 3x, 0.1 3.33x)" in out

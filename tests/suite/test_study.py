@@ -14,7 +14,7 @@ import yaml
 from experiments.common import protocol, study
 
 ROOT = Path(__file__).resolve().parents[2]
-#: task: (the reused selection's conf_selected/tuned/ group, its results folder, the fresh seeds, overrides every job shares)
+#: task: (the reused selection's conf/tuned/ group, its results folder, the fresh seeds, overrides every job shares)
 STALENESS = {
     "feature_learning": ("feature_learning_protocol", "results/feature_learning/protocol", list(range(1, 11)),
                          ["ap.damping_mode=trace"]),
@@ -38,7 +38,7 @@ def test_the_staleness_study_runs_the_committed_config_at_every_k_on_the_fresh_s
     [line] = [l for l in out.splitlines() if not l.startswith("#")]
     words = shlex.split(line)
     assert words[:5] == ["python", "run.py", "-m", f"task={task}", f"+tuned/{configs}=dopr_adamw"], line
-    assert (ROOT / "conf_selected" / "tuned" / configs / "dopr_adamw.yaml").is_file()
+    assert (ROOT / "conf" / "tuned" / configs / "dopr_adamw.yaml").is_file()
     assert words[5:5 + len(shared)] == shared, line
     assert f"ap.precond_every={','.join(map(str, K))}" in words and f"seed={','.join(map(str, seeds))}" in words
     assert "skip_finished=true" in words

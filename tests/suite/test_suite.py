@@ -205,7 +205,7 @@ def test_slurm_launcher_without_partition_names_the_missing_field(tmp_path):
 
 # ------------------------------------------------------------------------- every preset composes
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
-#: the `tuned` presets over both config roots: conf/tuned/ (hand-written), conf_selected/tuned/ (the tuning protocol's)
+#: the `tuned` presets over both config roots: conf/tuned/ (the tuning protocol's), conf_handwritten/tuned/ (hand-written)
 TUNED_FILES = {f"{p.parent.name}/{p.stem}": p for r in roots(CONF) for p in (r / "tuned").glob("*/*.yaml")}
 TUNED = sorted(TUNED_FILES)
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",

@@ -82,7 +82,7 @@ def _run(*args, timeout=600):
 
 @pytest.mark.slow
 def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_path):
-    tune, fresh, out, conf = tmp_path / "tune", tmp_path / "fresh", tmp_path / "out", tmp_path / "conf_selected"
+    tune, fresh, out, conf = tmp_path / "tune", tmp_path / "fresh", tmp_path / "out", tmp_path / "conf"
     _run("run.py", "-m", "task=feature_learning", "debug=default", "+tuned/feature_learning=sgd,dopr_sgd",
          "optim.lr=1e-3,1e-2", "ap.damping_mode=trace", "seed=0", f"hydra.sweep.dir={tune}")
     sel_run = _run("-m", "experiments.common.tuning", "select", str(tune), "--out", str(out),
@@ -102,7 +102,7 @@ def test_the_protocol_end_to_end_tune_select_rerun_on_fresh_seeds_report(tmp_pat
     assert "| chosen |" in (out / "selection.md").read_text()
 
     _run("run.py", "-m", "task=feature_learning", "debug=default", f"hydra.searchpath=[file://{conf}]",
-         # what `glob(*)` gives in the group (Hydra's glob does not list a group from a command-line searchpath)
+         # what `glob(*)` gives in conf/ (Hydra's glob does not list a group from a command-line searchpath)
          "+tuned/fl=" + ",".join(sorted(p.stem for p in (conf / "tuned" / "fl").iterdir())), "seed=1,2",
          f"hydra.sweep.dir={fresh}")
     rerun = [json.loads(p.read_text()) for p in fresh.rglob("summary.json")]
@@ -230,7 +230,7 @@ def test_accept_edge_writes_the_presets_and_records_the_reason_and_the_edges(tmp
     assert sel["accept_edge"]["reason"] == "grid fixed by the paper's two values"
     assert {(e["arm"], e["axis"], e["value"]) for e in sel["accept_edge"]["edges"]} == {
         ("adamw", "optim.weight_decay", "0.1"), ("dopr_adamw", "ap.damping", "1e-4"), ("dopr_adamw", "optim.lr", "1e-2")}
-    conf = tmp_path / "conf_selected" / "tuned" / "toy_protocol"
+    conf = tmp_path / "conf" / "tuned" / "toy_protocol"
     tuning.write_selection(sel, tmp_path / "out", "stamp", conf, "cmd")
     saved = json.loads((tmp_path / "out" / "selection.json").read_text())
     assert saved["accept_edge"] == json.loads(json.dumps(sel["accept_edge"]))
@@ -242,20 +242,21 @@ def test_accept_edge_writes_the_presets_and_records_the_reason_and_the_edges(tmp
     assert "(--accept-edge): grid fixed by the paper's two values" in (conf / "adamw.yaml").read_text()
 
 
-def test_select_writes_its_presets_to_conf_selected_and_refuses_a_hand_written_group(tmp_path, capsys):
-    """Issue 75 item 7: the tool's presets go to conf_selected/tuned/<group> (conf/tuned/<group>, as the committed
-    presets' `made by:` commands say, names the same folder); a group that conf/tuned/ has is refused, naming both
-    files, before anything is written."""
+def test_select_refuses_a_hand_written_group_naming_both_files(tmp_path):
+    """Issue 75 item 7: the tool writes conf/tuned/<group>; a group that conf_handwritten/tuned/ has (the hand-
+    written presets) is refused, naming both files, before anything is written."""
     sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
     tuning.write_selection(sel, tmp_path / "out", "stamp", tmp_path / "conf" / "tuned" / "toy_protocol", "cmd")
-    assert sorted(p.name for p in (tmp_path / "conf_selected" / "tuned" / "toy_protocol").iterdir()) == \
+    assert sorted(p.name for p in (tmp_path / "conf" / "tuned" / "toy_protocol").iterdir()) == \
         ["adamw.yaml", "dopr_adamw.yaml", "dopr_adamw_at_gp_setting.yaml"]
-    assert not (tmp_path / "conf").exists()
-    with pytest.raises(ValueError) as refused:   # conf/tuned/sft/adamw.yaml: the paper's SFT settings
-        tuning.write_selection(sel, tmp_path / "out2", "stamp", tmp_path / "conf_selected" / "tuned" / "sft", "cmd")
-    assert (f"{tmp_path}/conf_selected/tuned/sft/adamw.yaml would share the config group tuned/sft with the "
-            "hand-written conf/tuned/sft/adamw.yaml") in str(refused.value)
-    assert not (tmp_path / "out2").exists() and not (tmp_path / "conf_selected" / "tuned" / "sft").exists()
+    from experiments.common.presets import MARK   # the note test_conf_handwritten.py looks for
+
+    assert MARK in (tmp_path / "conf" / "tuned" / "toy_protocol" / "adamw.yaml").read_text()
+    with pytest.raises(ValueError) as refused:   # conf_handwritten/tuned/sft/adamw.yaml: the paper's SFT settings
+        tuning.write_selection(sel, tmp_path / "out2", "stamp", tmp_path / "conf" / "tuned" / "sft", "cmd")
+    assert (f"{tmp_path}/conf/tuned/sft/adamw.yaml would share the config group tuned/sft with the "
+            "hand-written conf_handwritten/tuned/sft/adamw.yaml") in str(refused.value)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "conf" / "tuned" / "sft").exists()
 
 
 def test_dopr_at_the_gps_setting_copies_the_gps_whole_winning_setting_and_keeps_dopr_knobs(tmp_path):
@@ -292,11 +293,9 @@ def test_select_fixes_the_fresh_seeds_from_the_protocol_sweep_or_seeds(tmp_path)
     (tmp_path / "conf" / "sweep").mkdir(parents=True)
     (tmp_path / "conf" / "sweep" / "toy_protocol.yaml").write_text(
         "hydra:\n  sweeper:\n    params:\n      +tuned/toy_protocol: glob(*)\n      seed: range(1,11)\n")
-    seeds, source = tuning.fresh_seeds_of(tmp_path / "conf_selected" / "tuned" / "toy_protocol")
+    seeds, source = tuning.fresh_seeds_of(tmp_path / "conf" / "tuned" / "toy_protocol")
     assert seeds == list(range(1, 11)) and source.endswith("toy_protocol.yaml")
-    # the folder as the committed presets' `made by:` commands name it (before conf_selected/): the same group
-    assert tuning.fresh_seeds_of(tmp_path / "conf" / "tuned" / "toy_protocol") == (seeds, source)
-    assert tuning.fresh_seeds_of(tmp_path / "conf_selected" / "tuned" / "other") == (None, None)
+    assert tuning.fresh_seeds_of(tmp_path / "conf" / "tuned" / "other") == (None, None)
     assert tuning.seed_list("3,4,5") == [3, 4, 5] and tuning.seed_list("7") == [7]
     sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[5, 3, 4])
     assert sel["fresh_seeds"] == [3, 4, 5]
