@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .presets import roots
+
 
 class ConfigError(ValueError):
     """A configuration mistake: run.py prints its message alone (DOPR_TRACEBACK=1 shows the traceback)."""
@@ -280,29 +282,40 @@ def discard_fresh_folder(folder: Path) -> None:
         shutil.rmtree(sweep)
 
 
+def _group_dirs(conf: Path, group: str) -> list:
+    """The folders of a config group over the config roots (conf/, conf_handwritten/: experiments/common/presets.py)."""
+    return [r / group for r in roots(conf) if (r / group).is_dir()]
+
+
+def _where(conf: Path, group: str) -> str:
+    """A group's folder(s) as a message names them: conf_handwritten/tuned/sit_digits/, conf/tuned/sit_mnist_protocol/."""
+    return " and ".join(f"{d.relative_to(conf.parent)}/" for d in _group_dirs(conf, group)) or f"conf/{group}/"
+
+
 def refuse_unknown_group(argv: list, conf: Path) -> None:
-    """`+tuned/sit_mnist=adamw`: a config group path (with a /) that conf/ does not have, which Hydra
-    takes for a key; refused naming the close groups (tuned/sit_mnist_protocol). A command that adds a
-    config search path (hydra.searchpath) is left to Hydra."""
+    """`+tuned/sit_mnist=adamw`: a config group path (with a /) that no config root (conf/, conf_handwritten/)
+    has, which Hydra takes for a key; refused naming the close groups (tuned/sit_mnist_protocol). A command
+    that adds a config search path (hydra.searchpath) is left to Hydra."""
     if any(a.startswith("hydra.searchpath") for a in argv):
         return
     for arg in argv:
         group = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
         if arg.startswith("-") or "=" not in arg or "/" not in group or group.startswith("hydra/") or \
-                (conf / group).is_dir():
+                _group_dirs(conf, group):
             continue
         parent = group.rsplit("/", 1)[0]
-        groups = sorted(str(d.relative_to(conf)) for d in (conf / parent).glob("*") if d.is_dir())
+        groups = sorted({str(d.relative_to(r)) for r in roots(conf) for d in (r / parent).glob("*") if d.is_dir()})
         leaf = {g.rsplit("/", 1)[-1]: g for g in groups}
         close = ([g for g in groups if g.startswith(group)] or
                  [leaf[n] for n in difflib.get_close_matches(group.rsplit("/", 1)[-1], leaf, n=3, cutoff=0.6)])
         hint = (f"did you mean {' or '.join(close[:3])}{' or ...' if len(close) > 3 else ''}?" if close else
-                f"the groups under {parent}/ are in conf/{parent}/" if groups else f"conf/{parent}/ does not exist either")
+                f"the groups under {parent}/ are in {_where(conf, parent)}" if groups else
+                f"conf/{parent}/ does not exist either")
         raise ConfigError(f"{arg}: no config group {group} (conf/{group}/ does not exist; {hint})")
 
 
 def _options(conf: Path, group: str) -> list:
-    return sorted(f.stem for f in (conf / group).glob("*.yaml"))
+    return sorted({f.stem for d in _group_dirs(conf, group) for f in d.glob("*.yaml")})
 
 
 def _values(override, conf: Path):
@@ -315,7 +328,7 @@ def _values(override, conf: Path):
         matched = value.filter(_options(conf, group))
         if not matched:
             raise ConfigError(f"{override.input_line}: the glob matches no option of "
-                              f"conf/{group}/ (it has {', '.join(_options(conf, group)) or 'none'})")
+                              f"{_where(conf, group)} (it has {', '.join(_options(conf, group)) or 'none'})")
         return matched
     if override.is_sweep_override():
         return override.sweep_string_iterator()
@@ -327,14 +340,14 @@ def refuse_unknown_option(parsed: list, conf: Path) -> None:
     naming the close one (Hydra lists the group's every option instead)."""
     for o in parsed:
         group = o.key_or_group.lstrip("+~")
-        if o.is_delete() or group.startswith("hydra/") or not (conf / group).is_dir():
+        if o.is_delete() or group.startswith("hydra/") or not _group_dirs(conf, group):
             continue
         for value in _values(o, conf):
-            if value is None or (conf / group / f"{value}.yaml").is_file():
+            if value is None or any((d / f"{value}.yaml").is_file() for d in _group_dirs(conf, group)):
                 continue
             close = difflib.get_close_matches(str(value), _options(conf, group), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"its options: {', '.join(_options(conf, group))}"
-            raise ConfigError(f"{o.input_line}: conf/{group}/ has no option {value} ({hint})")
+            raise ConfigError(f"{o.input_line}: {_where(conf, group)} has no option {value} ({hint})")
 
 
 def suggest_key(argv: list, conf: Path) -> None:

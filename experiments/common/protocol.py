@@ -39,6 +39,7 @@ import yaml
 
 from . import tuning
 from .arms import AT_GP_SETTING, Arm
+from .presets import refuse_hand_written
 from .report import load_records
 from .tuning import override_text
 
@@ -69,7 +70,7 @@ def _known(spec: dict, keys: tuple, where: str) -> None:
 
 def resolve(preset: dict, variant: str = None) -> dict:
     """The protocol one (preset, variant) runs: its keys with the variant's merged in, and per arm
-    {preset: its conf/tuned/<tuned> config, overrides: fixed values, grid: {axis: [values]}}."""
+    {preset: its +tuned/<tuned> config, overrides: fixed values, grid: {axis: [values]}}."""
     spec = {k: v for k, v in preset.items() if k != "variants"}
     if variant:
         variants = preset.get("variants") or {}
@@ -174,6 +175,7 @@ def plan(stage: str, preset: dict, spec: dict, arms: list, root: Path, extra: li
     after = ["skip_finished=true"] + ([f"hydra.searchpath=[file://{root / 'conf'}]"] if root != CHECKOUT else [])
     stage_dir = root / "multirun" / "protocol" / spec["task"] / (spec["variant"] or "") / "protocol"
     configs, results = root / "conf" / "tuned" / spec["configs"], root / spec["results"]
+    refuse_hand_written(configs, _expected_chosen(spec, list(spec["arms"])))   # `configs`: not a hand-written group
     notes = []
 
     def missing(message, instead):

@@ -57,6 +57,7 @@ from dopr.options import DoPrOptions
 
 from .arms import AT_GP_SETTING, Arm
 from .optim import optim_name
+from .presets import refuse_hand_written
 from .report import load_records, make_stamp, write_table
 
 # overrides that say where or how a job ran, not what it trained: never part of a setting
@@ -602,6 +603,10 @@ def settings_count(arm: dict) -> str:
 
 
 def write_selection(selection: dict, out: Path, stamp: str, configs: Path = None, command: str = "") -> None:
+    """selection.json / .md / .csv into `out`, and one preset per chosen setting into `configs` (a conf/tuned/<group>
+    folder). A group that conf_handwritten/tuned/ has (hand-written presets) is refused before anything is written."""
+    if configs is not None:
+        refuse_hand_written(configs, list(chosen_settings(selection)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "selection.json").write_text(json.dumps(selection, indent=1) + "\n")
     edge_of = lambda a: ", ".join(f"{e['axis'].lstrip('+')} {e['side']}" for e in a["at_grid_edge"])

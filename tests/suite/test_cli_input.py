@@ -131,6 +131,8 @@ def test_a_local_sweep_refuses_a_bad_value_of_any_job_before_the_first_starts(tm
      "optim=adamw,dopr_adamww: conf/optim/ has no option dopr_adamww (did you mean dopr_adamw?)"),
     (["+tuned/feature_learning_protocol=dopr_sg"], "+tuned/feature_learning_protocol=dopr_sg: "
      "conf/tuned/feature_learning_protocol/ has no option dopr_sg (did you mean dopr_sgd?)"),
+    (["+tuned/feature_learning=dopr_sg"], "+tuned/feature_learning=dopr_sg: "
+     "conf_handwritten/tuned/feature_learning/ has no option dopr_sg (did you mean dopr_sgd?)"),
 ])
 def test_a_config_group_option_typo_is_one_line_naming_the_close_option(tmp_path, args, says):
     # issue 72 item 9: `optim=dopr_adamww` got Hydra's 30-line listing of the group, with no did-you-mean

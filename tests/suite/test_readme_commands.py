@@ -34,4 +34,5 @@ def test_the_readme_lists_every_optimizer_of_conf_optim_and_how_to_compare_a_pai
     assert [o for o in plain if not re.search(rf"\b{o}\b", listed)] == []
     pair = re.search(r"\+tuned/(\w+)=soap,dopr_soap'", readme)
     assert pair, "the README shows no tuned SOAP pair"
-    assert {"soap.yaml", "dopr_soap.yaml"} <= {p.name for p in (ROOT / "conf" / "tuned" / pair.group(1)).iterdir()}
+    assert {"soap.yaml", "dopr_soap.yaml"} <= {p.name for r in ("conf", "conf_handwritten")
+                                               for p in (ROOT / r / "tuned" / pair.group(1)).glob("*.yaml")}

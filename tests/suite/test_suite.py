@@ -13,6 +13,7 @@ pytest.importorskip("hydra")
 from experiments.common.checks import ConfigError  # noqa: E402
 from experiments.common.launch import run_job  # noqa: E402
 from experiments.common.optim import optim_name  # noqa: E402
+from experiments.common.presets import roots  # noqa: E402
 from experiments.common.tasks import task_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,7 +205,9 @@ def test_slurm_launcher_without_partition_names_the_missing_field(tmp_path):
 
 # ------------------------------------------------------------------------- every preset composes
 SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
-TUNED = sorted(f"{p.parent.name}/{p.stem}" for p in (CONF / "tuned").glob("*/*.yaml"))
+#: the `tuned` presets over both config roots: conf/tuned/ (the tuning protocol's), conf_handwritten/tuned/ (hand-written)
+TUNED_FILES = {f"{p.parent.name}/{p.stem}": p for r in roots(CONF) for p in (r / "tuned").glob("*/*.yaml")}
+TUNED = sorted(TUNED_FILES)
 TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_learning": "feature_learning",
               "invariance": "invariance", "sft": "sft_arith", "robomimic_toolhang": "robomimic_toolhang",
               "robomimic_transport": "robomimic_transport", "robomimic_lift": "robomimic_lift",
@@ -236,7 +239,7 @@ TUNED_TASK = {"humanoid": "humanoid", "halfcheetah": "halfcheetah", "feature_lea
 def _values(spec, key: str = "") -> list:
     spec = str(spec)
     if spec == "glob(*)":  # every option of the group: an empty one sweeps nothing, refused below
-        return sorted(p.stem for p in (CONF / key.lstrip("+")).glob("*.yaml"))
+        return sorted({p.stem for r in roots(CONF) for p in (r / key.lstrip("+")).glob("*.yaml")})
     if spec.startswith("range("):
         return [str(v) for v in eval(spec, {"range": range})]  # noqa: S307 (Hydra's range() sweep syntax)
     return [v.strip() for v in spec.split(",")]
@@ -264,10 +267,10 @@ def test_every_tuned_preset_composes(tuned, compose):
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert optim_name(resolved["optim"]) == name.removesuffix("_at_gp_setting")  # the protocol's DoPr at the GP's setting
     if name.startswith("dopr_"):  # every DoPr preset names its damping form, or builds on one that does
-        text = (CONF / "tuned" / f"{tuned}.yaml").read_text()
+        text = TUNED_FILES[tuned].read_text()
         base = next((l.split("/")[2].split("@")[0] + "/" + l.split(":")[-1].strip() for l in text.splitlines()
                      if l.strip().startswith("- /tuned/")), None)
-        assert "damping_mode" in text or "damping_mode" in (CONF / "tuned" / f"{base}.yaml").read_text()
+        assert "damping_mode" in text or "damping_mode" in TUNED_FILES[base].read_text()
 
 
 def test_ap_config_and_dopr_options_cannot_drift_apart():

@@ -242,6 +242,23 @@ def test_accept_edge_writes_the_presets_and_records_the_reason_and_the_edges(tmp
     assert "(--accept-edge): grid fixed by the paper's two values" in (conf / "adamw.yaml").read_text()
 
 
+def test_select_refuses_a_hand_written_group_naming_both_files(tmp_path):
+    """Issue 75 item 7: the tool writes conf/tuned/<group>; a group that conf_handwritten/tuned/ has (the hand-
+    written presets) is refused, naming both files, before anything is written."""
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    tuning.write_selection(sel, tmp_path / "out", "stamp", tmp_path / "conf" / "tuned" / "toy_protocol", "cmd")
+    assert sorted(p.name for p in (tmp_path / "conf" / "tuned" / "toy_protocol").iterdir()) == \
+        ["adamw.yaml", "dopr_adamw.yaml", "dopr_adamw_at_gp_setting.yaml"]
+    from experiments.common.presets import MARK   # the note test_conf_handwritten.py looks for
+
+    assert MARK in (tmp_path / "conf" / "tuned" / "toy_protocol" / "adamw.yaml").read_text()
+    with pytest.raises(ValueError) as refused:   # conf_handwritten/tuned/sft/adamw.yaml: the paper's SFT settings
+        tuning.write_selection(sel, tmp_path / "out2", "stamp", tmp_path / "conf" / "tuned" / "sft", "cmd")
+    assert (f"{tmp_path}/conf/tuned/sft/adamw.yaml would share the config group tuned/sft with the "
+            "hand-written conf_handwritten/tuned/sft/adamw.yaml") in str(refused.value)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "conf" / "tuned" / "sft").exists()
+
+
 def test_dopr_at_the_gps_setting_copies_the_gps_whole_winning_setting_and_keeps_dopr_knobs(tmp_path):
     import yaml
 
