@@ -25,7 +25,7 @@ from . import sharding
 from .sample_space import accumulate
 from .compiled import Probes, hook_guards_skipped
 from . import quantities
-from .statistics import ActivationStatistics, added_extras
+from .statistics import ActivationStatistics
 
 
 def _graph_task() -> int:
@@ -376,7 +376,7 @@ class ActivationCapture:
         if layer.stat is None:
             layer.stat, layer.owned = stat, False
         else:
-            extras = added_extras(layer.stat, stat)
+            extras = quantities.merged(layer.stat.extras, layer.stat.count, stat.extras, stat.count)
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
             layer.stat = accumulate(layer.stat, stat)   # sums add, rows append

@@ -174,7 +174,7 @@ class LowRankDiagonal(_Operator):
 
 
 def apply_stack(ops: list, gs: Tensor) -> Tensor:
-    """M for a stack ``gs`` (B, rows, d), ``ops[i]`` the operator of ``gs[i]``: one batched call where the type has one."""
+    """M for a stack ``gs`` (B, rows, d), ``ops[i]`` the operator of ``gs[i]``: batched where the type can."""
     kind = type(ops[0])
     if hasattr(kind, "apply_stack") and all(type(op) is kind for op in ops):
         return kind.apply_stack(ops, gs)
@@ -194,7 +194,7 @@ def operator_state(op) -> dict:
 
 
 def operator_to(op, dtype: torch.dtype, device: torch.device):
-    """`op` with its tensors in `dtype` on `device` (itself if they are); those its type names in ``OWN_DTYPE`` keep theirs."""
+    """`op` with its tensors in `dtype` on `device` (itself if so); those named in its ``OWN_DTYPE`` keep theirs."""
     own, tensors = getattr(type(op), "OWN_DTYPE", ()), op.tensors()
     if all(t.device == device and (t.dtype == dtype or n in own) for n, t in tensors.items()):
         return op
@@ -325,7 +325,7 @@ def cholesky_route(device_type: str, d: int, rows: Optional[int] = None) -> str:
 
 
 def route_table(records: list, device_type: str) -> dict:
-    """{(d, rows): route} from timings [{"d", "rows", "ms": {route: [repeats]}}], the FLOP default unless beaten (tables.keep)."""
+    """{(d, rows): route} from timings [{"d", "rows", "ms": {route: [repeats]}}] (dopr.tables.keep)."""
     return {(r["d"], r["rows"]): tables.keep(r["ms"], flop_route(device_type, r["d"], r["rows"])) for r in records}
 
 
