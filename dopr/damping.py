@@ -242,10 +242,7 @@ class WeakShareRule(DampingRule):
     """``weak_share_bound``: the floor raised per dense group by a power of 2 that bounds the weak share."""
 
     COUNTERS = ("damping_choices", "damping_raises")
-
-    def __init__(self, options) -> None:
-        super().__init__(options)
-        self.bound = options.weak_share_bound
+    bound = property(lambda self: self.options.weak_share_bound)
 
 
 @register_rule("spectrum")

@@ -57,10 +57,6 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None, *, spec: Opt
     return out
 
 
-def in_danger(report: dict) -> bool:
-    return report.get("weak_share") is not None and report["weak_share"] > WEAK_SHARE_WARNING
-
-
 def describe(report: dict) -> str:
     """One line for the coverage table."""
     share = "" if report["weak_share"] is None else f", {100 * report['weak_share']:.0f}% of M in weak directions"
@@ -108,7 +104,7 @@ class HealthReports:
         if (fraction := self.refresh_fraction(key)) is not None:
             report["refresh_fraction"] = fraction
         self.reports["|".join(key)] = report
-        if in_danger(report):
+        if report["weak_share"] is not None and report["weak_share"] > WEAK_SHARE_WARNING:
             return (f"{label(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "
                     f"directions carrying under {WEAK_VARIANCE:g} of the input variance: the regime in which the "
                     "digits SiT did not train at damping 1e-4 (dopr/health.py); consider a larger damping, "
