@@ -1,29 +1,14 @@
-"""Activation capture: forward hooks on the preconditioned layers that gather, for each optimizer
-step, the statistics of exactly the forwards whose gradients that step receives.
+"""Activation capture: forward hooks on the preconditioned layers that gather, for each optimizer step, the
+statistics of exactly the forwards whose gradients that step receives (docs/library.md, "Statistics follow the
+gradient they belong to").
 
-Statistics follow the gradient they belong to. A forward's statistics count when the gradient reaches
-the layer's operation in backward (a pre-hook on its autograd node) in a backward pass that computes
-the weight's gradient (``torch.autograd.grad`` with respect to the input alone does not: the engine
-will not execute the weight's AccumulateGrad); eval-mode and no-grad forwards never count. Compiled
-forwards hand their statistics to probe leaves, which such a backward does not reach. Clearing the
-weight's gradient by any means (``opt.zero_grad()``, ``module.zero_grad()``, ``p.grad = None``, an
-in-place zero) drops the statistics gathered for it: the check runs before the next accumulation
-(the gradient is None, or it was changed in place since the last accumulation and is now all zero),
-once per backward pass, by whichever of the layer's operation, its probes or the weight's own
-gradient hook comes first.
-Micro-batches accumulate, and under activation checkpointing the recomputed forward is not counted
-again (non-reentrant: its output is never backpropagated; reentrant: the first forward runs without
-grad). Layers that read the very same input tensor (q, k, v projections) share one statistics
-computation, and then one factorisation.
-
-The hooks hold the capture weakly: a deleted optimizer leaves inert hooks, and a deep-copied or
-pickled model gets inert copies of them.
-
-Under ``torch.compile`` the statistics reach the step through probe leaves (``dopr/compiled.py``);
-a post-accumulate hook on the probes offers them as eager's are, so the same rules decide what
-counts. Which layers share is decided per step by identity (eager) or equal values (compiled); the
-optimizer keeps a layer's statistics EMA shared only while the layers have shared every step (see
-``DoPr``), so the two rules give the same result.
+A forward counts when the gradient reaches the layer's own autograd node (a pre-hook) in a backward pass that
+computes the weight's gradient; eval-mode and no-grad forwards never count. A clear of the weight's gradient
+by any means drops the statistics gathered for it: checked once per backward pass before the next accumulation
+(the gradient is None, or changed in place since and all zero). Micro-batches accumulate; a checkpoint's
+recomputed forward is not counted again. Layers that read the very same input tensor share one statistic.
+Under ``torch.compile`` statistics reach the step through probe leaves (dopr/compiled.py), offered as eager's
+are. The hooks hold the capture weakly: a deleted optimizer, a deep-copied or pickled model leave inert hooks.
 """
 from __future__ import annotations
 
@@ -40,7 +25,7 @@ from . import sharding
 from .sample_space import accumulate
 from .compiled import Probes, hook_guards_skipped
 from . import quantities
-from .statistics import ActivationStatistics, added_extras
+from .statistics import ActivationStatistics
 
 
 def _graph_task() -> int:
@@ -49,9 +34,8 @@ def _graph_task() -> int:
 
 
 def _receives_grad(weight: Tensor, node=None) -> bool:
-    """Whether the backward pass now running computes `weight`'s gradient: False under
-    ``torch.autograd.grad`` with respect to other tensors (an adversarial attack's input gradient, the
-    inner derivative of a physics-informed loss) or ``backward(inputs=...)`` without the weight."""
+    """Whether the backward pass now running computes `weight`'s gradient (not so under ``autograd.grad``
+    with respect to other tensors, or ``backward(inputs=...)`` without the weight)."""
     if not weight.requires_grad:
         return False
     try:
@@ -69,9 +53,8 @@ def _grad_node(t: Tensor):
 
 
 def _relink_hooks(t: Tensor) -> None:
-    """Hand a leaf's gradient hooks to its tensor data again. ``torch.utils.swap_tensors`` (``Module._apply``
-    under ``torch.__future__.set_swap_module_params_on_conversion(True)``) leaves the hook dicts on the
-    Python tensor but not on its new data, so no hook of it would run again; setting a dict links it."""
+    """Hand a leaf's gradient hooks to its tensor data again: ``torch.utils.swap_tensors`` (``Module._apply``
+    under the swap flag) leaves the hook dicts on the Python tensor but not on its new data; setting links them."""
     for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
         hooks = getattr(t, attr)
         if hooks is not None:
@@ -79,19 +62,13 @@ def _relink_hooks(t: Tensor) -> None:
 
 
 def _in_functorch_transform() -> bool:
-    """Whether a torch.func transform (vmap, grad, jacrev, ...) is running: its forwards carry batched or
-    wrapped tensors whose statistics are not a plain batch's; DoPr gathers none there."""
+    """Whether a torch.func transform runs (batched or wrapped tensors: DoPr gathers nothing there)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _as_multiplied(x: Tensor) -> Tensor:
-    """The input as the layer's GEMM reads it. Under autocast a float32 input to a Linear or convolution
-    is cast to the autocast dtype before it is multiplied, on every device (CPU bf16 autocast included):
-    Sigma is the covariance of what the layer multiplies, which is also what its weight gradient is
-    formed from. Where the device's GEMM accumulates that dtype in float32
-    (``statistics.LOW_PRECISION_GRAM_DEVICES``: CUDA) Sigma is formed from the cast on the tensor cores;
-    elsewhere the cast values are upcast for the gram, whose products are then exact. Outside autocast
-    (and in a compiled graph), x as it is."""
+    """The input as the layer's GEMM reads it: under autocast a float32 input is cast to the autocast dtype
+    (Sigma is the covariance of what the layer multiplies, as its weight gradient is); else x as it is."""
     if x.dtype is torch.float32 and torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling():
         dev = x.device.type
         if torch._C._is_autocast_available(dev) and torch.is_autocast_enabled(dev):
@@ -100,8 +77,7 @@ def _as_multiplied(x: Tensor) -> Tensor:
 
 
 def _in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (checkpoint recomputation). Only an
-    optimisation: correctness comes from committing statistics when the output is backpropagated."""
+    """True in a backward pass (checkpoint recomputation); only an optimisation, commits decide what counts."""
     return _graph_task() != -1
 
 
@@ -142,27 +118,20 @@ class _ForwardHook:
         return None
 
     def __deepcopy__(self, memo):
-        return _ForwardHook(None, self.index)
+        return type(self)(None, self.index)
 
     def __reduce__(self):
-        return (_ForwardHook, (None, self.index))
+        return (type(self), (None, self.index))
 
 
 class _WeightInUse(_ForwardHook):
-    """Forward pre-hook on a sharded (FSDP2) layer: records the weight its forward uses, the unsharded
-    parameter that FSDP2 swaps in before the forward and out again after it; its gradient decides
-    which forwards count (see ActivationCapture.commit)."""
+    """Forward pre-hook on an FSDP2 layer: records the unsharded weight its forward uses (its gradient
+    decides which forwards count)."""
 
     def __call__(self, module, inputs):
         capture = self.capture() if self.capture is not None else None
         if capture is not None and not torch.compiler.is_compiling():
             capture.in_use[self.index] = module.weight
-
-    def __deepcopy__(self, memo):
-        return _WeightInUse(None, self.index)
-
-    def __reduce__(self):
-        return (_WeightInUse, (None, self.index))
 
 
 #: autograd nodes that only reshape their input: the layer's own node is the first one below them
@@ -172,9 +141,8 @@ _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBa
 
 
 def _producer(output: Tensor):
-    """The autograd node of the layer's own operation (addmm, convolution, embedding) below any views
-    of its result. It runs iff the output is backpropagated, even when the output is then modified in
-    place (ReLU(inplace=True) rebases a view's history and its hooks would not fire)."""
+    """The autograd node of the layer's own operation below any views of its result: it runs iff the output
+    is backpropagated, even when modified in place (ReLU(inplace=True) rebases a view's history)."""
     node = output.grad_fn
     while node.name() in _VIEW_NODES and node.next_functions and node.next_functions[0][0] is not None:
         node = node.next_functions[0][0]
@@ -251,14 +219,14 @@ class ActivationCapture:
     def _hook_weight(self, index: int, w: Tensor) -> None:
         """The gradient hooks on layer `index`'s weight `w` (those on its previous weight removed)."""
         _remove_handles(self._weight_hooks.get(index, ()))
-        hooks = [w.register_hook(_ParamHook(self, index, "weight_pre_accumulate"))] if w.requires_grad else []
+        hooks = [w.register_hook(_ParamHook(self, index, "before_accumulation"))] if w.requires_grad else []
         hooks.append(w.register_post_accumulate_grad_hook(_ParamHook(self, index, "accumulated")))
         self._weight_hooks[index] = hooks
         self.handles += hooks
 
     @property
     def collecting(self) -> bool:
-        """Whether forwards now gather statistics: as the refresh object says, but inside :meth:`paused`."""
+        """Whether forwards now gather: as the refresh object says, but inside :meth:`paused`."""
         return self.refresh.gathering and not self._paused
 
     @contextlib.contextmanager
@@ -328,12 +296,10 @@ class ActivationCapture:
 
     def commit(self, index: int, cap: _Capture, saved: Optional[Tensor], weight: Tensor,
                counted: Optional[list] = None) -> Optional[list]:
-        """The gradient reached the layer's operation: its statistics count if this backward pass
-        computes the weight's gradient, once per forward. A forward backpropagated in several passes
-        (``retain_graph=True``: per-task losses, an actor and a critic on one trunk) adds to one gradient
-        in each, and its samples are still the same samples: `counted` is the layer's list of commits
-        the forward was counted into, if any (a clear of the gradient starts a new one, and the forward
-        then counts for the new gradient). Returns the list it is counted in now."""
+        """The gradient reached the layer's operation: its statistics count if this backward pass computes the
+        weight's gradient, once per forward and gradient (``retain_graph=True``: several passes add to one
+        gradient). `counted`: the layer's commit list the forward was counted into (a clear starts a new one);
+        returns the list it is counted in now."""
         layer = self.layers[index]
         self.before_accumulation(index)
         if layer.sig is counted or not self._receives_grad(index, weight):
@@ -344,10 +310,8 @@ class ActivationCapture:
         return layer.sig
 
     def _receives_grad(self, index: int, weight: Tensor) -> bool:
-        """:func:`_receives_grad` through the cached AccumulateGrad node, checked again when it says
-        no: a dtype or device change of the model (``model.double()``, ``.to(torch.bfloat16)``,
-        ``.cpu()``: ``Module._apply`` sets ``param.data`` or swaps the tensors) gives the weight a new
-        node, and the cached one is in no graph. Only a backward that skips the weight pays for the check."""
+        """:func:`_receives_grad` through the cached AccumulateGrad node, checked again when it says no: a
+        dtype or device change of the model gives the weight a new node, and the cached one is in no graph."""
         if not weight.requires_grad:   # frozen since the last step: no gradient (re-attached at the step)
             return False
         node = self._accumulator(index, weight)
@@ -363,10 +327,8 @@ class ActivationCapture:
         return _receives_grad(weight, current)
 
     def _accumulator(self, index: int, weight: Tensor):
-        """The weight's AccumulateGrad node, found once per layer and weight (not through a view per
-        layer per backward); None for a non-leaf weight (a parametrization's output). Held beside the
-        weight, which the capture holds anyway. A new Parameter in the module (``Module._apply`` under
-        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``) becomes the layer's weight."""
+        """The weight's AccumulateGrad node, found once per layer and weight; None for a non-leaf weight. A new
+        Parameter in the module (``Module._apply`` under the overwrite flag) becomes the layer's weight."""
         known = self._nodes.get(index)
         if known is None or known[0] is not weight:
             if weight.grad_fn is not None or not weight.requires_grad:
@@ -377,15 +339,9 @@ class ActivationCapture:
                 self._hook_weight(index, weight)
         return known[1]
 
-    def weight_pre_accumulate(self, index: int) -> None:
-        """The weight's gradient is about to receive a contribution (a tensor hook on the weight)."""
-        self.before_accumulation(index)
-
     def before_accumulation(self, index: int) -> None:
-        """Before the weight's gradient receives a new contribution: if it was cleared since the last
-        counted accumulation, the statistics that belonged to it go too. Checked once per backward
-        pass, by whichever comes first: the layer's operation (eager), its probes (compiled) or the
-        weight's own gradient hook."""
+        """Before the weight's gradient receives a contribution: if it was cleared since the last counted
+        accumulation, its statistics go too. Once per backward pass, by whichever hook comes first."""
         layer, task = self.layers[index], _graph_task()
         if layer.checked == task:
             return
@@ -401,15 +357,13 @@ class ActivationCapture:
         layer.stat, layer.owned, layer.sig, layer.compiled, layer.snap = None, False, [], False, None
 
     def accumulated(self, index: int) -> None:
-        """The weight's gradient received this backward pass's contribution: remember its state, to tell a
-        later clear from an untouched gradient."""
+        """The weight's gradient received this pass's contribution: remember its state, to tell a later clear."""
         layer = self.layers[index]
         g = self.weights[index].grad
         layer.snap = (g.data_ptr(), g._version) if g is not None and not sharding.is_sharded(g) else None
 
     def probe_accumulated(self, index: int) -> None:
-        """A compiled forward's statistics arrived in the probes: offered to this backward pass as
-        eager's are."""
+        """A compiled forward's statistics arrived in the probes: offered as eager's are."""
         layer = self.layers[index]
         stat = self.probes.received(index, layer.helper.statistic_type(self.statistic))
         if stat is None:     # not every probe has its part yet
@@ -422,7 +376,7 @@ class ActivationCapture:
         if layer.stat is None:
             layer.stat, layer.owned = stat, False
         else:
-            extras = added_extras(layer.stat, stat)
+            extras = quantities.merged(layer.stat.extras, layer.stat.count, stat.extras, stat.count)
             if not layer.owned:
                 layer.stat, layer.owned = layer.stat.clone(), True
             layer.stat = accumulate(layer.stat, stat)   # sums add, rows append
@@ -431,8 +385,8 @@ class ActivationCapture:
         layer.sig.append(cid)
 
     def groups(self, names) -> OrderedDict:
-        """{tuple of member names: statistics} for the layers in `names` that gathered any; layers
-        whose committed captures are the same (they read the same inputs) form one group."""
+        """{tuple of member names: statistics} for the layers in `names` that gathered any; layers whose
+        committed captures are the same form one group."""
         Probes.merge_equal(self.layers)
         by_sig = OrderedDict()
         for layer in self.layers:
@@ -441,11 +395,9 @@ class ActivationCapture:
         return OrderedDict((tuple(l.helper.name for l in ls), ls[0].stat) for ls in by_sig.values())
 
     def take_over(self, old: "ActivationCapture", warn: Callable) -> tuple:
-        """(added, changed): this capture replaces `old` (a rebuild, DoPr._attach); its layers that `old`
-        had keep the statistics they gathered, but those whose bias was frozen or thawed have another dim
-        (homogeneous coordinates): what they gathered, and their EMA histories (restarted by their shape),
-        no longer fit. Returns the layer names new here and those whose dim changed, each kind said once by
-        ``warn(what, message)`` (DoPr's warn-once): their gradients are raw this step."""
+        """(added, changed): this capture replaces `old` (a rebuild); layers `old` had keep their statistics, but
+        not those whose bias was frozen or thawed (another dim). Returns the layer names new here and those whose
+        dim changed, each kind said once by ``warn(what, message)``: their gradients are raw this step."""
         before = {l.helper.name: l for l in old.layers}
         changed = sorted(l.helper.name for l in self.layers if l.helper.name in before
                          and before[l.helper.name].helper.dim != l.helper.dim)
@@ -463,11 +415,8 @@ class ActivationCapture:
         return added, changed
 
     def no_forward_cause(self, names, training: bool = True) -> str:
-        """Why the layers `names`, which have a gradient, gathered no statistics since the last step, from
-        what is true of them: forwards under a torch.func transform, a compiled graph traced without the
-        hooks (the model in train() mode, ``training``), in eval() mode, forwards under no_grad only, or no
-        forward at all (then their gradient is left from an earlier step: all zero after
-        ``zero_grad(set_to_none=False)``)."""
+        """Why the layers `names`, which have a gradient, gathered no statistics since the last step (the model
+        in train() mode: ``training``)."""
         if self.transformed:
             return ("forwards under a torch.func transform (vmap, grad, jacrev, functional_call inside them), "
                     "which gather no statistics: DoPr preconditions gradients of plain forward and backward passes")

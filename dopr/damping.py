@@ -1,25 +1,12 @@
 """The damping rules: how each statistics group's lambda in (Sigmabar + lambda I)^-1 is chosen.
 
-A rule is a :class:`DampingRule`: one method, :meth:`DampingRule.lam`, gives lambda for each group of a
-batch of same-size groups (a (B,) tensor, no host sync where the rule needs none), and the rule keeps
-its own state (``state_dict`` / ``load_state_dict``) and counters (``stats()``). DoPr builds one from
-its options (:func:`build`) and calls it once per batch in ``dopr.refresh.Refresh.factor``. The rules:
-
-* ``"trace"`` (:class:`TraceRule`): lambda = ``damping_mode``'s scale times ``damping``
-  (:func:`trace_damping`; the statistic kind evaluates it batched, in its ``prepare``), as the paper
-  writes it;
-* ``"spectrum"`` (:class:`WeakShareBySpectrum`, ``weak_share_bound=b``): on each health report, each
-  dense group's trace lambda raised by the smallest power of 2 (:func:`damping_scale`) that keeps at most
-  the share b of ||M||^2 in the directions carrying under WEAK_VARIANCE of the variance, held until the
-  next report (issue 48, direction 3);
-* ``"filter"`` (:class:`WeakShareByFilter`, ``weak_share_bound=b, weak_share_estimate="filter"``): the
-  same bound from a soft indicator, batched Cholesky solves on every refresh (:func:`filtered_damping_scale`);
-* ``"sample_count"`` (:class:`SampleCountRule`, ``damping_rule="sample_count"``): lambda from each dense
-  group's q = d / N_eff by the Marchenko-Pastur lower edge (dopr/sample_count.py; issue 67).
-
-A new rule is one class here, registered with :func:`register_rule` under the option value that chooses
-it (:func:`rule_name`): a new way to measure the weak share is a new ``weak_share_estimate`` value, which
-DoPrOptions accepts once the class is registered; dopr/optimizer.py does not change.
+A :class:`DampingRule` gives lambda for a batch of same-size groups (:meth:`DampingRule.lam`, a (B,) tensor)
+and keeps its own state and counters; DoPr builds one from its options (:func:`build`) and calls it once per
+batch in ``dopr.refresh.Refresh.factor``. The rules: ``"trace"`` (the paper's, :func:`trace_damping`);
+``"spectrum"`` and ``"filter"`` (``weak_share_bound``: the trace lambda raised by the smallest power of 2 that
+keeps at most that share of ||M||^2 in weakly excited directions; issue 48); ``"sample_count"`` (the
+Marchenko-Pastur lower edge at q = d / N_eff, dopr/sample_count.py; issue 67). A new rule is one class here,
+registered with :func:`register_rule` under the option value that chooses it (:func:`rule_name`).
 """
 from __future__ import annotations
 
@@ -43,39 +30,23 @@ HOMOGENEOUS_MODES = ("trace_activations",)
 
 
 def trace_floor(gamma: float, mode: str):
-    """The trace rule's lambda as a function of a batch of Sigma's diagonals (and the homogeneous flags):
-    what a statistic kind's ``prepare`` takes (dopr.statistics.ActivationStatistics.prepare), which thereby
-    needs nothing of this module."""
+    """The trace rule's lambda as a function of a batch of Sigma's diagonals (and the homogeneous flags)."""
     return functools.partial(trace_damping, gamma, mode)
 
 
 def trace_damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Tensor:
-    """The absolute damping lambda added to Sigma's diagonal (``diag``, or a batch of diagonals on its
-    last axis): gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim"), gamma ("absolute")
-    or gamma * (tr(Sigma) - Sigma_hh) ("trace_activations").
+    """The absolute damping lambda for Sigma's diagonal ``diag`` (or a batch of them on the last axis):
+    gamma * tr(Sigma) ("trace"), gamma * tr(Sigma) / d ("trace_per_dim"), gamma ("absolute") or
+    gamma * (tr(Sigma) - Sigma_hh) ("trace_activations"; ``homogeneous``, a bool or one per member: the last
+    coordinate is the homogeneous 1, left out of the trace; issue 48: on SiT-S/2's attn.proj inputs the 1
+    dominated tr(Sigma)).
 
-    ``homogeneous`` (a bool, or a bool per member of the batch): the statistic carries the homogeneous
-    coordinate, the constant 1 a layer with a bias appends to its input, as its LAST coordinate
-    (DenseCovariance.from_activations, Moments.from_activations). Only "trace_activations" reads it: it
-    leaves that entry (E[1 * 1] = 1) out of the trace, so lambda is the activations' own scale; without the
-    coordinate it is "trace". Why (issue 48): on SiT-S/2's attn.proj inputs the constant 1 dominated
-    tr(Sigma), so "trace" set lambda by the 1, not by the activations.
-
-    What Prop. PrecondInvariance requires of the bias coordinate: the proposition is for the undamped
-    Sigma^-1. With homogeneous coordinates an affine input map z -> Q z + c is the linear map
-    A = [[Q, c], [0, 1]] of [z; 1]: A must keep the last coordinate (the constant stays 1), and the
-    proof then goes through unchanged (A Sigma A^T, G A^T), shifts included. Any damping D changes the
-    update by (A Sigma A^T + D')^-1 versus A^-T (Sigma + D)^-1 A^-1: invariant exactly when D' = A D A^T.
-    With D = lambda I that holds only for orthogonal Q, c = 0 (then both traces are unchanged), for
-    "trace" and "trace_activations" alike: neither restores the full invariance, only lambda = 0 (or the
-    "span" solver, dopr/solvers.py, where its cap and floor do not bind) does. What "trace_activations" keeps and "trace" does not is the scale
-    part: under z -> a z (A = diag(a I, 1)) its lambda scales as a^2, like the activation block's
-    eigenvalues: A^-1 (A Sigma A^T + a^2 lambda I) A^-T = Sigma + diag(lambda I, a^2 lambda), so the
-    scaled model's update is the unscaled one's except that the bias coordinate is damped by a^2 lambda
-    instead of lambda (against its unscaled E[1 * 1] = 1). Under
-    "trace", lambda = gamma (a^2 tr(Sigma_zz) + 1): for small activations it is set by the 1 and the
-    activations' shrinkage depends on their scale. (Exact invariance under scaled rotations would need a
-    block damping diag(gamma tr(Sigma_zz) I, gamma Sigma_hh): D' = A D A^T; not built.)"""
+    Prop. PrecondInvariance is for the undamped Sigma^-1: an affine map z -> Q z + c is A = [[Q, c], [0, 1]]
+    on [z; 1], and a damping D keeps the update invariant exactly when D' = A D A^T, which lambda I does only
+    for orthogonal Q, c = 0, in both trace modes. What "trace_activations" keeps is the scale part: under
+    z -> a z its lambda scales as a^2, like the activations' eigenvalues, so the scaled update differs only in
+    the bias coordinate's damping (a^2 lambda instead of lambda); under "trace", lambda = gamma (a^2 tr(Sigma_zz)
+    + 1) is set by the 1 for small activations."""
     if mode == "trace":
         return gamma * diag.sum(-1)
     if mode == "trace_per_dim":
@@ -91,23 +62,21 @@ def trace_damping(gamma: float, mode: str, diag: Tensor, homogeneous=None) -> Te
     return torch.full(diag.shape[:-1], gamma, dtype=diag.dtype, device=diag.device)
 
 
-#: how far damping_scale may raise lambda: 2^20 ~ 1e6 (from gamma = 1e-6 * tr(Sigma) up to tr(Sigma))
+#: how far damping_scale may raise lambda: 2^20 ~ 1e6 (from 1e-6 * tr(Sigma) up to tr(Sigma))
 MAX_DOUBLINGS = 20
 
 
 def direction_energy(sigma: Tensor, grad: Tensor, spec: Optional[tuple] = None) -> tuple:
-    """(e, p, g2): Sigma's eigenvalues (clamped at 0, float64), their shares of tr(Sigma), and the energy of
-    G along each eigen-direction, ||G v_i||^2 (a sum over G's rows: under row sharding the ranks' g2 add).
-    ``spec``: :func:`spectrum` of `sigma`, when already computed."""
+    """(e, p, g2): Sigma's eigenvalues (float64, clamped at 0), their shares of tr(Sigma) and ||G v_i||^2 (a sum
+    over G's rows: under row sharding the ranks' g2 add). ``spec``: :func:`spectrum` of `sigma`, if computed."""
     e, v, p = spectrum(sigma) if spec is None else spec
     return e, p, (grad.detach().double() @ v).square().sum(0)
 
 
 def damping_scale(e: Tensor, p: Tensor, g2: Tensor, lam, bound: float, max_doublings: int = MAX_DOUBLINGS) -> float:
-    """The smallest f = 2^j, j = 0..max_doublings, for which M = G (Sigma + f lam I)^-1 keeps at most the share
-    ``bound`` of ||M||_F^2 in directions carrying under WEAK_VARIANCE of the variance (e, p, g2: see
-    :func:`direction_energy`). The share falls as f grows, towards G's own share in those directions; where
-    even 2^max_doublings does not bring it under the bound, that largest f. 1.0 when nothing is weak or G is 0."""
+    """The smallest f = 2^j, j <= max_doublings, for which M = G (Sigma + f lam I)^-1 keeps at most the share
+    ``bound`` of ||M||_F^2 in directions carrying under WEAK_VARIANCE of the variance (:func:`direction_energy`);
+    else the largest f. 1.0 when nothing is weak or G is 0."""
     weak = p < WEAK_VARIANCE
     lam = float(lam)
     if not bool(weak.any()) or float(g2.sum()) <= 0.0 or lam <= 0.0:
@@ -121,22 +90,15 @@ def damping_scale(e: Tensor, p: Tensor, g2: Tensor, lam, bound: float, max_doubl
 
 def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: float,
                            max_doublings: int = MAX_DOUBLINGS, reduce=None) -> Tensor:
-    """``weak_share_estimate="filter"``: :func:`damping_scale` without an eigendecomposition or a host sync,
-    for a batch of B same-size covariances ``sigma`` (B, d, d), the members' gradients ``grads`` (B, r, d),
-    zero rows padding the shorter ones, and their floors ``lam`` (B,). Returns the factors (B,) on the device.
+    """``weak_share_estimate="filter"``: :func:`damping_scale` without an eigendecomposition or a host sync, for
+    covariances ``sigma`` (B, d, d), gradients ``grads`` (B, r, d; zero rows pad) and floors ``lam`` (B,).
 
-    The weak share's indicator [e_i < tau], tau = WEAK_VARIANCE tr(Sigma), is replaced by the rational filter
-    phi(e) = tau^2 / (e^2 + tau^2) (1/2 at tau, as the step is halfway there): the soft share of f is
-    tau^2 tr(M (Sigma^2 + tau^2 I)^-1 M^T) / ||M||^2 with M = G (Sigma + f lam I)^-1, i.e.
-    sum_i g2_i w_i phi_i / sum_i g2_i w_i, w_i = (e_i + f lam)^-2. Raising f moves the weights w towards the
-    larger e_i, where phi is smaller, so the soft share falls monotonically in f and a bisection over
-    j = 0..max_doublings finds the smallest f = 2^j meeting the bound in ceil(log2(max_doublings + 1))
-    batched Cholesky factorisations (float64), plus one of Sigma^2 + tau^2 I. On a spectrum with a gap around
-    tau the two shares agree: a direction at e <= tau/100 counts at least 1/(1 + 1e-4) of its energy, one at
-    e >= 100 tau at most 1e-4. Where even 2^max_doublings misses the bound, that factor; 1 where G, lam or
-    Sigma is zero. ``reduce``: sums the (B, 2) energies over ranks (row sharding), so that every rank chooses
-    the same. With more rows than d, G is replaced by the R of its QR factorisation (every norm ||G X|| is
-    ||R X||), so each solve has d right-hand sides, not r."""
+    The indicator [e_i < tau], tau = WEAK_VARIANCE tr(Sigma), becomes phi(e) = tau^2 / (e^2 + tau^2): the soft
+    share tau^2 tr(M (Sigma^2 + tau^2 I)^-1 M^T) / ||M||^2 falls monotonically in f, so a bisection over j finds
+    the smallest f = 2^j meeting the bound in ceil(log2(max_doublings + 1)) float64 Cholesky factorisations. On
+    a spectrum with a gap around tau the two shares agree (to 1e-4 beyond a factor 100). 1 where G, lam or Sigma
+    is zero. ``reduce``: sums the (B, 2) energies over ranks. With more rows than d, G becomes the R of its QR
+    (||G X|| = ||R X||)."""
     s, g, lam = sigma.double(), grads.double(), lam.to(device=sigma.device, dtype=torch.float64)
     eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     tau = WEAK_VARIANCE * s.diagonal(dim1=-2, dim2=-1).sum(-1)                 # (B,)
@@ -167,7 +129,7 @@ def filtered_damping_scale(sigma: Tensor, grads: Tensor, lam: Tensor, bound: flo
 
 @dataclass
 class Groups:
-    """One batch of same-kind, same-size statistics groups, as a rule sees it in ``dopr.refresh.Refresh.factor``."""
+    """One batch of same-kind, same-size statistics groups, as a rule sees it."""
 
     keys: tuple            # the group keys (tuples of layer names)
     kind: type             # their statistic kind (dopr.statistics: .kind "dense", "moments", "diagonal", ...)
@@ -216,8 +178,7 @@ def build(options, state: Optional[dict] = None) -> "DampingRule":
 
 
 def from_pickled(options, state: dict) -> "DampingRule":
-    """The rule of a DoPr copied or pickled before this module: its ``__dict__`` held the held factors
-    (``_damping_scale``, {group key tuple: factor}) and the counters among its own (``_counts``)."""
+    """The rule of a DoPr pickled before this module (its ``__dict__`` held ``_damping_scale`` and ``_counts``)."""
     return build(options, {"damping_scale": state.get("_damping_scale", {}), "counts": state.get("_counts", {})})
 
 
@@ -232,15 +193,12 @@ def rules() -> tuple:
 
 
 class DampingRule:
-    """lambda per group. ``COUNTERS``: what the rule counts (in ``DoPr.stats()`` and the checkpoint's
-    counts); ``scale``: {group key: the factor on its floor} held between choices (the checkpoint's
-    ``damping_scale``); ``reads_homogeneous``: the floor's mode needs each group's homogeneous flags."""
+    """lambda per group. ``COUNTERS``: what the rule counts (in ``DoPr.stats()``); ``scale``: {group key: the
+    factor on its floor} held between choices; ``reads_homogeneous``: the floor needs the homogeneous flags."""
 
     name = "?"
     COUNTERS: tuple = ()
-    #: the per-layer quantities the rule reads (dopr/quantities.py): the capture computes them into each
-    #: statistic's ``extras``, merged and all-reduced with its sums
-    reads: tuple = ()
+    reads: tuple = ()   # the per-layer quantities the rule reads (dopr/quantities.py), in each statistic's extras
 
     def __init__(self, options) -> None:
         self.options = options
@@ -257,7 +215,7 @@ class DampingRule:
         return dict(self.counts)
 
     def state_dict(self) -> dict:
-        """``damping_scale`` and the counters, as the AP's state dict has held them."""
+        """``damping_scale`` and the counters."""
         return {"damping_scale": {"|".join(k): f for k, f in self.scale.items()}, "counts": self.counters()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -281,22 +239,16 @@ class TraceRule(DampingRule):
 
 
 class WeakShareRule(DampingRule):
-    """``weak_share_bound``: the floor raised per dense group by a power of 2 that bounds the weak share;
-    counts the choices and those that raised lambda (did the bound ever bind: raises / choices)."""
+    """``weak_share_bound``: the floor raised per dense group by a power of 2 that bounds the weak share."""
 
     COUNTERS = ("damping_choices", "damping_raises")
-
-    def __init__(self, options) -> None:
-        super().__init__(options)
-        self.bound = options.weak_share_bound
+    bound = property(lambda self: self.options.weak_share_bound)
 
 
 @register_rule("spectrum")
 class WeakShareBySpectrum(WeakShareRule):
-    """On a health report, each finite dense group's factor (:func:`damping_scale`) from Sigmabar's
-    eigen-directions and the members' raw gradients (under row sharding the ranks' energies per
-    direction are summed: every rank chooses the same factor), held until the next report. The
-    spectra go to the report, which then needs no eigendecomposition of its own."""
+    """On a health report, each finite dense group's factor (:func:`damping_scale`), held until the next; the
+    spectra go to the report."""
 
     def lam(self, groups: Groups) -> Tensor:
         if groups.report:
@@ -326,10 +278,8 @@ class WeakShareBySpectrum(WeakShareRule):
 
 @register_rule("filter")
 class WeakShareByFilter(WeakShareRule):
-    """Every refresh, each dense group's factor (:func:`filtered_damping_scale`) from the stacked
-    Sigmabar and the members' raw gradients, zero rows padding each group to the longest; 1 for a
-    non-finite member. Under row sharding the ranks' energies are summed. Tallies choices and raises on
-    the device (read back by :meth:`counters`): no host sync."""
+    """Every refresh, each dense group's factor (:func:`filtered_damping_scale`); 1 for a non-finite member.
+    Tallies on the device (read back by :meth:`counters`): no host sync."""
 
     def __init__(self, options) -> None:
         super().__init__(options)
@@ -375,16 +325,10 @@ class WeakShareByFilter(WeakShareRule):
 
 @register_rule("sample_count")
 class SampleCountRule(DampingRule):
-    """lambda per dense group from q = d / N_eff (:func:`dopr.sample_count.sample_count_damping`), never below
-    the trace rule's floor (``damping``; 0 for the rule alone). N_eff: the statistic's ``extras["samples"]``, which the
-    capture sets for this rule (``reads``; its rows over :func:`dopr.sample_count.design_effect`, a
-    device tensor summed as ``count`` is), else its ``count``: its rows, summed over micro-batches and
-    data-parallel ranks as Sigma's sums are (the same on every rank), each row a sample; times
-    :func:`dopr.sample_count.ema_count_factor` under a constant ``precond_ema`` (a scheduled rate counts one
-    batch). ``scale`` holds, per group, the EMA updates its
-    Sigmabar has had (the checkpoint's ``damping_scale``). Dense groups and those solved in sample space (the
-    same lambda, from tr(Sigma) = ||Xs||^2); other statistic kinds: the floor. One (B,) tensor
-    built from host floats, the ``samples`` tensors and a batched trace: no eigendecomposition, no host sync."""
+    """lambda per dense (or sample-space) group from q = d / N_eff (:func:`dopr.sample_count.sample_count_damping`),
+    never below the trace rule's floor. N_eff: the statistic's ``extras["samples"]`` (else its ``count``), times
+    :func:`dopr.sample_count.ema_count_factor` under a constant ``precond_ema``; ``scale`` holds each group's EMA
+    updates. No host sync."""
 
     reads = ("samples",)
     #: at q > 1, lambda = tr(Sigma) / (KAPPA N_eff) (the seen directions' mean over KAPPA), not tr / (KAPPA d)
@@ -416,9 +360,6 @@ class SampleCountRule(DampingRule):
 
 @register_rule("sample_count_seen")
 class SampleCountSeenRule(SampleCountRule):
-    """:class:`SampleCountRule` with the lift at q > 1 scaled to the directions the rows span: lambda =
-    tr(Sigma) / (KAPPA N_eff) there (:func:`dopr.sample_count.sample_count_damping`'s ``seen``), the same
-    below q = 1. A layer that sees few samples for its width (SiT's timestep and adaLN inputs, q ~ 1.5-4)
-    is damped towards its GP as q grows."""
+    """:class:`SampleCountRule` with lambda = tr(Sigma) / (KAPPA N_eff) at q > 1 (``seen``)."""
 
     seen = True

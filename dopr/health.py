@@ -1,20 +1,12 @@
-"""How safely the AP can invert a layer's covariance: a per-layer health report.
+"""How safely the AP can invert a layer's covariance: a per-layer health report, from Sigmabar (dense statistics)
+with one eigendecomposition per group on the refreshes ``DoPr(health_every=k)`` asks for.
 
-The AP multiplies each eigen-direction v_i of Sigma (eigenvalue e_i) by 1 / (e_i + lambda). Where the
-damping lambda sits far below most of Sigma's spectrum, the directions the data barely excites are
-amplified up to (e_mean + lambda) / lambda times more than a typical one, and the update M can end up
-mostly in them. Measured on the digits SiT (tests/suite/test_health.py), whose DoPr-AdamW did not train at
-damping 1e-4 tr(Sigma) and did at 1e-3: after 20 steps at 1e-4 the attention layers' inputs have an
-effective rank of about 2 of 97 and 79-94% of their M lies in directions carrying under 1e-4 of the
-variance; at 1e-3 the worst layer holds 22%. The timestep MLP's first layer (a 256-d sinusoid of t, one
-dominant direction) holds about 0% there: adaLN-Zero gives it almost no gradient early on. Layers
-with such spectra trained elsewhere with a statistics EMA and clipping (the ChiUNet on Lift), so the
-report says where the update goes, not that training will fail.
-
-Computed from Sigmabar (dense statistics only) with one eigendecomposition per group, only on the
-refresh steps that ``DoPr(health_every=k)`` asks for: the step stays as fast otherwise.
-
-``DoPr(weak_share_bound=b)`` turns the report's weak share into a damping rule: dopr/damping.py.
+The AP scales each eigen-direction of Sigma by 1 / (e_i + lambda): with lambda far below most of the spectrum,
+barely excited directions are amplified up to (e_mean + lambda) / lambda times more, and M can end up mostly in
+them. On the digits SiT (tests/suite/test_health.py), which did not train at damping 1e-4 tr(Sigma) and did at
+1e-3, 79-94% of the attention layers' M lay in directions carrying under 1e-4 of the variance after 20 steps at
+1e-4, 22% at most at 1e-3. Such spectra trained elsewhere (the ChiUNet on Lift): the report says where the
+update goes, not that training will fail. ``weak_share_bound`` makes it a damping rule (dopr/damping.py).
 """
 from __future__ import annotations
 
@@ -31,8 +23,8 @@ WEAK_SHARE_WARNING = 0.5
 
 
 def spectrum(sigma: Tensor) -> tuple:
-    """(e, v, p): Sigma's eigenvalues (clamped at 0) and eigenvectors in float64, and the eigenvalues' shares
-    of tr(Sigma) (uniform for Sigma = 0). One eigendecomposition, shared by a report and the damping rule."""
+    """(e, v, p): Sigma's eigenvalues (clamped at 0) and eigenvectors in float64, and the eigenvalues' shares of
+    tr(Sigma) (uniform for Sigma = 0)."""
     e, v = torch.linalg.eigh(sigma.detach().double())
     e = e.clamp_min(0.0)
     total = float(e.sum())
@@ -41,18 +33,11 @@ def spectrum(sigma: Tensor) -> tuple:
 
 def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None, *, spec: Optional[tuple] = None,
                  g2: Optional[Tensor] = None) -> dict:
-    """For Sigmabar (d x d) and its damping `lam`, and optionally the gradient matrix G (rows x d):
-
-    - ``dim``: d; ``effective_rank``: exp of the entropy of the normalised eigenvalues (d for an
-      isotropic Sigma, 1 for a single direction);
-    - ``below_damping``: eigen-directions with e_i < lambda;
-    - ``amplification``: (mean eigenvalue + lambda) / (smallest + lambda), how much more the AP scales
-      the least excited direction than a typical one;
-    - ``weak_share``: the share of ||M||_F^2, M = G (Sigma + lambda I)^-1, in directions carrying under
-      WEAK_VARIANCE of the variance (None without G).
-
-    ``spec``: :func:`spectrum` of `sigma`, when already computed; ``g2``: G's energy per eigen-direction
-    (:func:`direction_energy`), in place of G (under row sharding, the ranks' sum)."""
+    """For Sigmabar (d x d), its damping `lam` and optionally G (rows x d): ``dim``; ``effective_rank`` (exp of the
+    normalised eigenvalues' entropy); ``below_damping`` (directions with e_i < lambda); ``amplification``
+    ((mean eigenvalue + lambda) / (smallest + lambda)); ``weak_share`` (the share of ||M||_F^2 in directions
+    carrying under WEAK_VARIANCE of the variance; None without G). ``spec``: :func:`spectrum` of `sigma`, if
+    computed; ``g2``: G's energy per eigen-direction, in place of G."""
     e, v, p = spectrum(sigma) if spec is None else spec
     lam = float(lam)
     nz = p[p > 0]
@@ -72,10 +57,6 @@ def layer_health(sigma: Tensor, lam, grad: Optional[Tensor] = None, *, spec: Opt
     return out
 
 
-def in_danger(report: dict) -> bool:
-    return report.get("weak_share") is not None and report["weak_share"] > WEAK_SHARE_WARNING
-
-
 def describe(report: dict) -> str:
     """One line for the coverage table."""
     share = "" if report["weak_share"] is None else f", {100 * report['weak_share']:.0f}% of M in weak directions"
@@ -91,15 +72,14 @@ def label(key: tuple) -> str:
 
 
 class HealthReports:
-    """The latest report of each statistics group, refreshed on the refresh steps that are multiples
-    of `every` (0: never)."""
+    """The latest report of each statistics group, on the refresh steps that are multiples of `every` (0: never)."""
 
     def __init__(self, every: int) -> None:
         self.every, self.reports = every, {}
         self.fractions = None   # () -> {layer name: share of its steps that refreshed it} (the drift refresh policy)
 
     def refresh_fraction(self, key) -> Optional[float]:
-        """The mean refresh fraction of group `key`'s layers, where the refresh policy counts them, else None."""
+        """The mean refresh fraction of group `key`'s layers, where the refresh policy counts them."""
         fractions = getattr(self, "fractions", None)
         values = [f for n in key if (f := (fractions() if fractions else {}).get(n)) is not None]
         return round(sum(values) / len(values), 4) if values else None
@@ -115,9 +95,8 @@ class HealthReports:
 
     def record(self, key: tuple, stat, mean: tuple, lam, grads: dict, spec: Optional[tuple] = None,
                g2: Optional[Tensor] = None) -> Optional[str]:
-        """Report on group `key` (dense statistics only) from Sigmabar `mean` and the members' raw
-        gradients (or their energies per direction, `g2`, with Sigmabar's `spec`trum when the damping rule
-        already computed them); returns a warning when the group is in the danger regime."""
+        """Report on group `key` (dense only) from Sigmabar `mean` and the members' raw gradients (or `spec` and
+        `g2` from the damping rule); returns a warning in the danger regime."""
         if stat.kind != "dense":
             return None
         gs = [grads[n] for n in key if n in grads]
@@ -125,7 +104,7 @@ class HealthReports:
         if (fraction := self.refresh_fraction(key)) is not None:
             report["refresh_fraction"] = fraction
         self.reports["|".join(key)] = report
-        if in_danger(report):
+        if report["weak_share"] is not None and report["weak_share"] > WEAK_SHARE_WARNING:
             return (f"{label(key)}: {describe(report)}. Over {100 * WEAK_SHARE_WARNING:.0f}% of the update lies in "
                     f"directions carrying under {WEAK_VARIANCE:g} of the input variance: the regime in which the "
                     "digits SiT did not train at damping 1e-4 (dopr/health.py); consider a larger damping, "
@@ -133,8 +112,8 @@ class HealthReports:
         return None
 
     def record_batch(self, groups, lam: Tensor) -> list:
-        """Reports on a batch's finite groups (a dopr.damping.Groups) at their damping `lam`, with the factor
-        the damping rule chose for each (``damping_scale``, where it chose one); returns the warnings."""
+        """Reports on a batch's finite groups (a dopr.damping.Groups) at their damping `lam`, with the damping
+        rule's ``damping_scale`` where it chose one; returns the warnings."""
         out = []
         for i, (key, stat, mean) in enumerate(groups.items):
             spec, g2 = groups.spectra.get(key, (None, None))

@@ -5,25 +5,20 @@ Split A = [[A11, A21^T], [A21, A22]] at h. With A11 = L11 L11^T and its inverse 
     L21 = A21 L11^-T,    S = A22 - L21 L21^T = L22 L22^T  (the Schur complement, recursed on),
     L^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]],    A^-1 = L^-T L^-1.
 
-At the base case (d <= ``BLOCK``) a block is factored by ``cholesky_ex`` and inverted by one triangular
-solve against I; everything above it is a GEMM (4 per level, 2 h^3 FLOPs each with full blocks), so
-forming L^-1 costs 4/3 d^3 FLOPs and A^-1 = L^-T L^-1 2 d^3 more, against potrf's d^3/3: 10x the
-arithmetic, at GEMM rate. Failure is reported as ``cholesky_ex`` reports it: ``info`` is the first failing
-pivot's 1-based column (a block's own info shifted by its offset; the first failing block wins, later ones
-see its garbage), and the pivots L_ii are returned for the damping checks (dopr.solvers.CholeskyBatch).
-No host sync.
+Blocks of d <= ``BLOCK`` are factored by ``cholesky_ex`` and inverted by one triangular solve; above, GEMMs: L^-1
+costs 4/3 d^3 FLOPs and A^-1 = L^-T L^-1 2 d^3 more, 10x potrf's d^3/3 at GEMM rate. ``info`` is as cholesky_ex's
+(the first failing pivot's 1-based column), and the pivots L_ii are returned for the damping checks. No host sync.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-#: the largest block factored by cholesky_ex and inverted by a triangular solve; above it, split in two
 BLOCK = 256
 
 
 def _split(d: int) -> int:
-    """Where to cut a block of size d: half, rounded down to a multiple of 64 where d allows (GEMM tiles)."""
+    """Half of d, rounded down to a multiple of 64 where d allows (GEMM tiles)."""
     h = d // 2
     return h - h % 64 if h >= 128 else h
 

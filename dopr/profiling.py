@@ -1,10 +1,5 @@
-"""Where the time of a training step goes: wall time against the device's busy time, kernels, host
-syncs and the top kernels, from torch.profiler over a few steps.
-
-The FLOP model (``benchmarks.bench``'s R_model) cannot see what makes a step slow on a GPU besides its
-arithmetic: hundreds of small kernels (launch-bound: busy time far below wall time) or the host waiting
-on the device (a ``.item()``, a Python branch on a GPU value: each is a sync that empties the queue).
-``profile_steps`` counts both for any step function; ``table`` writes a markdown row per profiled step.
+"""Where the time of a training step goes, from torch.profiler over a few steps: wall time against the
+device's busy time (launch-bound steps), kernels, host syncs and the top kernels.
 
     from dopr.profiling import profile_steps, table
     p = profile_steps(lambda: (loss_fn(model(x), y).backward(), opt.step(), opt.zero_grad()), steps=3, device="cuda")
@@ -18,36 +13,28 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-#: runtime calls that block the host until the device has caught up (cudaMemcpy without Async is
-#: synchronous; a .item() shows as cudaMemcpyAsync followed by cudaStreamSynchronize)
+#: runtime calls that block the host until the device has caught up (cudaMemcpy without Async is synchronous)
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpy")
-#: DoPr's step names its phases per size (``dopr.factor 3 x (385, 385)``, ``dopr.apply ...``: record_function
-#: spans); ``phases`` reports the time of each, on the device where there is one
+#: DoPr's step names its phases (record_function spans: ``dopr.factor 3 x (385, 385)``, ``dopr.apply ...``)
 PHASE_PREFIX = "dopr."
 #: device-side events that are copies or fills, not kernels
 _NOT_KERNELS = ("Memcpy", "Memset", "memcpy", "memset")
 
 
 def device_events(events) -> list:
-    """The device's own work among profiler events: kernels, copies and fills, not the GPU-side spans of
-    ``record_function`` ranges (``Optimizer.step#DoPr.step``), which cover other kernels' time and would
-    count it twice. A span is flagged ``is_user_annotation`` (recent torch) and has a host-side twin of
-    the same name; a kernel has neither."""
+    """The device's kernels, copies and fills among profiler events, not ``record_function`` spans (which would
+    count other kernels' time twice: flagged ``is_user_annotation``, or with a host-side twin of the same name)."""
     host = {e.key for e in events if e.device_type == DeviceType.CPU}
     return [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
             and not getattr(e, "is_user_annotation", False) and e.key not in host]
 
 
 def profile_steps(step, steps: int = 3, device="cuda", top: int = 5) -> dict:
-    """Profile ``steps`` calls of ``step()`` (warm it up first: the first steps allocate and compile).
-
-    Per step: ``wall_ms`` (under the profiler, which adds a little per op), ``busy_ms`` (the sum of the
-    device's kernel, copy and fill times; None on CPU), ``kernels`` (kernels the device ran, by its own
-    events, so those of CUDA graphs and library calls count too; None on CPU), ``syncs`` ({runtime call:
-    count}, the one synchronize that closes the measurement left out) and ``top``: [(name, ms per step,
-    share of busy time)] of the kernels (CPU: the ops, by self time) that took longest; ``phases``: [(DoPr's
-    phase span, ms per step)], longest first (device time of the span on a GPU, CPU time on the CPU)."""
+    """Profile ``steps`` calls of ``step()`` (warmed up first). Per step: ``wall_ms``, ``busy_ms`` (the device's
+    kernel, copy and fill times; None on CPU), ``kernels`` (None on CPU), ``syncs`` ({runtime call: count}, the
+    measurement's own left out), ``top`` ([(name, ms, share of busy time)] of the longest kernels; CPU: ops by
+    self time) and ``phases`` ([(DoPr's phase span, ms)], longest first)."""
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
     if cuda:

@@ -1,16 +1,11 @@
-"""Per-layer quantities a damping rule reads besides Sigma (issue 75 item 2: a rule declares its inputs).
-
-A quantity is a number per layer computed by the capture from the layer's helper and its input rows x each
-forward, kept in the statistic's ``extras`` ({name: 0-d device tensor}) and combined across micro-batches,
-checkpoint recomputations and data-parallel ranks as Sigma's sums are, by its declared merge ("sum" or "max").
-A rule names the quantities it reads in ``DampingRule.reads``; DoPr hands them to the capture
-(``ActivationCapture.reads``), which computes only those. Registering one::
+"""Per-layer quantities a damping rule reads besides Sigma (issue 75 item 2). The capture computes the ones a
+rule names in ``DampingRule.reads`` each forward into the statistic's ``extras`` ({name: 0-d device tensor}),
+combined across micro-batches and ranks by the declared merge ("sum" or "max")::
 
     register_quantity("max_row_norm", lambda helper, x, rows: helper.activations(x).square().sum(-1).max(),
                       merge="max")
 
-and a rule with ``reads = ("max_row_norm",)`` finds ``stat.extras["max_row_norm"]`` in ``groups.items``: no
-other file changes. The sample count (dopr/sample_count.py, "samples") is registered this way.
+The sample count (dopr/sample_count.py, "samples") is registered this way.
 """
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ MERGES = {"sum": torch.add, "max": torch.maximum}
 
 @dataclass(frozen=True)
 class Quantity:
-    """``compute(helper, x, rows)``: the quantity of one forward's input x (its ``rows`` activation rows), a 0-d
-    device tensor (no host sync); ``merge``: how two of them combine ("sum" or "max"); ``missing(count)``: what
-    stands in for a statistic that lacks it (rows appended or compiled forwards carry none), from its ``count``;
-    None: the other side's value as it is."""
+    """``compute(helper, x, rows)``: one forward's value, a 0-d device tensor; ``merge``: "sum" or "max";
+    ``missing(count)``: what stands in for a statistic that lacks it (None: the other side's value as it is)."""
 
     name: str
     compute: Callable
@@ -39,7 +32,6 @@ class Quantity:
         return MERGES[self.merge](a, b) if self.merge != "sum" else a + b
 
 
-#: the registered quantities by name (``DampingRule.reads``' values)
 QUANTITIES: dict = {}
 
 
@@ -64,8 +56,7 @@ def compute(names: tuple, helper, x, rows: int) -> dict:
 
 
 def merged(a: dict, a_count: float, b: dict, b_count: float) -> dict:
-    """The quantities of two statistics added together (``count``: each one's rows, for ``missing``); empty when
-    neither has any (no tensor op on the default path)."""
+    """The quantities of two statistics added together (``count``: each one's rows, for ``missing``)."""
     if not a and not b:
         return {}
     out = {}
@@ -83,8 +74,7 @@ def merged(a: dict, a_count: float, b: dict, b_count: float) -> dict:
 
 
 def stand_in(name: str, count):
-    """What a statistic without quantity ``name`` contributes to an all-reduce: ``missing(count)``, else the
-    merge's identity."""
+    """What a statistic without quantity ``name`` contributes to an all-reduce: ``missing(count)`` or the identity."""
     q = quantity(name)
     if q.missing is not None:
         return q.missing(count)

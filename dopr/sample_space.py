@@ -4,38 +4,19 @@ With this step's rows X (n x d, the homogeneous 1 column included for a layer wi
 statistics EMA, Sigma = X^T X / n. Write Xs = X / sqrt(n), so Sigma = Xs^T Xs, and K = Xs Xs^T (n x n).
 Woodbury gives, for lam > 0,
 
-    (Sigma + lam I)^-1 = (1/lam) (I - Xs^T (K + lam I)^-1 Xs)
     M = G (Sigma + lam I)^-1 = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs)
 
-at n^2 d for K, n^3/3 for its Cholesky factor and 2 rows n d + rows n^2 for the apply, where the
-feature-space solve costs n d^2 to form Sigma, d^3/3 to factor it and 2 rows d^2 to apply it: for n < d
-every term is smaller (Llama-8B widths, n = 2048 tokens for d = 4096 and 14336). The d x d Sigma is
-never formed. Xs, K, its factor and the apply run in float64 (M is returned in G's dtype): G - (G Xs^T)(...)Xs
-is lam M, so the subtraction cancels all but a share ~lam / (e + lam) of G in each direction of Sigma
-(e its eigenvalue), and its rounding costs ~eps * cond(Sigma + lam I) of M's digits. In float32 that was
-57-1000x the feature-space solve's error at the default damping on inputs whose columns span 1e-4..1e4
-(issue 73; the Cholesky solve is insensitive to column scaling, the cancellation is not), and Xs = X / sqrt(n)
-rounded to float32 moves the rows' span by eps, which the 1/lam amplifies the same way. In float64 the
-error is the float32 rounding of M (tests/lib/test_sample_space.py); the cost is the apply's two n x d
-products in float64 (2-4.7x the float32 apply on one CPU thread at n = 64, d = 1024, 1024 gradient rows)
-and Xs's 8 n d bytes (the cached operator's too; the captured rows stay in the statistics dtype).
+at n^2 d + n^3/3 + rows (2 n d + n^2) instead of n d^2 + d^3/3 + 2 rows d^2: smaller for n < d. Xs, K, its
+factor and the apply run in float64, M in G's dtype: the subtraction is lam M, so it cancels all but
+~lam / (e + lam) of G along each eigen-direction and costs ~eps cond(Sigma + lam I) of M's digits; in float32
+that was 57-1000x the feature-space error on badly scaled inputs (issue 73). Which groups (``solve_space``,
+dopr/solve_space.py) and the costs: docs/library.md. The capture keeps a forward's rows while they are fewer
+than d (:class:`RowsOrCovariance`), micro-batches append, and rows that reach d become Sigma's sums. Under
+data parallelism :func:`gather_rows` all-gathers every rank's rows.
 
-Which layers: ``solve_space`` (dopr.options). "auto" chooses sample space for a statistics group
-whose rows this step are fewer than d where the device's rule says it is the faster (dopr/solve_space.py:
-its measured table, else a FLOP rule; decided at the step), when the solver is cholesky and nothing needs
-the d x d Sigma (no statistics EMA, no health report, no weak_share_bound, damping not the constant 0).
-The capture keeps a forward's rows instead of summing z z^T when they are fewer than d (:class:`RowsOrCovariance`);
-micro-batches append their rows, and once a layer's rows reach d they become Sigma's sums (the
-feature-space solve from there on). "samples" keeps the rows whatever their number; "features" never.
-Under data parallelism every rank's rows are needed: :func:`gather_rows` all-gathers them (uneven row
-counts: padded to the longest). Compiled forwards (probes) keep the feature-space statistics.
-
-Failures: a non-finite X makes its diagonal non-finite (the optimizer's skip / raise rules, as for a
-non-finite Sigma); a factor of K + lam I that failed or lost lam to rounding (``dopr.solvers.unreliable``),
-an apply whose cancellation would cost more than APPLY_LOSS of M (eps64 tr(K) / lam bounds
-eps64 cond(Sigma + lam I)), and lam <= 0, are flagged on the device with the other trouble flags (no host
-sync of their own) and solved in feature space from Sigma = Xs^T Xs by the configured solver (in float64;
-retries and fallbacks included, counted as the feature-space solve's are).
+Trouble (flagged on the device with the other trouble flags): a factor of K + lam I that failed or lost lam
+to rounding, an apply whose cancellation would cost more than APPLY_LOSS of M (eps64 tr(K) / lam bounds
+eps64 cond(Sigma + lam I)), lam <= 0. Those are solved in feature space from Sigma = Xs^T Xs (float64).
 """
 from __future__ import annotations
 
@@ -49,7 +30,7 @@ from torch import Tensor
 
 from . import solvers
 from .distributed import is_distributed
-from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, statistics_dtype
+from .statistics import ActivationStatistics, DenseCovariance, gram, ones_column, stacked, statistics_dtype
 
 #: the precision of the solve: Xs, K, its Cholesky factor and the apply (module docstring)
 SAMPLE_SPACE_DTYPE = torch.float64
@@ -59,8 +40,8 @@ APPLY_LOSS = 1e-2
 
 
 class SampleRows(ActivationStatistics):
-    """The activation rows themselves, (n, d) in the statistics dtype, the homogeneous 1 appended.
-    ``auto``: become Sigma's sums (:meth:`to_dense`) once the rows reach d (solve_space "auto")."""
+    """The activation rows (n, d) in the statistics dtype, the homogeneous 1 appended. ``auto``: they become
+    Sigma's sums (:meth:`to_dense`) once they reach d."""
 
     kind = "samples"
 
@@ -89,12 +70,11 @@ class SampleRows(ActivationStatistics):
         return DenseCovariance((gram(self.rows),), self.count)
 
     def full(self) -> bool:
-        """Whether the rows reached d, where the feature-space solve is the cheaper one ("auto")."""
+        """Whether the rows reached d under "auto"."""
         return self.auto and self.rows.shape[0] >= self.rows.shape[1]
 
     def mean(self) -> tuple:
-        """(Xs,) = X / sqrt(n) in SAMPLE_SPACE_DTYPE (float32 rounding would move the rows' span): Sigma =
-        Xs^T Xs. A new tensor (the rows may be shared)."""
+        """(Xs,) = X / sqrt(n) in SAMPLE_SPACE_DTYPE (float32 rounding would move the rows' span), a new tensor."""
         scale = torch.scalar_tensor(self.count ** -0.5, dtype=SAMPLE_SPACE_DTYPE)
         return (torch.mul(self.rows.to(SAMPLE_SPACE_DTYPE), scale),)
 
@@ -102,9 +82,7 @@ class SampleRows(ActivationStatistics):
 
     @staticmethod
     def stacked_mean(stats: list) -> Tensor:
-        """The Xs of each of `stats` (same shape), stacked (B, n, d) in SAMPLE_SPACE_DTYPE: one stack and one
-        product with their count^-1/2 held as a tensor, where :meth:`mean` per member takes two ops each (the
-        same product, bit for bit). The stack is a copy: the rows, which may be shared, are not changed."""
+        """The Xs of each of `stats` stacked (B, n, d): bit for bit :meth:`mean`'s, in one product (on a copy)."""
         rows = torch.stack([s.rows for s in stats]).to(SAMPLE_SPACE_DTYPE)
         scale = torch.tensor([s.count ** -0.5 for s in stats], dtype=rows.dtype).to(rows.device, non_blocking=True)
         return rows.mul_(scale[:, None, None])
@@ -115,10 +93,7 @@ class SampleRows(ActivationStatistics):
 
     @classmethod
     def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
-        if isinstance(means, Tensor):    # stacked already (stacked_mean)
-            xs = means
-        else:
-            xs = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
+        xs = stacked(means)
         diag = cls.diagonal((xs,))
         return xs, floor(diag, homogeneous), diag.isfinite().all(-1)
 
@@ -129,8 +104,7 @@ class SampleRows(ActivationStatistics):
 
 
 class RowsOrCovariance:
-    """The statistic the capture gathers under solve_space "auto": a forward's rows when they are fewer
-    than d (:class:`SampleRows`), else Sigma's sums (:class:`DenseCovariance`)."""
+    """solve_space "auto": a forward's rows when they are fewer than d, else Sigma's sums."""
 
     @staticmethod
     def from_activations(z: Tensor, homogeneous: bool) -> ActivationStatistics:
@@ -148,8 +122,7 @@ class AlwaysRows:
 
 
 def sample_space_blocker(options) -> Optional[str]:
-    """None when the sample-space solve (dopr/sample_space.py) can run under `options`, else why not:
-    what needs the d x d Sigma itself, or lambda > 0."""
+    """None when the sample-space solve can run under `options`, else why not."""
     if options.solver != "cholesky":
         return f"solver={options.solver!r} factors Sigma itself, sample space needs 'cholesky'"
     if callable(options.precond_ema) or options.precond_ema != 0:
@@ -163,8 +136,7 @@ def sample_space_blocker(options) -> Optional[str]:
 
 def row_statistic(options) -> Optional[type]:
     """What the capture gathers for dense layers instead of DenseCovariance: None (feature space),
-    :class:`RowsOrCovariance` ("auto", where allowed) or :class:`AlwaysRows` ("samples"; the option
-    checks refuse what it cannot do, dopr.options)."""
+    :class:`RowsOrCovariance` ("auto", where allowed) or :class:`AlwaysRows` ("samples")."""
     if options.solve_space == "samples":
         return AlwaysRows
     if options.solve_space == "features" or sample_space_blocker(options) is not None:
@@ -173,8 +145,8 @@ def row_statistic(options) -> Optional[type]:
 
 
 def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationStatistics:
-    """a + b for the capture's micro-batch accumulation (a may be changed, the result returned): rows are
-    appended (Sigma's sums once they reach d under "auto"); rows meeting sums become sums."""
+    """a + b for micro-batch accumulation (a may be changed): rows append (sums once full); rows meeting sums
+    become sums."""
     rows_a, rows_b = isinstance(a, SampleRows), isinstance(b, SampleRows)
     if rows_a and rows_b:
         out = SampleRows((torch.cat([a.rows, b.rows]),), a.count + b.count, a.auto and b.auto)
@@ -186,9 +158,8 @@ def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationSt
 
 # ------------------------------------------------------------------------------ the solve
 class SampleSpaceBatch(solvers.Deferred):
-    """The Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch of same-size rows, in float64.
-    Trouble: a failed or unreliable factor, an apply losing over APPLY_LOSS of M to its cancellation, or
-    lam <= 0; :meth:`finish` solves those in feature space."""
+    """The float64 Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch; :meth:`finish` solves the
+    trouble (module docstring) in feature space."""
 
     def __init__(self, xs: Tensor, lam: Tensor, factor) -> None:
         self.xs, self.lam, self.factor = xs, lam, factor
@@ -219,8 +190,7 @@ class SampleSpaceBatch(solvers.Deferred):
 
 
 class SampleSpaceInverse:
-    """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T, in float64 (the cancellation:
-    module docstring), M in G's dtype."""
+    """M = (1/lam) (G - (G Xs^T) (K + lam I)^-1 Xs) with K + lam I = L L^T, in float64, M in G's dtype."""
 
     OWN_DTYPE = ("x", "l")   # Xs and L stay float64 (SAMPLE_SPACE_DTYPE) in a checkpoint and a dtype change
 
@@ -255,8 +225,8 @@ class SampleSpaceInverse:
         return m.div_(lam.to(f)[:, None, None]).to(gs.dtype)
 
     def cached(self) -> "SampleSpaceInverse":
-        """Reused until the next refresh (precond_every > 1): the rows and the n x n factor, whose apply
-        costs 2 rows n d + rows n^2 against rows d^2 for an explicit inverse. No reference to the batch."""
+        """Reused until the next refresh: the rows and the n x n factor (cheaper to apply than an explicit
+        inverse), without a reference to the batch."""
         return SampleSpaceInverse(self.x, self.l, self.lam)
 
     def tensors(self) -> dict:
@@ -268,13 +238,10 @@ solvers.OPERATORS[SampleSpaceInverse.__name__] = SampleSpaceInverse   # cached o
 
 # ------------------------------------------------------------------------------ data parallel
 def gather_rows(groups: "OrderedDict", rows: Optional[type]) -> "OrderedDict":
-    """Under data parallelism, each group's rows from every rank (in rank order, so every rank solves
-    the same problem), as :class:`SampleRows` of the global batch: one all-gather of the row counts, one
-    of the rows padded to each group's longest. A group some rank holds as Sigma's sums (its rows
-    reached d there), or whose global rows reach d under "auto", becomes sums on every rank, for
-    dopr.distributed.all_reduce_statistics. ``rows``: the capture's row statistic (None: nothing to do).
-    ``groups`` is agreed by all ranks (dopr.distributed.agree_groups); a rank that ran none of a group's
-    layers holds zero sums with count 0 for it: no rows."""
+    """Under data parallelism, each group's rows from every rank in rank order, as :class:`SampleRows` of the
+    global batch: one all-gather of the row counts, one of the rows padded to the longest. A group some rank
+    holds as sums, or whose global rows reach d under "auto", becomes sums on every rank. ``rows``: the
+    capture's row statistic (None: nothing to do); a rank that ran none of a group's layers holds zero sums."""
     if rows is None or not groups or not is_distributed():
         return groups
     keys, stats = list(groups), list(groups.values())

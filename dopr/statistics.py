@@ -1,14 +1,7 @@
-"""Activation statistics: the sums behind Sigma = mean over samples (and positions) of z z^T.
-
-Three kinds, one type each, chosen by the solver and the layer type; each knows its diagonal (for
-the trace damping) and how to factor itself:
-
-* :class:`DenseCovariance`: the (d, d) sum of z z^T (every dense solver);
-* :class:`Moments`: the sums of z and of z*z, all that the rank-1 + diagonal solver needs (O(d));
-* :class:`Diagonal`: the diagonal of the sum of z z^T, exact for one-hot inputs (embeddings).
-
-Sums are float32 for float32 and half-precision activations (float64 for float64), and are kept with their sample count so that
-micro-batches, checkpoint recomputation and data-parallel ranks combine by plain addition.
+"""Activation statistics: the sums behind Sigma = mean over samples (and positions) of z z^T, kept with their
+sample count so that micro-batches and data-parallel ranks combine by addition; float32 for float32 and
+half-precision activations, float64 for float64. One kind per type: :class:`DenseCovariance` (every dense
+solver), :class:`Moments` (z and z*z, the rank-1 + diagonal solver) and :class:`Diagonal` (embeddings).
 """
 from __future__ import annotations
 
@@ -20,15 +13,12 @@ from .solvers import factor_diagonal, factor_rank1
 
 
 class ActivationStatistics:
-    """The sums behind one input's Sigma and their sample count. A subclass is one kind of statistic:
-    it knows how to gather itself from activation vectors, the diagonal of its Sigma (what the trace
-    damping reads), and how to factor a batch of its kind into operators that apply the AP."""
+    """The sums behind one input's Sigma and their sample count; a subclass is one kind of statistic, which
+    gathers itself from activations, gives its Sigma's diagonal and factors a batch of its kind."""
 
     kind = "?"
     symmetric = False  # a dense symmetric matrix: its EMA stores the upper triangle only
-    #: the per-layer quantities the damping rule reads ({name: 0-d device tensor}, dopr/quantities.py), set by
-    #: the capture for the names the rule declares (``DampingRule.reads``); a statistic's own dict once set
-    extras: dict = {}
+    extras: dict = {}  # the per-layer quantities the damping rule reads (dopr/quantities.py), set by the capture
 
     def __init__(self, sums: tuple, count: float) -> None:
         self.sums, self.count = tuple(sums), float(count)
@@ -58,9 +48,8 @@ class ActivationStatistics:
         return tuple(s / self.count for s in self.sums)
 
     def mean_(self) -> tuple:
-        """:meth:`mean` in place: the sums become the means (for statistics used once, at a step). The
-        count goes in as a CPU scalar tensor of the sums' dtype: the same division as by the float, two
-        ops instead of five (a Python scalar is wrapped and converted on every call)."""
+        """:meth:`mean` in place (statistics used once). The count as a CPU scalar tensor of the sums' dtype: the
+        same division as by the float, two ops instead of five."""
         return tuple(s.div_(torch.scalar_tensor(self.count, dtype=s.dtype)) for s in self.sums)
 
     @staticmethod
@@ -69,26 +58,25 @@ class ActivationStatistics:
 
     @classmethod
     def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
-        """(batch, lam, finite) for a batch of this kind's means (same shape and device): what
-        :meth:`factor` takes, the damping of each member (a (B,) tensor, ``floor(diags, homogeneous)``: the
-        trace rule's, dopr.damping.trace_floor, from the stacked diagonals) and whether its Sigma is finite
-        (a non-finite activation makes its own diagonal entry non-finite, and a finite diagonal bounds
-        every entry: O(d) to check). ``homogeneous``: per member, whether its last coordinate is the
-        homogeneous 1 (only damping_mode "trace_activations" reads it). No host sync."""
+        """(batch, lam, finite) for a batch of this kind's means: what :meth:`factor` takes, each member's damping
+        ``floor(diags, homogeneous)`` (dopr.damping.trace_floor) and whether its Sigma is finite (a finite
+        diagonal bounds every entry: O(d) to check). No host sync."""
         diags = torch.stack([cls.diagonal(m) for m in means])
         return means, floor(diags, homogeneous), diags.isfinite().all(-1)
 
     @classmethod
     def factor(cls, batch, lam: Tensor, factor, counts: dict):
-        """Operators M = G (Sigma + lam I)^-1 for a prepared batch, or a dopr.solvers.Deferred of them;
-        `factor` is the chosen solver's factorisation with its options bound (dopr.solvers.Solver.bind;
-        dense statistics only), retries and fallbacks are added to `counts`."""
+        """Operators M = G (Sigma + lam I)^-1 for a prepared batch, or a dopr.solvers.Deferred of them; `factor`:
+        the solver's bound factorisation (dense statistics only); retries and fallbacks are added to `counts`."""
         raise NotImplementedError
 
 
-def added_extras(a: ActivationStatistics, b: ActivationStatistics) -> dict:
-    """The per-layer quantities of a + b, each by its merge (dopr.quantities.merged); empty when neither has any."""
-    return quantities.merged(a.extras, a.count, b.extras, b.count)
+def stacked(means) -> Tensor:
+    """A batch of one-tensor means (B, ...): as it is if stacked already (stacked_mean), else one stack (a copy;
+    a lone mean is the step's own)."""
+    if isinstance(means, Tensor):
+        return means
+    return torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
 
 
 class DenseCovariance(ActivationStatistics):
@@ -103,10 +91,8 @@ class DenseCovariance(ActivationStatistics):
 
     @classmethod
     def from_activations(cls, z: Tensor, homogeneous: bool) -> "DenseCovariance":
-        """Sum of [z; 1][z; 1]^T, one GEMM of z with a column of ones appended (a cached one per row count:
-        this runs per layer per forward, and the copy of z is n * d against the GEMM's n * d^2).
-        Half-precision z is not copied to float32 where the GEMM can accumulate it in float32
-        (:func:`gram`): exact on the inputs."""
+        """Sum of [z; 1][z; 1]^T, one GEMM of z with a cached column of ones appended (the copy is n * d against
+        the GEMM's n * d^2). Half-precision z stays so where the GEMM accumulates it in float32 (:func:`gram`)."""
         n, d = z.shape
         dtype = statistics_dtype(z.dtype)
         if z.dtype != dtype and not _low_precision_gram(z):
@@ -125,13 +111,10 @@ class DenseCovariance(ActivationStatistics):
     @classmethod
     def from_scaled_activations(cls, z: Tensor, homogeneous: bool, source: torch.dtype,
                                 scale: float) -> "DenseCovariance":
-        """Sigma of float32 z whose entries are ``scale`` times values of the half-precision dtype ``source``:
-        a layer that casts its half-precision input up before multiplying it, through a dropout's 1 / (1 - p)
-        (peft's float32 LoRA adapters on a bf16 base, dopr/layers/lora.py). Where the device's GEMM
-        accumulates ``source`` in float32 (:func:`gram`), Sigma = scale^2 b^T b is formed from those values,
-        b = z / scale rounded to ``source``: exact, since z / scale is within a few units of float32 roundoff of
-        a ``source`` value and rounds back to it. The float32 z^T z up to float32 rounding. Elsewhere, and with
-        the homogeneous 1 (whose entries are not scaled), :meth:`from_activations` of z."""
+        """Sigma of float32 z whose entries are ``scale`` times values of the half-precision dtype ``source`` (peft's
+        float32 LoRA adapters on a bf16 base, through a dropout's 1 / (1 - p)). Where the GEMM accumulates ``source``
+        in float32, scale^2 b^T b with b = z / scale rounded to ``source`` (exact: it rounds back to the value);
+        elsewhere, and with the homogeneous 1, :meth:`from_activations` of z."""
         if homogeneous or z.dtype is not torch.float32 or not _low_precision_gram(z, source):
             return cls.from_activations(z, homogeneous)
         b = torch.div(z, scale, out=torch.empty(z.shape, dtype=source, device=z.device))
@@ -146,14 +129,9 @@ class DenseCovariance(ActivationStatistics):
 
     @classmethod
     def prepare(cls, means: list, floor, finite_inputs: bool = True, homogeneous=None) -> tuple:
-        """One stack (a copy the solver may damp in place; a lone mean is the step's own) and batched
-        damping. For a solver that needs finite input (``finite_inputs``, Solver.finite_inputs: eigh raises) a
-        non-finite member is replaced by the identity (damping 1), decided on the host; the optimizer
-        leaves that member out after the step's read-back either way."""
-        if isinstance(means, Tensor):    # stacked already (stacked_mean)
-            sigma = means
-        else:
-            sigma = torch.stack([m[0] for m in means]) if len(means) > 1 else means[0][0].unsqueeze(0)
+        """:func:`stacked` (the solver may damp it in place) and batched damping. For a solver that needs finite
+        input (Solver.finite_inputs) a non-finite member is replaced by I (damping 1)."""
+        sigma = stacked(means)
         diag = sigma.diagonal(dim1=-2, dim2=-1)
         finite = diag.isfinite().all(-1)
         lam = floor(diag, homogeneous)
@@ -166,9 +144,8 @@ class DenseCovariance(ActivationStatistics):
 
     @staticmethod
     def stacked_mean(stats: list) -> Tensor:
-        """The Sigma of each of `stats` (same size), stacked (B, d, d): one stack and one division by
-        their counts held as a tensor, where :meth:`mean_` per member takes two ops each (the same
-        division, bit for bit). A lone member's sums become its mean in place, as with mean_."""
+        """The Sigma of each of `stats` stacked (B, d, d): one division by their counts, bit for bit :meth:`mean_`'s
+        (a lone member's sums become its mean in place)."""
         sums = torch.stack([s.sums[0] for s in stats]) if len(stats) > 1 else stats[0].sums[0].unsqueeze(0)
         counts = torch.tensor([s.count for s in stats], dtype=sums.dtype).to(sums.device, non_blocking=True)
         return sums.div_(counts[:, None, None])
@@ -237,7 +214,7 @@ _STATISTICS_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.float3
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half-precision activations, float64 stays float64 (a table: this runs per layer)."""
+    """float32 for half-precision activations, float64 stays float64."""
     out = _STATISTICS_DTYPES.get(dtype)
     return out if out is not None else torch.promote_types(dtype, torch.float32)
 
@@ -262,12 +239,9 @@ def gram_blocks(n: int, d: int) -> int:
 GRAM_CHUNK_ROWS = 4096
 
 
-#: devices whose GEMM takes half-precision inputs with a float32 output and accumulator (``out_dtype``):
-#: Sigma is formed there from the autocast activations as they are, on the tensor cores, with no
-#: float32 copy. Exact on the inputs (their products are exact in float32); elsewhere z is upcast. On an H200
-#: (issue 77, benchmarks/bench_gram.py, results/bench/gpu_nvidia_h200_77.md) the bf16 batched GEMM with a float32
-#: output was the fastest of three ways (0.27 ms at 65536 x 385 against 0.75 for the float32 GEMM of the upcast),
-#: and SiT-S/2 b256's DoPr-AdamW step with the upcast took 217 ms against 128 ms.
+#: devices whose GEMM takes half-precision inputs with a float32 output and accumulator (``out_dtype``): Sigma is
+#: formed there from the activations as they are (exact: their products are exact in float32); elsewhere z is
+#: upcast. On an H200 (issue 77) 0.27 ms at 65536 x 385 against 0.75 for the upcast's float32 GEMM.
 LOW_PRECISION_GRAM_DEVICES = {"cuda"}
 
 
@@ -277,13 +251,11 @@ def _low_precision_gram(z: Tensor, dtype: torch.dtype = None) -> bool:
             and not torch.compiler.is_compiling())
 
 
-#: columns of ones by (rows, dtype, device), appended to a layer's inputs for the homogeneous 1 (few
-#: distinct row counts in a run; the cache is emptied if it ever holds many)
-_ONES: dict = {}
+_ONES: dict = {}   # (rows, dtype, device): a column of ones (emptied if it ever holds many)
 
 
 def ones_column(n: int, like: Tensor) -> Tensor:
-    """A cached (n, 1) column of ones like `like` (dtype, device): the homogeneous 1 of n activation rows."""
+    """A cached (n, 1) column of ones like `like`: the homogeneous 1 of n activation rows."""
     key = (n, like.dtype, like.device)
     ones = _ONES.get(key)
     if ones is None:
@@ -300,11 +272,9 @@ def _transposed(z: Tensor) -> Tensor:
 
 
 def gram(z: Tensor, blocks: int = 0, out: Tensor = None, zt: Tensor = None) -> Tensor:
-    """z^T z for z of shape (n, d): with b > 1 block rows, the blocks on and above the diagonal (one
-    GEMM per block row, (b + 1) / 2b of the FLOPs), the rest mirrored. ``blocks=0``: by gram_blocks.
-    ``out``: a (d, d) view to write into (the top-left block of the homogeneous statistics: no copy).
-    More than GRAM_CHUNK_ROWS rows are summed chunk by chunk (see there). Off the CPU: one GEMM, or one
-    batched GEMM over the chunks (:func:`_gram_device`)."""
+    """z^T z for z (n, d): with b > 1 block rows (``blocks=0``: gram_blocks) the blocks on and above the diagonal,
+    the rest mirrored; ``out``: a (d, d) view to write into; chunks of GRAM_CHUNK_ROWS rows. Off the CPU:
+    :func:`_gram_device`."""
     n, d = z.shape
     if z.device.type != "cpu" or _low_precision_gram(z):
         return _gram_device(z, out)
@@ -333,10 +303,8 @@ DEVICE_GRAM_MAX_PARTIALS = 2**26
 
 
 def _gram_device(z: Tensor, out: Tensor = None) -> Tensor:
-    """z^T z on an accelerator: the CPU's block rows and chunk loop (tuned for a 2-core CPU) become one
-    GEMM, or for n > GRAM_CHUNK_ROWS one batched GEMM over the full chunks (the same roundoff bound:
-    each chunk's sum, then c partials) plus one for the remainder. Half-precision z goes in as it is
-    where the device accumulates it in float32 (:func:`_low_precision_gram`)."""
+    """z^T z on an accelerator: one GEMM, or for n > GRAM_CHUNK_ROWS one batched GEMM over the full chunks (the
+    same roundoff bound) plus one for the remainder."""
     n, d = z.shape
     kw = {"out_dtype": torch.float32} if _low_precision_gram(z) else {}
     c = n // GRAM_CHUNK_ROWS if isinstance(n, int) else 0
@@ -369,8 +337,7 @@ def _gram_chunked(z: Tensor, b: int, out: Tensor = None) -> Tensor:
 
 
 def _gram_assembled(z: Tensor, b: int) -> Tensor:
-    """:func:`gram` without ``out=``: the block rows on and above the diagonal, the rest their
-    transposes, concatenated (what a compiled graph can hold)."""
+    """:func:`gram` without ``out=``, concatenated (what a compiled graph can hold)."""
     d = z.shape[1]
     if b == 1:
         return z.T @ z

@@ -1,19 +1,9 @@
-"""Measured per-device tables (issue 73): the Cholesky route (dopr.solvers) and the solve space
-(dopr.solve_space) that were measured fastest on one kind of device, and the two rules that build and read them.
-
-A table is ``{point: choice}`` over the grid a benchmark measured on one device type, one thread, nothing else
-running. Its module here is ``<kind>_<device type>.py`` (``cholesky_routes_cpu.py``, ``solve_space_cpu.py``):
-``TABLE`` and ``SOURCE`` (the command, commit, date and machine that measured it), written by the benchmark's
-``--table-out`` (:func:`write`) and read at import (:func:`load`).
-
-* Building (:func:`keep`): at a measured point, a choice other than the default (the one taken where nothing is
-  measured) is kept only when its slowest repeat beats the default's fastest, max(its times) < min(the
-  default's): an advantage inside the spread of the repeats does not change the step.
-* Reading (:func:`lookup`): a point's coordinates are log d and the logs of its other sizes over d (the grid the
-  benchmarks measure: sizes as multiples of d). A size outside the measured box (each coordinate between the
-  table's least and largest, widened by BOX_MARGIN for a bias's extra column) gets the caller's default, the
-  FLOP rule: a choice is never extrapolated past the sizes it was measured at. Inside, the nearest measured
-  point's choice; on a tie, the default.
+"""Measured per-device tables (issue 73): the Cholesky route (dopr.solvers) and the solve space (dopr.solve_space)
+measured fastest on one kind of device. A table is ``{point: choice}``, in the module ``<kind>_<device type>.py``
+here (``TABLE`` and the ``SOURCE`` that measured it), written by a benchmark's ``--table-out`` (:func:`write`)
+and read at import (:func:`load`). A choice other than the default is kept only where it beat the default
+beyond the spread of the repeats (:func:`keep`), and read only within the measured sizes (:func:`lookup`): it
+is never extrapolated.
 """
 from __future__ import annotations
 
@@ -25,13 +15,12 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 #: how far (a factor, in every coordinate) a size may lie outside the measured box and still be read from the
-#: table: d = 1025 (a bias's 1 on a 1024-wide input) is within the sizes measured at d = 1024, d = 2100 is not
+#: table: d = 1025 (a bias's 1 on 1024 inputs) is within the sizes measured at d = 1024, d = 2100 is not
 BOX_MARGIN = 1.1
 
 
 def keep(times: Mapping[str, Sequence[float]], default: str) -> str:
-    """The choice to keep at one measured point from each choice's repeated times: ``default`` unless another
-    choice's slowest repeat is faster than the default's fastest; of several such, the smallest median."""
+    """``default`` unless another choice's slowest repeat beat the default's fastest (of several, the least median)."""
     floor = min(times[default])
     faster = [c for c, t in times.items() if c != default and max(t) < floor]
     return min(faster, key=lambda c: statistics.median(times[c])) if faster else default
@@ -39,8 +28,8 @@ def keep(times: Mapping[str, Sequence[float]], default: str) -> str:
 
 def lookup(table: Mapping[tuple, str], point: tuple, coordinates: Callable[[tuple], tuple],
            default: str) -> str:
-    """The choice of the measured point nearest to ``point`` in log ``coordinates(point)`` (positive numbers),
-    or ``default`` where ``point`` lies outside the measured box (BOX_MARGIN) or the table is empty."""
+    """The choice of the measured point nearest to ``point`` in log ``coordinates(point)``; ``default`` outside
+    the measured box (BOX_MARGIN), for an empty table, or on a tie."""
     if not table:
         return default
     logs = {key: [math.log(c) for c in coordinates(key)] for key in table}
@@ -72,7 +61,7 @@ def module_text(kind: str, device: str, table: Mapping[tuple, str], source: str)
 
 
 def write(path, kind: str, device: str, table: Mapping[tuple, str], source: str) -> Optional[Path]:
-    """Write a table's module to ``path`` (e.g. dopr/tables/solve_space_cpu.py); None does nothing."""
+    """Write a table's module to ``path``; None does nothing."""
     if path is None:
         return None
     path = Path(path)
