@@ -1,34 +1,19 @@
 """The refresh step's numeric core replayed from a CUDA graph (issue 77; issue 61 item 4).
 
-On a GPU a DoPr step launches some 30 small kernels per layer: the stack of each size's Sigma, the
-trace damping, the finiteness flags, cholesky_ex and its pivot checks, the batched apply, the
-gradients' flags. Between the captured forward and the GP's step, the host queues them one by one.
-Once a step's *plan* is static (the same groups of layers, sizes, dtypes and routes as on the step
-before), that work is captured once into a ``torch.cuda.CUDAGraph`` and replayed: one launch.
+On a GPU a DoPr step launches some 30 small kernels per layer (the stack of each size's Sigma, the trace
+damping, the finiteness flags, cholesky_ex, the batched apply, the gradients' flags). Once a step's *plan* is
+static (the same groups, sizes, dtypes and routes as on the step before), that work is captured once into a
+``torch.cuda.CUDAGraph`` and replayed: one launch. The graph reads static buffers (each size's stacked sums, the
+gradients per bucket, one vector of scalars: the counts and gamma, never constants) that the step fills with a
+few copies, and writes M into a static buffer the write-back copies from. A plan seen on two refreshes is
+captured; after ``MAX_PLANS`` distinct plans the optimizer stays eager. The graph's outputs are the objects the
+eager path makes (a :class:`dopr.solvers.CholeskyBatch` per size), so the step's read-back and repair path run on
+them unchanged; a capture that raises turns graphs off with one warning.
 
-What a replay needs, and how this module provides it:
-
-* **buffers at fixed addresses**: the graph reads its inputs from static buffers (each size's stacked
-  sums of z z^T, the gradients stacked per bucket, one vector of scalars) that the step fills with a few
-  copies (``torch.stack(out=)``, ``torch._foreach_copy_``), and writes M into a static buffer that the
-  step's write-back copies from. The layers' own tensors are never read inside the graph: they move
-  from step to step (``zero_grad(set_to_none=True)``);
-* **counts as device tensors**: the sample counts and the damping gamma (which a schedule may change)
-  reach the graph in the scalars buffer, filled by one host-to-device copy, never as constants;
-* **static plans**: the key of a plan names every group, size, dtype, device and route; a step whose key
-  differs from every captured one runs eagerly, and a key seen on two refreshes is captured. A model
-  whose plan keeps changing (``MAX_PLANS`` distinct keys) stays eager from then on;
-* **eager fallback**: the graph's outputs are the very objects the eager path makes (a
-  :class:`dopr.solvers.CholeskyBatch` per size whose tensors are the graph's), so the step's one
-  read-back and its repair path (retries, non-finite skips) run on them unchanged; a capture that raises
-  turns graphs off for the optimizer with one warning, and the step runs eagerly.
-
-Only the default path is captured: the dense statistic with the Cholesky solver, the trace damping rule,
-no EMA, no sample-space solve, unsharded, ``on_nonfinite`` other than "raise" and not a health report's
-refresh (:func:`static_reason` names what keeps an optimizer eager). A replay computes what the eager
-step computes with the same kernels in the same order: M is the same, bit for bit
-(tests/lib/test_graphs.py checks the plan logic on the CPU, where :class:`StepGraph` runs its core
-eagerly on the static buffers; ``benchmarks/gpu_check.py``'s part ``graphs`` checks the capture on a GPU).
+Only the default path is captured (:func:`static_reason` names what keeps an optimizer eager), and not a health
+report's refresh. A replay runs the eager step's kernels in the same order: M is the same, bit for bit
+(tests/lib/test_graphs.py on the CPU, where :class:`StepGraph` runs its core eagerly on the static buffers;
+``benchmarks/gpu_check.py``'s part ``graphs`` on a GPU).
 """
 from __future__ import annotations
 

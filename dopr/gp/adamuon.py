@@ -33,21 +33,11 @@ class AdaMuon(BaseGP):
         U_t <- s(m, n) U_t / ||U_t||_F               (RMS alignment, s from ``adjust_lr_fn``)
         W_t = W_{t-1} - lr (U_t + wd W_{t-1})        (decoupled weight decay)
 
-    This is the sign-stabilised variant described in the paper (arXiv v2 onward), which
-    orthogonalises sign(N_t); the authors' released ``adamuon.py`` orthogonalises N_t itself
-    and bias-corrects V_t. As in the paper, V_t is not bias-corrected here: the scalar
-    correction (1 - beta2^t) would cancel in the RMS alignment, apart from rescaling eps.
-
-    ``adjust_lr_fn`` names the alignment with torch.optim.Muon's names: ``"match_rms_adamw"``
-    (the paper's, default) sets ||U_t||_F = 0.2 sqrt(m n), i.e. RMS 0.2, as Muon's 0.2 sqrt(max(m, n))
-    does to an orthogonal matrix; ``"original"`` sets ||U_t||_F = sqrt(min(m, n)) sqrt(max(1, m/n)),
-    the norm of Keller Jordan's Muon update sqrt(max(1, m/n)) O_t.
-    Because sign(.) and the alignment are scale-invariant, an EMA momentum
-    M_t = mu M_{t-1} + (1 - mu) G_t would give the same update. The target RMS of 0.2 matches
-    AdamW's typical update RMS, so AdamW learning rates and weight decays carry over.
-
-    Only 2-D parameters are accepted; route the rest to another optimizer
-    (see :func:`dopr.gp.route_matrix_params`).
+    The paper's sign-stabilised variant (arXiv v2 onward); the authors' released code orthogonalises N_t itself and
+    bias-corrects V_t, a correction that would cancel in the RMS alignment but for eps. ``adjust_lr_fn``:
+    ``"match_rms_adamw"`` (the paper's, default) ||U_t||_F = 0.2 sqrt(m n), RMS 0.2, so AdamW's learning rates and
+    weight decays carry over; ``"original"`` sqrt(min(m, n)) sqrt(max(1, m/n)), Keller Jordan's Muon update's norm.
+    Matrices and convolution filters only (:func:`dopr.gp.route_matrix_params` routes the rest).
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
@@ -88,8 +78,7 @@ class AdaMuon(BaseGP):
         M.mul_(mu).add_(grad)
         N = grad.add(M, alpha=mu) if group["nesterov"] else M
 
-        # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
-        # on the gathered matrix, then this rank's rows
+        # O_t = NewtonSchulz5(sign(N_t)) (FSDP2: on the gathered matrix, then this rank's rows)
         O = sharding.on_whole_matrix(
             lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
 

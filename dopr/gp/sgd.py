@@ -13,9 +13,8 @@ class SGD(BaseGP):
         d_t = g_t + mu b_t   if nesterov,   else   d_t = b_t
         p_t = (1 - lr wd) p_{t-1} - lr d_t
 
-    ``momentum=0`` gives plain gradient descent, d_t = g_t. The weight decay is decoupled
-    (Loshchilov & Hutter, 2019): it shrinks p directly and never enters the buffer, unlike
-    the L2 penalty of ``torch.optim.SGD``.
+    ``momentum=0`` gives plain gradient descent. The weight decay is decoupled (Loshchilov & Hutter, 2019),
+    unlike ``torch.optim.SGD``'s L2 penalty.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False,
