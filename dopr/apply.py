@@ -181,7 +181,6 @@ class Apply:
              "raw gradient to the GP (counted in DoPr.stats()['nonfinite_skips'])")
         return bad
 
-    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
         return dict(self.grad_ema.buffers), self.no_forward
 
@@ -189,7 +188,6 @@ class Apply:
         self.grad_ema.buffers, self.no_forward = saved
         self.grad_ema.pending = {}
 
-    # ------------------------------------------------------------------ state
     def state_dict(self, helpers: dict) -> dict:
         """The checkpoint's ``grad_ema`` entry: the gradient EMA's buffers (FSDP2: gathered to whole matrices)."""
         return self.grad_ema.state_dict(helpers, whole=True)

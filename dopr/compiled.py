@@ -31,8 +31,7 @@ def enable_compiled_capture() -> None:
 
 
 def hook_guards_skipped() -> bool:
-    """Whether dynamo has compiled anything in this process while skipping module-hook guards: then a
-    layer with gradients but no statistics may have run a graph traced without DoPr's hooks."""
+    """Whether dynamo compiled anything while skipping module-hook guards (a graph may lack DoPr's hooks)."""
     try:
         import torch._dynamo
         from torch._dynamo import convert_frame
@@ -83,8 +82,8 @@ class Probes:
         return _Tap.apply(output, *self.leaves[index], *stat.sums, count)
 
     def received(self, index: int, kind: type) -> Optional[ActivationStatistics]:
-        """Once every probe of the layer has its part: the statistic (of type `kind`) they carry, taken
-        out of them; None before. The count stays a tensor (no host sync) until merge_equal."""
+        """The statistic (of type `kind`) the layer's probes carry, taken out of them (the count a tensor until
+        merge_equal); None until every probe has its part."""
         probes = self.leaves[index]
         if any(p.grad is None for p in probes):
             return None
@@ -96,8 +95,8 @@ class Probes:
 
     @staticmethod
     def merge_equal(layers: list) -> None:
-        """Layers whose statistics came from probes: their counts to the host (one transfer for all),
-        and layers with equal statistics (q, k, v of one input) made to hold one object, factored once."""
+        """Layers whose statistics came from probes: their counts to the host (one transfer), and layers with equal
+        statistics (q, k, v of one input) made to hold one object."""
         found = [layer for layer in layers if layer.compiled and layer.stat is not None]
         if not found:
             return

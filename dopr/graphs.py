@@ -56,9 +56,8 @@ def static_reason(options, solver, rule, sharded: bool) -> Optional[str]:
 
 
 class Replay(NamedTuple):
-    """What a plan gives a refresh step: ``keys``, the groups it factored, ``names``, the layers it solved (their
-    G's flags and M), ``batches`` and ``solved`` as dopr.refresh.Refresh.factor and dopr.apply.solve give them (M in static
-    buffers), ``gflags``."""
+    """What a plan gives a refresh step: the groups it factored, the layers it solved, and ``batches``, ``solved``,
+    ``gflags`` as dopr.refresh.Refresh.factor and dopr.apply.solve give them (M in static buffers)."""
 
     keys: frozenset
     names: frozenset
@@ -68,11 +67,9 @@ class Replay(NamedTuple):
 
 
 class StepGraph:
-    """One static plan: its input and output buffers, and its graph (or, off CUDA, its core run eagerly).
-
-    ``batches``: [(group keys, the stacked sums' shape (B, d, d), dtype, homogeneous flags or None,
-    the solver's factor with its rows bound)] in the eager path's order; ``buckets``: [(layer names,
-    G's shape (rows, d), the statistics dtype, the helpers)]; ``group_of``: {layer name: its group key}."""
+    """One static plan: its buffers and its graph (off CUDA, its core run eagerly). ``batches``: [(group keys, the
+    stacked sums' shape, dtype, homogeneous flags or None, the bound factor)]; ``buckets``: [(layer names, G's shape,
+    the statistics dtype, the helpers)]; ``group_of``: {layer name: its group key}."""
 
     def __init__(self, batches: list, buckets: list, group_of: dict, damping_mode: str, device) -> None:
         self.batches, self.buckets, self.group_of, self.mode = batches, buckets, group_of, damping_mode
@@ -84,7 +81,6 @@ class StepGraph:
         self.host = torch.zeros(self.scalars.shape, dtype=dtype, pin_memory=pinned)
         self.gs = [GradientBucket(helpers, shape, sdtype, device) for _, shape, sdtype, helpers in buckets]
 
-    # ------------------------------------------------------------------ the captured core
     def _core(self) -> tuple:
         """Sigma = sums / counts, lambda, finiteness, the factors, M per bucket: the eager path's calls."""
         gamma, at, batches, ops = self.scalars[0], 1, [], {}
@@ -112,7 +108,6 @@ class StepGraph:
             self.out = self._core()
         self.graph = graph
 
-    # ------------------------------------------------------------------ one step
     def fill(self, stats: list, gamma: float, grads: dict) -> None:
         """The step's inputs into the static buffers: the sums by size, the counts and gamma, G by bucket."""
         counts = [gamma]
@@ -146,8 +141,7 @@ class StepGraphs:
     """An optimizer's plans: which step is replayed, captured or run eagerly (see the module doc)."""
 
     def __init__(self, reason: Optional[str], before: Optional["StepGraphs"] = None) -> None:
-        """``before``: the optimizer's graphs before its layers changed: their counters (and a failed capture) carry
-        over, their plans do not."""
+        """``before``: the graphs before the layers changed (their counters and a failed capture carry over)."""
         failed = before is not None and (before.off or "").startswith("the capture failed")
         self.off = reason or (before.off if failed else None)   # None: plans may be captured
         self.plans: OrderedDict = OrderedDict()  # key -> StepGraph (captured, at most KEPT_PLANS)
@@ -156,10 +150,8 @@ class StepGraphs:
 
     def run(self, groups: dict, grads: dict, gamma: float, factor_for: Callable,
             homogeneous_of: Optional[dict], mode: str) -> Optional[Replay]:
-        """This refresh's feature-space groups from a graph (a :class:`Replay`), or None: all run eagerly.
-        ``groups``: {group key: statistics} (the step's, after the solve-space choice: the others, rows for a
-        sample-space solve, stay eager); ``factor_for(keys)``: the solver's factor with the batch's rows bound;
-        ``homogeneous_of``: {layer: flag} where the damping reads it."""
+        """This refresh's feature-space groups ({group key: statistics}) from a graph (a :class:`Replay`), or None:
+        all run eagerly. ``factor_for(keys)``: the bound factor; ``homogeneous_of``: {layer: flag} or None."""
         if self.off is not None or not groups:
             return None
         plan = self._plan(groups, grads, factor_for, homogeneous_of)
@@ -202,8 +194,7 @@ class StepGraphs:
 
     @staticmethod
     def _plan(groups: dict, grads: dict, factor_for: Callable, homogeneous_of: Optional[dict]):
-        """(key, batch specs, bucket specs, group_of, the step's statistics per batch), or None where the
-        step is not one a graph captures (another statistic, a layer off the graph's devices)."""
+        """(key, batch specs, bucket specs, group_of, the step's statistics per batch), or None: not capturable."""
         by_size: dict = {}
         for key, stat in groups.items():
             if type(stat) is DenseCovariance and stat.sums[0].device.type in DEVICES:

@@ -93,7 +93,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             raise ValueError(f"the model has no preconditionable layer:\n  {lines}")
         init_hook_registries(self)  # param_groups and state are the base's: Optimizer.__init__ is not called
 
-    # ----------------------------------------------------------- torch.optim.Optimizer surface
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base's zero_grad; the statistics since the last step go with their gradients (GradScaler's skip)."""
         self.base.zero_grad(set_to_none=set_to_none)
@@ -142,7 +141,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 part.restore(state)
             raise
 
-    # ------------------------------------------------------------------ which layers
     def _signature(self) -> tuple:
         """What decides the preconditioned set: the base's parameters and which model parameters train."""
         return (tuple(id(p) for g in self.base.param_groups for p in g["params"]),
@@ -168,7 +166,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._refresh.damping, self._sharded),
                                          getattr(self, "_graphs", None))
 
-    # ------------------------------------------------------------------ statistics collection
     @property
     def warming_up(self) -> bool:
         """Whether the next step is one of the first ``warmup_steps`` (the GP alone)."""
@@ -179,7 +176,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         """Whether forwards now gather statistics (:meth:`dopr.refresh.Refresh.gathers`)."""
         return self._refresh.gathers(self._step, self.warming_up)
 
-    # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
     def precondition(self) -> None:
         """Algorithm 2 on every preconditioned layer (called by :meth:`step`): G becomes M = Gbar (Sigmabar +
@@ -217,7 +213,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._warned.add(what)
             warnings.warn("DoPr: " + (message() if callable(message) else message), RuntimeWarning, stacklevel=3)
 
-    # ---------------------------------------------------------------------- reporting
     def layers(self) -> list:
         """The preconditioned layers' helpers (dopr/layers: ``name``, ``module``, ``input_dim()``...), in order."""
         return [l.helper for l in self._capture.layers]
@@ -263,7 +258,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             out["health"] = dict(self._health.reports)
         return out
 
-    # ------------------------------------------------------------------ state and hooks
     def state_dict(self) -> dict:
         """The base's state dict and the AP's entry ``"dopr"`` (:meth:`ap_state_dict`), torch.optim's hooks around."""
         return with_state_dict_hooks(self, lambda: {**self.base.state_dict(), KEY: self.ap_state_dict()})
@@ -300,7 +294,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self._capture is not None:
             self._capture.close()
 
-    # ------------------------------------------------------------------ copy and pickle
     _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
                   "load_state_dict") for when in ("pre", "post")))
 
@@ -320,9 +313,3 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()
         init_hook_registries(self)
-
-    def __enter__(self) -> "DoPr":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -197,7 +197,6 @@ class DoPrOptions:
         if self.solve_space == "samples" and (why := sample_space_blocker(self)) is not None:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def of(cls, options=None, **overrides) -> "DoPrOptions":
         """DoPr's ``options`` argument (a DoPrOptions, a mapping of some fields or None) with ``overrides`` applied."""
@@ -230,7 +229,6 @@ class DoPrOptions:
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.names()}
 
-    # ------------------------------------------------------------------ reading
     def at(self, name: str, step: int):
         """The value of option ``name`` at ``step`` (a function of the step is called and its value checked)."""
         value = getattr(self, name)

@@ -71,10 +71,9 @@ class Refresh:
         self.policy = refresh_policy.build(options)      # when factors are refreshed
         self.damping = damping.build(options)            # lambda per group, its state and counters
         self.precond_ema = CovarianceEMA(options.precond_ema)
-        self.cache: dict = {}        # a caching policy: {group key: its last good factor}, kept until a new one
+        self.cache: dict = {}          # a caching policy: {group key: its last good factor}
         self.unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
-        self.idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
-                                       # step since the last refresh: they wait for the next refresh
+        self.idle: set = set()         # layers with a gradient but no forward on a collecting step: wait
         self.empty: set = set()        # layers with no samples this step (an empty batch or mask): raw gradients
         self.counts = defaultdict(int)
         self.gathering = True          # whether the forwards now gather statistics (:meth:`next_step`)
@@ -85,7 +84,7 @@ class Refresh:
 
     @classmethod
     def from_pickled(cls, options, state: dict) -> "Refresh":
-        """The refresh state of a DoPr copied or pickled before this module, popped from its ``__dict__``."""
+        """The refresh state of a DoPr pickled before this module, popped from its ``__dict__``."""
         out = cls(options)
         rule, policy = state.pop("_damping", None), state.pop("_policy", None)
         out.damping = damping.from_pickled(options, state) if rule is None else rule
@@ -127,7 +126,6 @@ class Refresh:
         covered = {n for key in self.cache for n in key}
         self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
 
-    # ------------------------------------------------------------------ statistics into factors
     def gather(self, capture, grads: dict, refresh: bool, step: int, gamma: float, how: Factoring) -> tuple:
         """A collecting step's statistics (all-reduced) and the policy's groups factored, nothing read back:
         (groups, gathered names, refresh, batches, operators, graphed, raw)."""
@@ -240,7 +238,6 @@ class Refresh:
             self.precond_ema.beta = options.at("precond_ema", step)
         self.cache = cache_on_layers(self.cache, helpers)
 
-    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
         return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers), self.empty
 
@@ -248,7 +245,6 @@ class Refresh:
         self.counts, self.damping, self.cache, self.precond_ema.buffers, self.empty = saved
         self.precond_ema.pending = {}
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """The checkpoint's entries (the damping rule's as ``damping_scale`` and among ``counts``, the old layout)."""
         rule = self.damping.state_dict()

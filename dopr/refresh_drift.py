@@ -47,8 +47,7 @@ PROBES = 4
 SEED = 76
 #: ``drift_test``: plain (the threshold on max_j |s_j / r_j - 1|) or noise (past the threshold by Z standard errors)
 TESTS = ("plain", "noise")
-#: the noise test's margin in standard errors of s_j / r_j: a convention (a one-sided normal tail of 0.13% per
-#: probe), not tuned
+#: the noise test's margin in standard errors of s_j / r_j: a convention (a one-sided tail of 0.13%), not tuned
 Z = 3.0
 
 
@@ -61,8 +60,7 @@ def _seed(step: int, key: tuple) -> int:
 
 
 def _reference(stat) -> Optional[tuple]:
-    """What a quadratic form w^T Sigma w is read from: ("dense", Sigma) (a copy: the factorisation may turn the
-    sums into Sigma in place) or ("samples", rows, n); None for other kinds or no samples."""
+    """What w^T Sigma w is read from: ("dense", a copy of Sigma) or ("samples", rows, n); None for other kinds."""
     kind = getattr(stat, "kind", None)
     if stat is None or not stat.count or kind not in ("dense", "samples"):
         return None
@@ -81,8 +79,7 @@ def _quadratic(ref: tuple, wt: Tensor) -> Tensor:
 
 
 def _drift(s: list, ref: list) -> float:
-    """max_j |s_j / r_j - 1| (a reference of 0: the probe's direction carried nothing, any change is drift; a
-    non-finite s_j or r_j: infinite drift)."""
+    """max_j |s_j / r_j - 1| (r_j = 0: any change is drift; a non-finite s_j or r_j: infinite drift)."""
     out = 0.0
     for a, b in zip(s, ref):
         v = abs(a / b - 1.0) if b > 0 else (0.0 if a == 0 else math.inf)
@@ -91,18 +88,16 @@ def _drift(s: list, ref: list) -> float:
 
 
 def _relvar(total: Tensor, squares: Tensor, samples: Tensor) -> Tensor:
-    """The relative variance of s_j = (sum of the per-sample totals T_b) / rows, from B samples' totals:
-    (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1), the squared standard error of their mean over its square (the
-    samples independent, the rows within one sample not necessarily); inf for fewer than 2 samples."""
+    """The relative variance of s_j from B samples' totals T_b: (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1); inf for
+    fewer than 2 samples."""
     b = samples.to(total.dtype)
     rv = (b * squares / total.square() - 1).clamp_min(0) / (b - 1)
     return torch.where(b > 1, rv, torch.full_like(rv, math.inf))
 
 
 def _noisy(s: list, ref: list, rv: list, rv_ref: list) -> float:
-    """max_j of |s_j / r_j - 1| less Z standard errors of the ratio, (s_j / r_j) sqrt(rv_j + rv_ref_j) (the delta
-    method; rv the relative variances), at least 0: the drift the noise test holds against the threshold. A
-    non-finite s_j or r_j (or r_j of 0 with s_j > 0): infinite drift; a probe without an error estimate: 0."""
+    """max_j of |s_j / r_j - 1| less Z (s_j / r_j) sqrt(rv_j + rv_ref_j), at least 0 (a non-finite s_j or r_j, or
+    r_j = 0 < s_j: infinite; a probe without an error estimate: 0)."""
     out = 0.0
     for a, b, va, vb in zip(s, ref, rv, rv_ref):
         if not (math.isfinite(a) and math.isfinite(b)) or (b <= 0 and a != 0):
@@ -121,7 +116,7 @@ def _dim(stat) -> Optional[int]:
 @register_policy("drift")
 class DriftPolicy(RefreshPolicy):
     """Refresh a group when its probes say its Sigma moved by more than ``drift_threshold``, and every group on
-    every ``precond_every``-th step (see the module's docstring)."""
+    every ``precond_every``-th step."""
 
     def __init__(self, options) -> None:
         super().__init__(options)
@@ -129,12 +124,9 @@ class DriftPolicy(RefreshPolicy):
         self.threshold = float(options.drift_threshold)
         self.caches = self.k > 1
         self.noise = getattr(options, "drift_test", "plain") == "noise"
-        # {group key: [w^T (r, d), reference (r,) or None: from the first probe pass; under the noise test also the
-        #  reference's relative variances (r,) and its rows]}
-        self._probes: dict = {}
+        self._probes: dict = {}      # {group key: [w^T (r, d), reference or None (noise: + its variances, rows)]}
         self._group: dict = {}       # {layer name: the group key it was last refreshed in}
-        # {group key: [sum of ||X w_j||^2 (r,), rows] (+ [sum of T_b^2 (r,), samples] under the noise test)}
-        self._acc: dict = {}
+        self._acc: dict = {}         # {group key: [sum of ||X w_j||^2, rows] (noise: + [sum of T_b^2, samples])}
         self._seen: dict = {}        # {group key: weakref of the input it last probed} (transient)
         self._sigma: dict = {}       # {group key: _reference}: the Sigma of a due group, until it is refreshed
         self._pending: set = set()   # layers whose drift passed the threshold: refreshed on the next step
@@ -143,7 +135,6 @@ class DriftPolicy(RefreshPolicy):
         self._refreshes: dict = {}   # {layer name: its refreshes}
         self.drift: dict = {}        # {group label: its last drift estimate}
 
-    # ------------------------------------------------------------------ the seam
     def gathers(self, step: int) -> bool:
         if step > self._now:   # the forwards of the steps before `step` are over: their probes are read
             self._fold()
@@ -225,9 +216,8 @@ class DriftPolicy(RefreshPolicy):
                 acc[2] = acc[2] + sq
                 acc[3] += b
 
-    # ------------------------------------------------------------------ the estimate
     def _fold(self) -> None:
-        """Read the drift of every group probed since the last fold (one read-back); flag those past the threshold."""
+        """Read the drift of every group probed since the last fold (one read-back) and flag them."""
         from .distributed import is_distributed
 
         self._seen = {}
@@ -267,8 +257,8 @@ class DriftPolicy(RefreshPolicy):
 
     def _read(self, keys: list, s: Tensor, seen: Tensor, rv: Optional[Tensor] = None,
               rows: Optional[Tensor] = None) -> list:
-        """[(s_j as floats, the reference's as floats or None, seen, s_j's relative variances, the reference's, the
-        rows)] per group (the last three None but under the noise test): one read-back of the device's numbers."""
+        """[(s_j, the reference or None, seen, s_j's relative variances, the reference's, the rows)] per group as
+        floats (the last three None but under the noise test): one read-back."""
         device = s.device
         r = PROBES
         nan = torch.full((r,), float("nan"), dtype=torch.float64, device=device)
@@ -295,7 +285,7 @@ class DriftPolicy(RefreshPolicy):
 
     def _measured(self, stats: Mapping, keys: list) -> set:
         """Of `keys` (probed, not due), those whose drift measured on this step's gathered Sigma passed the
-        threshold: w_j^T Sigma w_j, d^2 r, no new GEMM of the inputs."""
+        threshold (w_j^T Sigma w_j, d^2 r)."""
         keys = [k for k in keys if k in self._probes and self._probes[k][1] is not None
                 and _reference(stats.get(k)) is not None]
         if not keys:
@@ -314,7 +304,6 @@ class DriftPolicy(RefreshPolicy):
         return self._flag({k: _noisy(si, ref, rvs, rvr) if self.noise else _drift(si, ref)
                            for k, (si, ref, _, rvs, rvr, _) in zip(keys, host)})
 
-    # ------------------------------------------------------------------ counters and state
     def refresh_fractions(self) -> dict:
         """{layer name: its refreshes / the steps since its first}: 1 / k under the cap alone."""
         return {n: self._refreshes[n] / max(1, self._now - first) for n, first in self._first.items()}

@@ -54,7 +54,7 @@ class RefreshPolicy:
         return capture
 
     def refreshed(self, step: int, ops: dict, stats) -> None:
-        """Step ``step`` factored the groups of ``ops`` ({group key: operator}) from ``stats`` ({group key: statistics})."""
+        """Step ``step`` factored the groups of ``ops`` ({group key: operator}) from ``stats`` ({key: statistics})."""
 
     def stats(self) -> dict:
         """The policy's own entries of ``DoPr.stats()``."""

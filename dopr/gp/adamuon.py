@@ -47,9 +47,8 @@ class AdaMuon(BaseGP):
             raise ValueError(f"Invalid number of Newton-Schulz steps: {ns_steps}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (choose from {ADJUST_LR_FNS})")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -73,24 +72,15 @@ class AdaMuon(BaseGP):
             state["momentum_buffer"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         M, V = state["momentum_buffer"], state["exp_avg_sq"]
-
-        # M_t = mu M_{t-1} + G_t, and the Nesterov look-ahead N_t = G_t + mu M_t
         M.mul_(mu).add_(grad)
         N = grad.add(M, alpha=mu) if group["nesterov"] else M
-
         # O_t = NewtonSchulz5(sign(N_t)) (FSDP2: on the gathered matrix, then this rank's rows)
         O = sharding.on_whole_matrix(
             lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
-
-        # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
         V = sharding.local(V)
         V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
         U = O / (V.sqrt() + eps)
-
-        # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
         U.mul_(_target_norm(group["adjust_lr_fn"], matrix_shape(p.shape)) / sharding.norm(U, p).clamp_min(eps))
-
-        # W_t = (1 - lr wd) W_{t-1} - lr U_t
         w = sharding.local(p)
         w.mul_(1.0 - lr * wd)
         w.add_(U.to(p.dtype), alpha=-lr)

@@ -21,8 +21,7 @@ class SGD(BaseGP):
                  weight_decay: float = 0.0):
         if nesterov and momentum == 0.0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
 
     def update(self, p, grad, group):
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -30,15 +29,10 @@ class SGD(BaseGP):
         if mu != 0.0:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                # b_1 = g_1
                 buf = state["momentum_buffer"] = grad.detach().clone()
             else:
-                # b_t = mu b_{t-1} + g_t
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(grad)
-            # d_t = g_t + mu b_t (Nesterov) or b_t (heavy ball)
             d = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-
-        # p <- (1 - lr wd) p - lr d
         p.mul_(1.0 - lr * wd)
         p.add_(d, alpha=-lr)

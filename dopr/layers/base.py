@@ -31,7 +31,6 @@ class LayerHelper:
         bias = getattr(module, "bias", None)
         self.homogeneous = bool(homogeneous and bias is not None and bias.requires_grad)
 
-    # --- what the AP sees -------------------------------------------------------------------
     @property
     def dim(self) -> int:
         """Dimension d of the activation covariance (including the homogeneous 1)."""
@@ -56,7 +55,6 @@ class LayerHelper:
         """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes."""
         return kind.from_activations(self.activations(x), self.homogeneous)  # under no_grad (the capture's)
 
-    # --- gradient in matrix form ------------------------------------------------------------
     def grad_matrix(self) -> Optional[Tensor]:
         """G as a (rows, dim) matrix, or None when the weight has no gradient."""
         raise NotImplementedError
@@ -98,9 +96,8 @@ class LayerHelper:
         """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
         return None
 
-    # --- shard geometry (FSDP2 splits the weight's rows over ranks) ----------------------------
     def whole_matrix(self, g: Tensor) -> Tensor:
-        """A buffer laid out as this rank's gradient matrix, gathered to the whole layer's (a collective under FSDP2)."""
+        """A buffer laid out as this rank's gradient matrix, gathered whole (a collective under FSDP2)."""
         w = self.module.weight
         if not sharding.is_sharded(w):
             return g
@@ -117,7 +114,6 @@ class LayerHelper:
         """The gradient matrix's axis that the weight's row shards split (an embedding's: its token columns)."""
         return 1 if self.local_columns() is not None else 0
 
-    # shared by the weight-plus-bias layers -------------------------------------------------
     @staticmethod
     def _grad(p: nn.Parameter) -> Optional[Tensor]:
         """p's gradient, or this rank's rows of it when p is sharded (FSDP2): a view that writes through."""
