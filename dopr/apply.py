@@ -190,7 +190,7 @@ class Apply:
 
     def state_dict(self, helpers: dict) -> dict:
         """The checkpoint's ``grad_ema`` entry: the gradient EMA's buffers (FSDP2: gathered to whole matrices)."""
-        return self.grad_ema.state_dict(helpers, whole=True)
+        return self.grad_ema.state_dict(helpers)
 
     def load_state_dict(self, state: dict, helpers: dict, to) -> None:
         """Restore :meth:`state_dict`'s entry (FSDP2: each rank its rows), cast by ``to`` (dopr.checkpoint.placement)."""

@@ -84,12 +84,10 @@ class GradientEMA(_EMA):
         self.pending[name] = (t, new, extra)
         return new / corr
 
-    def state_dict(self, helpers: Optional[dict] = None, whole: bool = False) -> dict:
-        """The buffers; with `whole`, each gathered to its whole layer's matrix (a collective under FSDP2)."""
-        def out(k, g):
-            return (helpers[k].whole_matrix(g) if whole and k in helpers else g).clone()
-
-        return {k: {**v, "g": out(k, v["g"])} for k, v in self.buffers.items()}
+    def state_dict(self, helpers: dict) -> dict:
+        """The buffers, each gathered to its whole layer's matrix by its helper (a collective under FSDP2)."""
+        return {k: {**v, "g": (helpers[k].whole_matrix(v["g"]) if k in helpers else v["g"]).clone()}
+                for k, v in self.buffers.items()}
 
     def load_state_dict(self, state: dict, helpers: Optional[dict] = None, to=None) -> None:
         """Load buffers saved whole; with `helpers`, each keeps this rank's part; `to`: names -> dtype and device."""

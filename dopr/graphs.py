@@ -125,14 +125,13 @@ class StepGraph:
             else:
                 bucket.fill(parts)
 
-    def run(self, capture: bool) -> tuple:
-        """(batches, solved, gflags) as dopr.refresh.Refresh.factor and dopr.apply.solve give them, M in static buffers."""
+    def run(self) -> tuple:
+        """(batches, solved, gflags) as dopr.refresh.Refresh.factor and dopr.apply.solve give them, M in static buffers;
+        captured on the first run on CUDA."""
         if self.device.type != "cuda":
             return self._core()
-        if self.graph is None and capture:
-            self._capture()
         if self.graph is None:
-            return self._core()
+            self._capture()
         self.graph.replay()
         return self.out
 
@@ -174,7 +173,7 @@ class StepGraphs:
         graph.fill(stats, gamma, grads)
         capturing = graph.graph is None and graph.device.type == "cuda"
         try:
-            out = graph.run(capture=True)
+            out = graph.run()
         except Exception as exc:   # a kernel that cannot be captured: eager from now on, said once
             self.off, self.plans = f"the capture failed ({type(exc).__name__}: {exc})", OrderedDict()
             warnings.warn(f"DoPr: CUDA graph capture failed, the step runs eagerly from now on: {exc}",

@@ -60,8 +60,7 @@ class AdaMuon(BaseGP):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
             if p.ndim < 2:   # a convolution's filters are the matrix (out, in x kernel), as in Muon
-                raise ValueError(
-                    f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
+                raise ValueError(f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
         super().add_param_group({**param_group, "params": params})
 
     def update(self, p, grad, group):

@@ -198,16 +198,14 @@ class HybridOptimizer(Optimizer):
         seen = set()
         for name, opt in optimizers.items():
             if not isinstance(opt, Optimizer):
-                raise TypeError(
-                    f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
+                raise TypeError(f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
             if needs_closure(opt):
                 raise ValueError(f"Member {name!r} ({type(opt).__name__}) needs a closure in step(); "
                                  "HybridOptimizer steps its members without one")
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
-                        raise ValueError(
-                            f"Member {name!r} holds a parameter that another member also holds")
+                        raise ValueError(f"Member {name!r} holds a parameter that another member also holds")
                     seen.add(id(p))
         self.optimizers = dict(optimizers)
         members = list(self.optimizers.values())
@@ -246,8 +244,7 @@ class HybridOptimizer(Optimizer):
         return {"optimizers": self.optimizers, "defaults": self.defaults, "_momentum_key": self._momentum_key}
 
     def __repr__(self):
-        members = [f"  {name}: " + repr(opt).replace("\n", "\n  ")
-                   for name, opt in self.optimizers.items()]
+        members = [f"  {name}: " + repr(opt).replace("\n", "\n  ") for name, opt in self.optimizers.items()]
         return f"{type(self).__name__}(\n" + "\n".join(members) + "\n)"
 
     @torch.no_grad()
