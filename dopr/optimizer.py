@@ -23,8 +23,8 @@ from torch import nn
 
 from . import graphs, sharding, solvers
 from .apply import Apply, Borrowed
-from ._optimizer_surface import (WrapsBase, init_hook_registries, refuse_base, refuse_foreign, refuse_foreign_group,
-                                 with_load_hooks, with_state_dict_hooks)
+from ._optimizer_surface import (HOOK_REGISTRIES, WrapsBase, init_hook_registries, refuse_base, refuse_foreign,
+                                 refuse_foreign_group, with_load_hooks, with_state_dict_hooks)
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, load_ap_state
 from .distributed import is_distributed
@@ -80,8 +80,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
-        self._step = 0            # AP steps taken so far (stats()["steps"])
-        self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
+        self._step, self._warmed = 0, 0   # AP steps and base-GP-only (warmup_steps) steps taken so far
         self._refresh = Refresh(self.options)   # statistics into factors: policy, damping, Sigma EMA, cache, counters
         self._apply = Apply(self.options)       # gradients into M: gradient EMA, buckets, read-back, repair, write-back
         self._health = HealthReports(self.options.health_every)
@@ -294,8 +293,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self._capture is not None:
             self._capture.close()
 
-    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
-                  "load_state_dict") for when in ("pre", "post")))
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *HOOK_REGISTRIES)
 
     def __getstate__(self) -> dict:
         """Everything but the hooks, the statistics gathered since the last step and the CUDA graphs."""

@@ -206,15 +206,8 @@ class DriftPolicy(RefreshPolicy):
             if self.noise:   # per-sample totals T_b: the rows of one sample (patches, positions) are one block
                 b = x.shape[0] if x.dim() > 2 and x.shape[0] and n % x.shape[0] == 0 else n
                 sq = q.reshape(b, n // b, -1).sum(1).square().sum(0)   # n r more
-        acc = self._acc.get(key)
-        if acc is None:
-            self._acc[key] = [s, n] + ([sq, b] if self.noise else [])
-        else:
-            acc[0] = acc[0] + s
-            acc[1] += n
-            if self.noise:
-                acc[2] = acc[2] + sq
-                acc[3] += b
+        new, acc = [s, n] + ([sq, b] if self.noise else []), self._acc.get(key)
+        self._acc[key] = new if acc is None else [a + v for a, v in zip(acc, new)]
 
     def _fold(self) -> None:
         """Read the drift of every group probed since the last fold (one read-back) and flag them."""
