@@ -58,11 +58,6 @@ class _Tap(torch.autograd.Function):
         return (grad, *values, *(None,) * len(values))
 
 
-def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
-    """A leaf of `shape` whose gradient collects a statistic: one element of storage, strides 0."""
-    return torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
-
-
 class Probes:
     """Each layer's probe leaves (its statistic's sums, then the count) and what they received."""
 
@@ -71,10 +66,12 @@ class Probes:
         self.leaves = [self._make(h) for h in helpers]
 
     def _make(self, helper) -> tuple:
+        """A leaf per sum and the count whose gradient collects it: one element of storage, strides 0."""
         w = helper.module.weight
         dtype, device = statistics_dtype(w.dtype), sharding.local(w).device
         shapes = helper.statistic_type(self.statistic).sum_shapes(helper.dim) + ((),)
-        return tuple(_probe(shape, dtype, device) for shape in shapes)
+        return tuple(torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
+                     for shape in shapes)
 
     def tap(self, index: int, output: Tensor, stat: ActivationStatistics) -> Tensor:
         """Traced in the compiled forward: the output, carrying `stat` to the probes in backward."""

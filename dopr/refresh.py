@@ -116,16 +116,6 @@ class Refresh:
         """New factors {group key: operator} replace their layers' old ones only."""
         self.cache = {**without(self.cache, {n for key in fresh for n in key}), **fresh}
 
-    def after_step(self, grads: dict, collected: bool, refresh: bool, gathered: set, attached_now: set) -> None:
-        """precond_every > 1: unfactored (a gradient and no factor: the next step gathers for them) and idle (a
-        gradient but no statistics on a collecting step: they wait for the next refresh) after a step."""
-        if refresh:
-            self.idle = set()
-        if collected:
-            self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
-        covered = {n for key in self.cache for n in key}
-        self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
-
     def gather(self, capture, grads: dict, refresh: bool, step: int, gamma: float, how: Factoring) -> tuple:
         """A collecting step's statistics (all-reduced) and the policy's groups factored, nothing read back:
         (groups, gathered names, refresh, batches, operators, graphed, raw)."""
@@ -222,14 +212,21 @@ class Refresh:
 
     def settle(self, ops: dict, batches: list, grads: dict, collected: bool, refresh: bool, gathered: set,
                attached_now: set, step: int = 0, stats: dict = None) -> None:
-        """After the step's solve (a caching policy): the new factors cached and told to the policy."""
+        """After the step's solve (a caching policy): the new factors cached and told to the policy; then idle (a
+        gradient but no statistics on a collecting step: they wait for the next refresh) and unfactored (a gradient
+        and no factor: the next step gathers for them)."""
         if not self.policy.caches:
             return
         if collected:   # new factors replace their layers' old ones only
             fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
             self.store(fresh)
             self.policy.refreshed(step, fresh, stats or {})   # the policy's new factors (drift: its probes)
-        self.after_step(grads, collected, refresh, gathered, attached_now)
+        if refresh:
+            self.idle = set()
+        if collected:
+            self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
+        covered = {n for key in self.cache for n in key}
+        self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
 
     def begin(self, step: int, options, helpers: dict) -> None:
         """A step starts: a raised step's proposals dropped, a scheduled rate read, the factors cast to their layers."""

@@ -29,24 +29,6 @@ PEERS = {
 }
 
 
-def package_class(name: str):
-    """The package's class of peer ``name``; ImportError in one line when the package is not installed."""
-    cls = PEERS[name][0]
-    try:
-        return getattr(importlib.import_module(MODULE), cls)
-    except ImportError as e:
-        raise ImportError(f"GP {name!r} is {MODULE}.{cls} from the {PACKAGE} package, which is not installed: "
-                          f"pip install 'dopr[{EXTRA}]'") from e
-
-
-def _names_and_params(params) -> tuple:
-    """(names by parameter, the parameters alone): the package's class gets what a direct use would give it."""
-    params = list(params)
-    if params and isinstance(params[0], tuple):
-        return {p: n for n, p in params}, [p for _, p in params]
-    return {}, params
-
-
 def _check_kron() -> None:
     if importlib.util.find_spec("opt_einsum") is None or not torch.backends.opt_einsum.enabled:
         raise RuntimeError(f"GP 'kron': {MODULE}.Kron applies its factors by a 5-operand torch.einsum, which without "
@@ -69,9 +51,16 @@ def _check_shampoo(params, names: dict) -> None:
 
 def build_peer(params, name: str, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.Optimizer:
     """``{MODULE}.<class>(params, lr=lr, weight_decay=weight_decay, **kwargs)`` for peer ``name``, after the
-    refusals above; ``params`` may be (name, parameter) pairs, for the refusals to name the layer."""
-    cls = package_class(name)
-    names, params = _names_and_params(params)
+    refusals above; ``params`` may be (name, parameter) pairs, for the refusals to name the layer (the class gets
+    the parameters alone, as a direct use of the package would). ImportError in one line without the package."""
+    try:
+        cls = getattr(importlib.import_module(MODULE), PEERS[name][0])
+    except ImportError as e:
+        raise ImportError(f"GP {name!r} is {MODULE}.{PEERS[name][0]} from the {PACKAGE} package, which is not "
+                          f"installed: pip install 'dopr[{EXTRA}]'") from e
+    params = list(params)
+    names = {p: n for n, p in params} if params and isinstance(params[0], tuple) else {}
+    params = [p for _, p in params] if names else params
     if name == "kron":
         _check_kron()
     if name == "shampoo":
