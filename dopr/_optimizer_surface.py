@@ -1,9 +1,6 @@
-"""What torch.optim.Optimizer.__init__ sets up for its hooks, for the optimizers here that wrap
-other optimizers (DoPr, HybridOptimizer) and so do not call it: it would copy the wrapped
-optimizers' parameter groups into new dicts, and an LR scheduler must write the wrapped ones; and
-which wrapped optimizers such a wrapper cannot step (those that need a closure); the surface a
-wrapper shows of its `base` (WrapsBase); the check that a wrapper steps only its model's parameters; the
-state-dict hooks run around a wrapper's own state dict."""
+"""The torch.optim.Optimizer surface of the optimizers that wrap others (DoPr, HybridOptimizer) and so do not call
+Optimizer.__init__ (it would copy the wrapped parameter groups, which an LR scheduler must write): its hook
+registries and state-dict hooks, the refusal of bases that need a closure or hold foreign parameters."""
 import inspect
 from collections import OrderedDict
 from typing import Callable
@@ -24,8 +21,7 @@ def init_hook_registries(opt: Optimizer) -> None:
 
 
 def needs_closure(opt: Optimizer) -> bool:
-    """Whether ``opt.step`` cannot be called without a closure (torch.optim.LBFGS: it re-evaluates
-    the loss and its gradient several times per step)."""
+    """Whether ``opt.step`` cannot be called without a closure (torch.optim.LBFGS)."""
     try:
         closure = inspect.signature(opt.step).parameters.get("closure")
     except (TypeError, ValueError):  # a builtin or otherwise uninspectable step: assume the usual optional closure
@@ -34,8 +30,8 @@ def needs_closure(opt: Optimizer) -> bool:
 
 
 def refuse_base(base, wrapper: str) -> None:
-    """ValueError unless ``base`` is a torch.optim.Optimizer stepped without a closure: LBFGS-like bases re-evaluate
-    it, reading each gradient as its loss's (line search), which the AP's M is not; its EMAs count steps."""
+    """ValueError unless ``base`` is a torch.optim.Optimizer stepped without a closure (LBFGS-like bases
+    re-evaluate the gradient, reading it as its loss's, which the AP's M is not)."""
     if not isinstance(base, Optimizer):
         raise ValueError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
     if needs_closure(base):
@@ -44,8 +40,7 @@ def refuse_base(base, wrapper: str) -> None:
 
 
 def refuse_foreign(model, params, message: str) -> None:
-    """ValueError(`message` with {n} and {shapes} filled in) when `params` holds a parameter that is
-    not in `model`."""
+    """ValueError(`message` with {n} and {shapes} filled in) when `params` holds one not in `model`."""
     in_model = {id(p) for p in model.parameters()}
     foreign = [tuple(p.shape) for p in params if id(p) not in in_model]
     if foreign:
@@ -53,8 +48,7 @@ def refuse_foreign(model, params, message: str) -> None:
 
 
 def refuse_foreign_group(model, param_group) -> None:
-    """``add_param_group``'s check that a group holds only ``model``'s parameters (a generator read into a list the
-    group then holds; a set, or no dict with "params", is the wrapped optimizer's to refuse)."""
+    """``add_param_group``'s check that a group holds only ``model``'s parameters (a generator read into a list)."""
     if isinstance(param_group, dict) and "params" in param_group:
         params = param_group["params"]
         if isinstance(params, Tensor):
@@ -66,8 +60,7 @@ def refuse_foreign_group(model, param_group) -> None:
 
 
 def with_state_dict_hooks(opt: Optimizer, state_dict: Callable[[], dict]) -> dict:
-    """``state_dict()`` between ``opt``'s state-dict pre and post hooks, as torch.optim.Optimizer.state_dict runs
-    them (a post hook's result, when not None, replaces the state dict)."""
+    """``state_dict()`` between ``opt``'s state-dict hooks, as torch.optim.Optimizer.state_dict runs them."""
     for hook in opt._optimizer_state_dict_pre_hooks.values():
         hook(opt)
     sd = state_dict()
@@ -78,8 +71,7 @@ def with_state_dict_hooks(opt: Optimizer, state_dict: Callable[[], dict]) -> dic
 
 
 def with_load_hooks(opt: Optimizer, state_dict: dict, load: Callable[[dict], None]) -> None:
-    """``load(state_dict)`` between ``opt``'s load-state-dict pre hooks (a result, when not None, replaces the
-    state dict) and post hooks, as torch.optim.Optimizer.load_state_dict runs them."""
+    """``load(state_dict)`` between ``opt``'s load-state-dict hooks, as Optimizer.load_state_dict runs them."""
     for hook in opt._optimizer_load_state_dict_pre_hooks.values():
         out = hook(opt, state_dict)
         state_dict = state_dict if out is None else out
@@ -94,8 +86,7 @@ def _of_base(name: str) -> property:
 
 
 class WrapsBase:
-    """``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (``self.base``), so an
-    LR scheduler or a checkpoint sees the optimizer that steps."""
+    """``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's (``self.base``)."""
 
     param_groups = _of_base("param_groups")
     state = _of_base("state")

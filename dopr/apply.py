@@ -1,8 +1,5 @@
-"""The AP applied to a step's gradients: M = Gbar (Sigmabar + lambda I)^-1 for every layer, bucketed by
-operator type and gradient shape (one stack and one batched solve per bucket, no host sync), the step's
-one read-back of its non-finite and trouble flags, and the rare repair path it may open. DoPr.precondition
-calls them in that order through :class:`Apply`, which owns the gradient EMA and the buckets' write-back buffers;
-the factors come from dopr.refresh.Refresh.factor (dopr/statistics.py, dopr/solvers.py)."""
+"""The AP applied to a step's gradients (:class:`Apply`): M = Gbar (Sigmabar + lambda I)^-1 for every layer, one
+batched solve per bucket, the step's one read-back of its flags, the rare repair path and the write-back."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -20,19 +17,15 @@ from .statistics import statistics_dtype
 
 
 def phase(what: str, layers: int, shape) -> str:
-    """The name of a step phase's profiler span: ``dopr.factor 3 x (385, 385)`` (``dopr.profiling`` sums
-    each span's device time, so a GPU profile says which sizes the step's time goes to)."""
+    """The name of a step phase's profiler span (``dopr.profiling``): ``dopr.factor 3 x (385, 385)``."""
     return f"dopr.{what} {layers} x {tuple(shape)}"
 
 
 def solve(members: dict, grads: dict, grad_ema, buckets: dict) -> tuple:
-    """([(layer names, M stacked, their GradientBucket or None, its gradient parts)], [per-bucket
-    non-finite flags of G], the GradientBuckets to keep): the layers (``members``: {name: operator})
-    bucketed by operator type (the solve space), gradient shape, bias column (a layer with a bias and one
-    without may share G's shape: their blocks are laid out differently), dtype and device, each bucket read into one stack (dopr/buckets.py: a few
-    ops for the bucket; other layer types ``read_grad``, a layer's G and bias column copied once), G
-    proposed to ``grad_ema``, one batched solve, no host sync. ``buckets``: the last step's, reused
-    while a bucket is the same."""
+    """([(layer names, M stacked, their GradientBucket or None, its gradient parts)], [per-bucket non-finite flags
+    of G], the buckets to keep): ``members`` ({name: operator}) bucketed by operator type, G's shape, bias column,
+    dtype and device; per bucket one stack of G, proposed to ``grad_ema``, and one batched solve, no host sync.
+    ``buckets``: the last step's, reused while a bucket is the same."""
     by_shape = defaultdict(list)
     for name, op in members.items():
         h = grads[name]
@@ -73,11 +66,9 @@ def any_set(flags: list, sharded: bool) -> bool:
 
 
 def repair(batches: list, ops: dict, grads: dict, skip, counts: dict, sharded: bool) -> tuple:
-    """The rare path, layer by layer: groups with a non-finite Sigma and layers with a non-finite G
-    get their raw gradient (``skip(keys, what)``: counted, warned once, or raised), Cholesky factors in
-    trouble are retried (dopr.solvers.CholeskyBatch.finish). Under sharding a gradient's rows are spread
-    over ranks: they agree on a non-finite G by one all-reduce. Returns (operators, skipped group keys
-    and layer names)."""
+    """The rare path: groups with a non-finite Sigma and layers with a non-finite G get their raw gradient
+    (``skip(keys, what)``), Cholesky factors in trouble are retried (dopr.solvers.CholeskyBatch.finish).
+    Returns (operators, skipped group keys and layer names)."""
     bad = skip({k for keys, fin, _ in batches for k, f in zip(keys, fin.tolist()) if not f}, "activation covariance")
     counts["factorizations"] -= len(bad)
     ops = dict(ops)
@@ -104,10 +95,7 @@ def write_back(solved: list, helpers: dict) -> None:
 
 @dataclass
 class Borrowed:
-    """What the apply borrows from DoPr for one step: the layers' helpers ({name: helper}), the layers with no
-    samples this step and those that started training this step (raw gradient, warned elsewhere), whether the
-    parameters are sharded, DoPr's warn-once ``warn(what, message or a function giving it)`` and the capture's
-    ``no_forward_cause(names)``."""
+    """What the apply borrows from DoPr for one step."""
     helpers: dict
     empty: set
     attached_now: set
@@ -117,11 +105,8 @@ class Borrowed:
 
 
 class Apply:
-    """The apply side of a DoPr step: gradients into preconditioned gradients. It owns the gradient EMA
-    (``grad_ema``, dopr/ema.py) and the write-back buffers of the last step's buckets (``buckets``: {bucket key:
-    GradientBucket}); :meth:`__call__` solves M = Gbar A^-1 for every layer with a factor, reads the step's
-    flags back once, repairs where one is set (:func:`repair`) and writes M back as the gradients.
-    ``no_forward``: the layers that had a gradient but no training forward on the last step."""
+    """The apply side of a DoPr step: the gradient EMA (``grad_ema``), the last step's buckets (``buckets``) and
+    ``no_forward`` (the layers with a gradient but no training forward on the last step)."""
 
     def __init__(self, options) -> None:
         self.options = options
@@ -145,10 +130,9 @@ class Apply:
 
     def __call__(self, ops: dict, batches: list, grads: dict, graphed, raw: frozenset, refresh,
                  borrowed: Borrowed) -> tuple:
-        """Every layer's M as its gradient, and the Sigma and gradient EMAs' proposals committed (the skipped
-        layers' not): ``ops`` {group key: operator}, ``batches`` the refresh's (their flags are read back with
-        G's), ``graphed`` a CUDA graph's replay or None, ``raw`` layers without a factor. Returns (the operators
-        after any repair, the solved buckets)."""
+        """Every layer's M as its gradient, the EMAs' proposals committed but the skipped layers': ``ops`` {group
+        key: operator}, ``graphed`` a CUDA graph's replay or None, ``raw`` layers without a factor. Returns (the
+        operators after any repair, the solved buckets)."""
         members = self.members(ops, grads, raw, borrowed)     # Gbar, M = Gbar A^-1 for every layer, speculatively:
         solved, gflags, self.buckets = solve({n: op for n, op in members.items() if not graphed or n not in graphed.names},
                                              grads, self.grad_ema, self.buckets)
@@ -168,8 +152,8 @@ class Apply:
         return ops, solved
 
     def members(self, ops: dict, grads: dict, skipped: frozenset, borrowed: Borrowed) -> dict:
-        """{layer name: its operator} for the layers with a gradient and a factor this step (a sharded
-        embedding's restricted to its token columns); warns about layers that had no training forward."""
+        """{layer name: its operator} for the layers with a gradient and a factor (a sharded embedding's restricted
+        to its columns); warns about layers that had no training forward."""
         group_of = {name: key for key in ops for name in key}
         skipped = skipped | borrowed.empty
         self.no_forward = [n for n in grads if n not in group_of and n not in skipped]
@@ -186,8 +170,7 @@ class Apply:
         return out
 
     def skip(self, bad: set, what: str, counts: dict, warn: Callable) -> set:
-        """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and
-        warned once (the AP is skipped for them this step)."""
+        """`bad` keys (layer names or group tuples) whose `what` is non-finite: raised, or counted and warned."""
         if not bad:
             return set()
         names = sorted(n for k in bad for n in (k if isinstance(k, tuple) else (k,)))
@@ -198,7 +181,6 @@ class Apply:
              "raw gradient to the GP (counted in DoPr.stats()['nonfinite_skips'])")
         return bad
 
-    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
         return dict(self.grad_ema.buffers), self.no_forward
 
@@ -206,10 +188,9 @@ class Apply:
         self.grad_ema.buffers, self.no_forward = saved
         self.grad_ema.pending = {}
 
-    # ------------------------------------------------------------------ state
     def state_dict(self, helpers: dict) -> dict:
         """The checkpoint's ``grad_ema`` entry: the gradient EMA's buffers (FSDP2: gathered to whole matrices)."""
-        return self.grad_ema.state_dict(helpers, whole=True)
+        return self.grad_ema.state_dict(helpers)
 
     def load_state_dict(self, state: dict, helpers: dict, to) -> None:
         """Restore :meth:`state_dict`'s entry (FSDP2: each rank its rows), cast by ``to`` (dopr.checkpoint.placement)."""

@@ -1,23 +1,11 @@
-"""A bucket of same-shape gradient matrices, read into one stack and written back in a few ops.
+"""A bucket of same-shape gradient matrices (one shape, bias column, dtype and device), read into one stack and
+written back in a few ops, where per layer it would cost 6 to 8 aten ops of host time.
 
-The AP step works per bucket (layers whose gradient matrices G have one shape, bias column, dtype and
-device: a Linear(7, 4) and a Linear(8, 4, bias=False) have G of one shape laid out differently): one
-stack of their G, one batched solve, one write-back of M. Per layer, reading G into its slot of the
-stack and writing M back cost 6 to 8 aten ops (views of the slot, the bias column, two copies), the
-host time a GPU waits for on a model of many small layers. A :class:`GradientBucket` does both for
-the whole bucket:
-
-* read: the weights' gradients concatenated into one (B * rows, d_in) block, the biases' into one
-  column, and the two joined (5 ops for the bucket);
-* write: M copied into a buffer that the bucket keeps from step to step, whose per-layer views
-  (weight block, bias column) are made once, then one ``torch._foreach_copy_`` into the weights'
-  gradients and one into the biases'.
-
-A layer type takes part when its helper has ``grad_parts()`` (its weight gradient as a (rows, d_in)
-matrix and its bias gradient, or None where a layer cannot); a bucket with any other member, or a
-sharded gradient, keeps the per-layer path (``read_grad`` / ``set_grad``). The buffer costs one copy of
-the bucket's M, in the statistics dtype, kept between steps (its address is fixed: what a captured
-CUDA graph needs).
+Read: the weights' gradients concatenated into one (B * rows, d_in) block, the biases' into one column, the two
+joined. Write: M copied into a buffer the bucket keeps between steps (a fixed address, as a CUDA graph needs), whose
+per-layer views are made once, then one ``torch._foreach_copy_`` into the weights' gradients and one into the
+biases'. A layer takes part when its helper's ``grad_parts()`` gives its parts; else the bucket keeps the per-layer
+path (``read_grad`` / ``set_grad``).
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Optimizer checkpoints, sharded or not: the two calls a training loop makes, for DoPr or any
-torch.optim optimizer.
-
-Unsharded, they are ``opt.state_dict()`` and ``opt.load_state_dict()``. Under FSDP2 the GP's state is
-gathered to full tensors with ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` (which
-keeps only "state" and "param_groups"), and DoPr's own entry (``"dopr"``: step, EMAs gathered to
-whole matrices, cached inverses, counters) is added beside it; loading splits them again. Every rank
-must call both under FSDP2 (they are collectives)."""
+"""Optimizer checkpoints, sharded or not, for DoPr or any torch.optim optimizer: ``opt.state_dict()`` and
+``opt.load_state_dict()``, or under FSDP2 (collectives: every rank calls them) ``torch.distributed.checkpoint``'s
+full optimizer state dict with DoPr's own entry (``"dopr"``) beside it. The AP's entry itself (DoPr.ap_state_dict)."""
 from __future__ import annotations
 
 import warnings
@@ -57,8 +52,7 @@ def load_optimizer_state_dict(model: nn.Module, opt: Optimizer, state: dict) -> 
 
 
 def ap_state(options, refresh, step: int, warmed: int, grad_ema: dict) -> dict:
-    """DoPr.ap_state_dict: the entry ``"dopr"`` of a DoPr's state dict, from its options, its refresh object's
-    state (dopr/refresh.py), its step counters and its apply object's state (the gradient EMA's, dopr/apply.py)."""
+    """DoPr.ap_state_dict: the entry ``"dopr"`` of a DoPr's state dict."""
     state = refresh.state_dict()
     policy = state.pop("refresh_policy", None)
     return {"step": step, "warmed": warmed, "grad_ema": grad_ema, **state, "options": options.describe(),
@@ -66,7 +60,7 @@ def ap_state(options, refresh, step: int, warmed: int, grad_ema: dict) -> dict:
 
 
 def placement(helpers: dict):
-    """names -> the dtype and device of the layers' statistics, as saved elsewhere (``helpers``: {name: helper})."""
+    """names -> the dtype and device of the layers' statistics (``helpers``: {name: helper})."""
     def to(names: tuple) -> dict:
         w = next((helpers[n].module.weight for n in names if n in helpers), None)
         return {} if w is None else {"dtype": statistics_dtype(w.dtype), "device": w.device}
@@ -74,8 +68,7 @@ def placement(helpers: dict):
 
 
 def load_ap_state(ours: dict, options, refresh, applied, helpers: dict) -> tuple:
-    """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry into the refresh object and the apply object
-    (its gradient EMA, dopr/apply.py), warning about other options; returns (step, warmed)."""
+    """DoPr.load_ap_state_dict: restore :func:`ap_state`'s entry, warning about other options; (step, warmed)."""
     mine = options.describe()
     differ = {k: (v, mine[k]) for k, v in ours.get("options", {}).items()
               if k in mine and mine[k] != (tuple(v) if k == "skip_layers" else v)}

@@ -1,24 +1,15 @@
 """The capture under ``torch.compile``.
 
-A forward hook traced into a compiled graph may not have Python side effects (the eager commit hook
-on the autograd node, the dict of shared captures); they would break the graph. So the statistics
-travel through autograd instead: the hook returns ``_Tap(output, probes, sums)``, the identity on the
-output, whose backward hands the sums to per-layer *probe* leaves as their gradient. Autograd
-accumulates them into ``probe.grad`` exactly when the output is backpropagated, with no Python in the
-graph: no graph break, no guard that changes from step to step, ``fullgraph=True`` works. A backward
-that asks only for other gradients (``torch.autograd.grad`` with respect to the input) never
-accumulates the probes, so those forwards do not count, as in eager. A probe is a one-element leaf
-strided to the sums' shape: it costs no memory between steps.
+A forward hook traced into a compiled graph may have no Python side effects, so the statistics travel through
+autograd: the hook returns ``_Tap(output, probes, sums)``, the identity on the output, whose backward hands the
+sums to per-layer *probe* leaves (one element strided to the sums' shape) as their gradient. Autograd accumulates
+them exactly when the output is backpropagated: no graph break, ``fullgraph=True`` works, and a backward that asks
+only for other gradients does not count, as in eager. Equal statistics of layers that may share one input (q, k, v)
+are merged at the step and factored once (:meth:`Probes.merge_equal`).
 
-Compiled layers that read one input (q, k, v) hand over equal statistics; at the step, equal
-statistics of layers that may share (same share key, count and entries) are merged, so they are
-factored once (:meth:`Probes.merge_equal`).
-
-Dynamo does not guard on module hooks by default: a graph traced without DoPr's hooks (the model
-compiled and run before DoPr attached them, another instance of the same class, a layer unfrozen
-later) is reused for the hooked model, which then gathers nothing. :func:`enable_compiled_capture`
-turns those guards on; it is the user's explicit call (process-wide), and DoPr never changes dynamo's
-configuration or drops compiled code itself.
+Dynamo does not guard on module hooks by default, so a graph traced without DoPr's hooks may be reused for the
+hooked model, which then gathers nothing; :func:`enable_compiled_capture` (the user's explicit, process-wide call)
+turns those guards on.
 """
 from __future__ import annotations
 
@@ -32,19 +23,15 @@ from .statistics import ActivationStatistics, statistics_dtype
 
 
 def enable_compiled_capture() -> None:
-    """Make ``torch.compile`` see DoPr's hooks: dynamo guards on module hooks from now on
-    (``torch._dynamo.config.skip_nnmodule_hook_guards = False``, process-wide), so a graph traced
-    without them is retraced rather than reused. Call it once, before compiling. Graphs compiled
-    before the call carry no such guard; ``torch._dynamo.reset()`` retraces them (your choice: it
-    drops every compiled function's code)."""
+    """Make ``torch.compile`` see DoPr's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``,
+    process-wide); call it once, before compiling (``torch._dynamo.reset()`` retraces earlier graphs)."""
     import torch._dynamo
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
 
 
 def hook_guards_skipped() -> bool:
-    """Whether dynamo has compiled anything in this process while skipping module-hook guards: then a
-    layer with gradients but no statistics may have run a graph traced without DoPr's hooks."""
+    """Whether dynamo compiled anything while skipping module-hook guards (a graph may lack DoPr's hooks)."""
     try:
         import torch._dynamo
         from torch._dynamo import convert_frame
@@ -71,11 +58,6 @@ class _Tap(torch.autograd.Function):
         return (grad, *values, *(None,) * len(values))
 
 
-def _probe(shape: tuple, dtype: torch.dtype, device) -> Tensor:
-    """A leaf of `shape` whose gradient collects a statistic: one element of storage, strides 0."""
-    return torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
-
-
 class Probes:
     """Each layer's probe leaves (its statistic's sums, then the count) and what they received."""
 
@@ -84,10 +66,12 @@ class Probes:
         self.leaves = [self._make(h) for h in helpers]
 
     def _make(self, helper) -> tuple:
+        """A leaf per sum and the count whose gradient collects it: one element of storage, strides 0."""
         w = helper.module.weight
         dtype, device = statistics_dtype(w.dtype), sharding.local(w).device
         shapes = helper.statistic_type(self.statistic).sum_shapes(helper.dim) + ((),)
-        return tuple(_probe(shape, dtype, device) for shape in shapes)
+        return tuple(torch.zeros((), dtype=dtype, device=device).expand(shape).detach().requires_grad_(True)
+                     for shape in shapes)
 
     def tap(self, index: int, output: Tensor, stat: ActivationStatistics) -> Tensor:
         """Traced in the compiled forward: the output, carrying `stat` to the probes in backward."""
@@ -95,8 +79,8 @@ class Probes:
         return _Tap.apply(output, *self.leaves[index], *stat.sums, count)
 
     def received(self, index: int, kind: type) -> Optional[ActivationStatistics]:
-        """Once every probe of the layer has its part: the statistic (of type `kind`) they carry, taken
-        out of them; None before. The count stays a tensor (no host sync) until merge_equal."""
+        """The statistic (of type `kind`) the layer's probes carry, taken out of them (the count a tensor until
+        merge_equal); None until every probe has its part."""
         probes = self.leaves[index]
         if any(p.grad is None for p in probes):
             return None
@@ -108,8 +92,8 @@ class Probes:
 
     @staticmethod
     def merge_equal(layers: list) -> None:
-        """Layers whose statistics came from probes: their counts to the host (one transfer for all),
-        and layers with equal statistics (q, k, v of one input) made to hold one object, factored once."""
+        """Layers whose statistics came from probes: their counts to the host (one transfer), and layers with equal
+        statistics (q, k, v of one input) made to hold one object."""
         found = [layer for layer in layers if layer.compiled and layer.stat is not None]
         if not found:
             return

@@ -1,15 +1,8 @@
-"""Data parallel: every rank must apply the same preconditioner.
+"""Data parallel: every rank applies the same preconditioner, from the global batch's statistics,
+Sigma = (sum_r S_r) / (sum_r n_r): every layer's sums and counts in one flat all-reduce per step.
 
-Gradients are already averaged by DistributedDataParallel; the activation statistics are not.
-Summing each layer's sums and sample counts over ranks gives the statistics of the global batch,
-Sigma = (sum_r S_r) / (sum_r n_r). All layers travel in one flat buffer: one all-reduce per step,
-not one per layer.
-
-Ranks need not run the same layers (``find_unused_parameters=True``: per-task heads, conditional
-branches, LayerDrop, mixture of experts). Before the statistics, the ranks agree on one layout with a
-small all-reduce of 2 floats per layer (:func:`agree_groups`): a layer that no rank ran is left out,
-a layer that some ranks ran gets the sums of those ranks (zeros from the others), and layers share
-one covariance only where every rank that ran them had them share it.
+Ranks need not run the same layers (``find_unused_parameters=True``): they first agree on one layout
+(:func:`agree_groups`, 2 floats per layer).
 """
 from __future__ import annotations
 
@@ -27,10 +20,9 @@ def is_distributed() -> bool:
 
 
 def all_reduce_statistics(stats: list, reads: tuple = ()) -> None:
-    """Sum ActivationStatistics (in place: their sums and counts are replaced) over all ranks. ``reads`` (the
-    same on every rank: the damping rule's, dopr/quantities.py): each statistic's per-layer quantities travel
-    too, summed with the sums or in a second all-reduce by max, a missing one's stand-in
-    (dopr.quantities.stand_in) in its place, and come back as 0-d device tensors (no read-back)."""
+    """Sum ActivationStatistics over all ranks, in place. ``reads`` (the damping rule's, dopr/quantities.py): the
+    per-layer quantities that travel too (summed, or by max in a second all-reduce; a missing one's stand-in),
+    back as 0-d device tensors."""
     if not stats or not is_distributed():
         return
     like = stats[0].sums[0]
@@ -67,9 +59,8 @@ def all_reduce_statistics(stats: list, reads: tuple = ()) -> None:
 
 
 def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:
-    """The keys whose tensor has a non-finite entry, one device sync for all of them. With
-    `across_ranks` (each rank holds other rows of the same gradients, FSDP2) a key is bad on every rank
-    when it is bad on any: one all-reduce of the sums, and a second only when one is non-finite."""
+    """The keys whose tensor has a non-finite entry, one device sync for all. With `across_ranks` (FSDP2: other
+    rows of the same gradients) a key bad on any rank is bad on every rank."""
     if not tensors:
         return set()
     # one pass per tensor: a sum is finite unless an entry is non-finite (or it overflows, which the
@@ -89,12 +80,10 @@ def nonfinite_keys(tensors: dict, across_ranks: bool) -> set:
 
 
 def agree_groups(groups: "OrderedDict", layers: list, statistic: type) -> "OrderedDict":
-    """The groups {member names: statistics} every rank uses this step, from this rank's ``groups``
-    (layers that gathered statistics here) and the preconditioned ``layers`` (same order on every
-    rank: the same model). Each layer's group is named by its leader (its first member); the ranks
-    take the maximum of each layer's leader and of its negation (absent: -1 and -inf): where the two
-    agree, every rank that ran the layer grouped it alike; where not, the layer stands alone. A rank
-    that did not run a group's layers sends zeros and a count of 0 for it."""
+    """The groups {member names: statistics} every rank uses this step, from this rank's ``groups`` and the
+    preconditioned ``layers`` (same order on every rank). The ranks take the maximum of each layer's leader (its
+    group's first member) and of its negation: where the two agree, every rank that ran it grouped it alike; else
+    it stands alone. A layer no rank ran is left out; a rank that did not run a group sends zeros, count 0."""
     if not is_distributed():
         return groups
     names = [l.helper.name for l in layers]

@@ -1,11 +1,7 @@
-"""The EMAs of Algorithm 2: Gbar = EMA_{beta_g}(G) per layer and Sigmabar = EMA_{beta_Sigma}(Sigma)
-per statistics group, zero-initialised and bias-corrected (divided by 1 - beta^t) as Adam's moments
-are; beta = 0 passes the batch value through. A dense Sigma is symmetric: its EMA keeps the upper
-triangle only, d(d+1)/2 floats.
-
-A rate given as a function of the step (``scheduled``) is set on ``beta`` by the optimizer before each
-step; its bias correction is then 1 - prod_i beta_i over the steps of the history (1 - beta^t when
-beta is constant), kept in each buffer as ``decay`` = prod_i beta_i."""
+"""The EMAs of Algorithm 2: Gbar = EMA_{beta_g}(G) per layer and Sigmabar = EMA_{beta_Sigma}(Sigma) per
+statistics group, zero-initialised and bias-corrected as Adam's moments are (beta = 0: the batch value). A dense
+Sigma's EMA keeps its upper triangle only. A rate scheduled by step is set on ``beta`` before each step; its bias
+correction is 1 - prod_i beta_i, the product kept in each buffer as ``decay``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,9 +25,8 @@ def unpack_upper(p: Tensor, d: int) -> Tensor:
 
 
 def _history(ema, entry: Optional[dict]) -> tuple:
-    """(t, what the buffer keeps besides t and the sums, the bias correction) for this step's update
-    of ``entry`` (None: a new history). A constant rate: 1 - beta^t; a scheduled one: 1 - prod beta_i,
-    the product kept as ``decay`` (a history saved without it had the rate it has now)."""
+    """(t, what the buffer keeps besides t and the sums, the bias correction) for this step's update of ``entry``
+    (None: a new history; one saved without ``decay`` had the rate it has now)."""
     t = entry["t"] + 1 if entry else 1
     if not ema.scheduled:
         return t, {}, 1.0 - ema.beta ** t
@@ -41,6 +36,8 @@ def _history(ema, entry: Optional[dict]) -> tuple:
 
 class _EMA:
     """The rate: a constant ``beta``, or (``scheduled``) one the optimizer sets before each step."""
+
+    FIELD = "g"   # the buffer's entry besides "t"
 
     def __init__(self, beta) -> None:
         self.scheduled = callable(beta)
@@ -55,13 +52,23 @@ class _EMA:
         self.__dict__.update(state)
         self.__dict__.setdefault("scheduled", False)   # pickled before rates could be scheduled
 
+    def commit(self, skip=()) -> None:
+        """Keep the proposals but those of the keys in `skip`."""
+        for name, (t, new, extra) in self.pending.items():
+            if name not in skip:
+                self.buffers[name] = {"t": t, self.FIELD: new, **extra}
+        self.pending = {}
+
+    def __call__(self, key, x):
+        """propose and commit at once (an EMA outside a step's batch)."""
+        out = self.propose(key, x)
+        self.commit()
+        return out
+
 
 class GradientEMA(_EMA):
-    """Gbar per layer name. ``buffers`` is what DoPr's state_dict saves: {name: {"t", "g"}}.
-
-    Two phases, so that the step decides what to keep after its one host sync: :meth:`propose` returns
-    the bias-corrected EMA with this step's G and changes nothing; :meth:`commit` keeps the proposals
-    (those of layers skipped this step, for a non-finite G, are dropped)."""
+    """Gbar per layer name, ``buffers`` {name: {"t", "g"}}. Two phases, so that the step decides what to keep after
+    its one host sync: :meth:`propose` returns the EMA with this step's G, :meth:`commit` keeps the proposals."""
 
     def propose(self, name: str, g: Tensor) -> Tensor:
         if not self.on:
@@ -77,29 +84,13 @@ class GradientEMA(_EMA):
         self.pending[name] = (t, new, extra)
         return new / corr
 
-    def commit(self, skip=()) -> None:
-        for name, (t, new, extra) in self.pending.items():
-            if name not in skip:
-                self.buffers[name] = {"t": t, "g": new, **extra}
-        self.pending = {}
-
-    def __call__(self, name: str, g: Tensor) -> Tensor:
-        """propose and commit at once (a layer's EMA outside a step's batch)."""
-        out = self.propose(name, g)
-        self.commit()
-        return out
-
-    def state_dict(self, helpers: Optional[dict] = None, whole: bool = False) -> dict:
-        """The buffers; with `whole`, each gathered to its whole layer's matrix by its layer helper
-        (`helpers`: {name: LayerHelper}; a collective under FSDP2)."""
-        def out(k, g):
-            return (helpers[k].whole_matrix(g) if whole and k in helpers else g).clone()
-
-        return {k: {**v, "g": out(k, v["g"])} for k, v in self.buffers.items()}
+    def state_dict(self, helpers: dict) -> dict:
+        """The buffers, each gathered to its whole layer's matrix by its helper (a collective under FSDP2)."""
+        return {k: {**v, "g": (helpers[k].whole_matrix(v["g"]) if k in helpers else v["g"]).clone()}
+                for k, v in self.buffers.items()}
 
     def load_state_dict(self, state: dict, helpers: Optional[dict] = None, to=None) -> None:
-        """Load buffers saved whole (or unsharded); with `helpers`, each keeps this rank's part; `to`:
-        {names tuple: the dtype and device keywords its buffer is cast to} (as torch.optim casts its state)."""
+        """Load buffers saved whole; with `helpers`, each keeps this rank's part; `to`: names -> dtype and device."""
         def mine(k, g):
             g = g.to(**to((k,))) if to else g
             return helpers[k].local_matrix(g).clone() if helpers and k in helpers else g.clone()
@@ -109,6 +100,8 @@ class GradientEMA(_EMA):
 
 class CovarianceEMA(_EMA):
     """Sigmabar per statistics group (its member names joined by "|"). ``buffers``: {name: {"t", "sums"}}."""
+
+    FIELD = "sums"
 
     def propose(self, key: tuple, stat) -> tuple:
         """The EMA of `stat`'s mean (an ActivationStatistics of any kind); `stat` is used up (its sums
@@ -130,24 +123,12 @@ class CovarianceEMA(_EMA):
 
     def commit(self, skip=()) -> None:
         """Keep the proposals but those of the groups in `skip` (tuples of names)."""
-        skip = {"|".join(k) for k in skip}
-        for name, (t, new, extra) in self.pending.items():
-            if name not in skip:
-                self.buffers[name] = {"t": t, "sums": new, **extra}
-        self.pending = {}
-
-    def __call__(self, key: tuple, stat) -> tuple:
-        out = self.propose(key, stat)
-        self.commit()
-        return out
+        super().commit({"|".join(k) for k in skip})
 
     def shared_history(self, groups: dict) -> dict:
-        """Layers keep one Sigmabar only while they have shared Sigma on every step: this step's groups
-        (tuples of names) are cut by the groups whose EMA the layers carry, and a layer that leaves a
-        group takes a copy of its buffer (until now its history was the group's). Layers absent this
-        step keep their old buffer together. So a group formed by equal inputs on one step (the
-        compiled path merges by value, eager by tensor identity) changes no result. Returns the
-        refined {names: statistics} (a statistics object in two parts is cloned for the second)."""
+        """Layers keep one Sigmabar only while they have shared Sigma on every step: this step's groups are cut by
+        the groups whose EMA the layers carry, and a layer that leaves a group takes a copy of its buffer (so a
+        group formed by equal inputs on one step changes no result). Returns the refined {names: statistics}."""
         if not self.on or not self.buffers:
             return groups
         carried = {n: k for k in self.buffers for n in k.split("|")}

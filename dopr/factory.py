@@ -1,6 +1,5 @@
-"""One factory for every optimizer of the suite: each registered GP (dopr.gp.GPS: sgd, adamw, signum,
-lion, muon, adamuon, soap, shampoo, kron), plain or wrapped in DoPr. An optimizer's identity is the pair (gp, ap):
-``build(model, gp, ap=None, **gp_kwargs)``; its name (runs, reports) is derived from it (:mod:`dopr.names`)."""
+"""One factory for every optimizer of the suite: each registered GP (dopr.gp.GPS), plain or wrapped in DoPr,
+``build(model, gp, ap=None, **gp_kwargs)``; its name is derived from (gp, ap) (:mod:`dopr.names`)."""
 from __future__ import annotations
 
 import warnings
@@ -27,14 +26,11 @@ NAMES = names()
 
 
 def build(model: nn.Module, gp, ap=None, **gp_kwargs) -> torch.optim.Optimizer:
-    """``build(model, "adamw", lr=1e-3)``: the GP ``gp`` (a registered name, :data:`dopr.gp.GPS`, or a
-    ``torch.optim.Optimizer`` class: ``build(model, torch.optim.AdamW, lr=1e-3)``, with the class's own defaults)
-    over the model's trainable parameters; ``gp_kwargs`` (lr, weight_decay and the GP's own) go to it. With ``ap``
-    (a :class:`dopr.options.DoPrOptions`, or a dict of some of its fields: ``{}`` for the defaults) it is
-    wrapped in :class:`DoPr` with those options: ``build(model, "adamw", ap={"damping": 1e-4}, lr=1e-3)``.
-
-    The old form ``build(model, "dopr_adamw", lr=1e-3, damping=1e-4)`` (the DoPr options among the
-    keywords) still works, with a DeprecationWarning.
+    """``build(model, "adamw", lr=1e-3)``: the GP ``gp`` (a registered name or a ``torch.optim.Optimizer``
+    class) over the model's trainable parameters, ``gp_kwargs`` its arguments; with ``ap`` (a
+    :class:`dopr.options.DoPrOptions` or a dict of its fields, ``{}``: the defaults) wrapped in :class:`DoPr`:
+    ``build(model, "adamw", ap={"damping": 1e-4}, lr=1e-3)``. The old form ``build(model, "dopr_adamw", lr=1e-3,
+    damping=1e-4)`` still works, with a DeprecationWarning.
     """
     is_class = isinstance(gp, type) and issubclass(gp, torch.optim.Optimizer)
     if not is_class and not isinstance(gp, str):

@@ -1,34 +1,19 @@
 """The refresh step's numeric core replayed from a CUDA graph (issue 77; issue 61 item 4).
 
-On a GPU a DoPr step launches some 30 small kernels per layer: the stack of each size's Sigma, the
-trace damping, the finiteness flags, cholesky_ex and its pivot checks, the batched apply, the
-gradients' flags. Between the captured forward and the GP's step, the host queues them one by one.
-Once a step's *plan* is static (the same groups of layers, sizes, dtypes and routes as on the step
-before), that work is captured once into a ``torch.cuda.CUDAGraph`` and replayed: one launch.
+On a GPU a DoPr step launches some 30 small kernels per layer (the stack of each size's Sigma, the trace
+damping, the finiteness flags, cholesky_ex, the batched apply, the gradients' flags). Once a step's *plan* is
+static (the same groups, sizes, dtypes and routes as on the step before), that work is captured once into a
+``torch.cuda.CUDAGraph`` and replayed: one launch. The graph reads static buffers (each size's stacked sums, the
+gradients per bucket, one vector of scalars: the counts and gamma, never constants) that the step fills with a
+few copies, and writes M into a static buffer the write-back copies from. A plan seen on two refreshes is
+captured; after ``MAX_PLANS`` distinct plans the optimizer stays eager. The graph's outputs are the objects the
+eager path makes (a :class:`dopr.solvers.CholeskyBatch` per size), so the step's read-back and repair path run on
+them unchanged; a capture that raises turns graphs off with one warning.
 
-What a replay needs, and how this module provides it:
-
-* **buffers at fixed addresses**: the graph reads its inputs from static buffers (each size's stacked
-  sums of z z^T, the gradients stacked per bucket, one vector of scalars) that the step fills with a few
-  copies (``torch.stack(out=)``, ``torch._foreach_copy_``), and writes M into a static buffer that the
-  step's write-back copies from. The layers' own tensors are never read inside the graph: they move
-  from step to step (``zero_grad(set_to_none=True)``);
-* **counts as device tensors**: the sample counts and the damping gamma (which a schedule may change)
-  reach the graph in the scalars buffer, filled by one host-to-device copy, never as constants;
-* **static plans**: the key of a plan names every group, size, dtype, device and route; a step whose key
-  differs from every captured one runs eagerly, and a key seen on two refreshes is captured. A model
-  whose plan keeps changing (``MAX_PLANS`` distinct keys) stays eager from then on;
-* **eager fallback**: the graph's outputs are the very objects the eager path makes (a
-  :class:`dopr.solvers.CholeskyBatch` per size whose tensors are the graph's), so the step's one
-  read-back and its repair path (retries, non-finite skips) run on them unchanged; a capture that raises
-  turns graphs off for the optimizer with one warning, and the step runs eagerly.
-
-Only the default path is captured: the dense statistic with the Cholesky solver, the trace damping rule,
-no EMA, no sample-space solve, unsharded, ``on_nonfinite`` other than "raise" and not a health report's
-refresh (:func:`static_reason` names what keeps an optimizer eager). A replay computes what the eager
-step computes with the same kernels in the same order: M is the same, bit for bit
-(tests/lib/test_graphs.py checks the plan logic on the CPU, where :class:`StepGraph` runs its core
-eagerly on the static buffers; ``benchmarks/gpu_check.py``'s part ``graphs`` checks the capture on a GPU).
+Only the default path is captured (:func:`static_reason` names what keeps an optimizer eager), and not a health
+report's refresh. A replay runs the eager step's kernels in the same order: M is the same, bit for bit
+(tests/lib/test_graphs.py on the CPU, where :class:`StepGraph` runs its core eagerly on the static buffers;
+``benchmarks/gpu_check.py``'s part ``graphs`` on a GPU).
 """
 from __future__ import annotations
 
@@ -71,9 +56,8 @@ def static_reason(options, solver, rule, sharded: bool) -> Optional[str]:
 
 
 class Replay(NamedTuple):
-    """What a plan gives a refresh step: ``keys``, the groups it factored, ``names``, the layers it solved (their
-    G's flags and M), ``batches`` and ``solved`` as dopr.refresh.Refresh.factor and dopr.apply.solve give them (M in static
-    buffers), ``gflags``."""
+    """What a plan gives a refresh step: the groups it factored, the layers it solved, and ``batches``, ``solved``,
+    ``gflags`` as dopr.refresh.Refresh.factor and dopr.apply.solve give them (M in static buffers)."""
 
     keys: frozenset
     names: frozenset
@@ -83,11 +67,9 @@ class Replay(NamedTuple):
 
 
 class StepGraph:
-    """One static plan: its input and output buffers, and its graph (or, off CUDA, its core run eagerly).
-
-    ``batches``: [(group keys, the stacked sums' shape (B, d, d), dtype, homogeneous flags or None,
-    the solver's factor with its rows bound)] in the eager path's order; ``buckets``: [(layer names,
-    G's shape (rows, d), the statistics dtype, the helpers)]; ``group_of``: {layer name: its group key}."""
+    """One static plan: its buffers and its graph (off CUDA, its core run eagerly). ``batches``: [(group keys, the
+    stacked sums' shape, dtype, homogeneous flags or None, the bound factor)]; ``buckets``: [(layer names, G's shape,
+    the statistics dtype, the helpers)]; ``group_of``: {layer name: its group key}."""
 
     def __init__(self, batches: list, buckets: list, group_of: dict, damping_mode: str, device) -> None:
         self.batches, self.buckets, self.group_of, self.mode = batches, buckets, group_of, damping_mode
@@ -99,7 +81,6 @@ class StepGraph:
         self.host = torch.zeros(self.scalars.shape, dtype=dtype, pin_memory=pinned)
         self.gs = [GradientBucket(helpers, shape, sdtype, device) for _, shape, sdtype, helpers in buckets]
 
-    # ------------------------------------------------------------------ the captured core
     def _core(self) -> tuple:
         """Sigma = sums / counts, lambda, finiteness, the factors, M per bucket: the eager path's calls."""
         gamma, at, batches, ops = self.scalars[0], 1, [], {}
@@ -127,7 +108,6 @@ class StepGraph:
             self.out = self._core()
         self.graph = graph
 
-    # ------------------------------------------------------------------ one step
     def fill(self, stats: list, gamma: float, grads: dict) -> None:
         """The step's inputs into the static buffers: the sums by size, the counts and gamma, G by bucket."""
         counts = [gamma]
@@ -145,14 +125,13 @@ class StepGraph:
             else:
                 bucket.fill(parts)
 
-    def run(self, capture: bool) -> tuple:
-        """(batches, solved, gflags) as dopr.refresh.Refresh.factor and dopr.apply.solve give them, M in static buffers."""
+    def run(self) -> tuple:
+        """(batches, solved, gflags) as dopr.refresh.Refresh.factor and dopr.apply.solve give them, M in static buffers;
+        captured on the first run on CUDA."""
         if self.device.type != "cuda":
             return self._core()
-        if self.graph is None and capture:
-            self._capture()
         if self.graph is None:
-            return self._core()
+            self._capture()
         self.graph.replay()
         return self.out
 
@@ -161,8 +140,7 @@ class StepGraphs:
     """An optimizer's plans: which step is replayed, captured or run eagerly (see the module doc)."""
 
     def __init__(self, reason: Optional[str], before: Optional["StepGraphs"] = None) -> None:
-        """``before``: the optimizer's graphs before its layers changed: their counters (and a failed capture) carry
-        over, their plans do not."""
+        """``before``: the graphs before the layers changed (their counters and a failed capture carry over)."""
         failed = before is not None and (before.off or "").startswith("the capture failed")
         self.off = reason or (before.off if failed else None)   # None: plans may be captured
         self.plans: OrderedDict = OrderedDict()  # key -> StepGraph (captured, at most KEPT_PLANS)
@@ -171,10 +149,8 @@ class StepGraphs:
 
     def run(self, groups: dict, grads: dict, gamma: float, factor_for: Callable,
             homogeneous_of: Optional[dict], mode: str) -> Optional[Replay]:
-        """This refresh's feature-space groups from a graph (a :class:`Replay`), or None: all run eagerly.
-        ``groups``: {group key: statistics} (the step's, after the solve-space choice: the others, rows for a
-        sample-space solve, stay eager); ``factor_for(keys)``: the solver's factor with the batch's rows bound;
-        ``homogeneous_of``: {layer: flag} where the damping reads it."""
+        """This refresh's feature-space groups ({group key: statistics}) from a graph (a :class:`Replay`), or None:
+        all run eagerly. ``factor_for(keys)``: the bound factor; ``homogeneous_of``: {layer: flag} or None."""
         if self.off is not None or not groups:
             return None
         plan = self._plan(groups, grads, factor_for, homogeneous_of)
@@ -197,7 +173,7 @@ class StepGraphs:
         graph.fill(stats, gamma, grads)
         capturing = graph.graph is None and graph.device.type == "cuda"
         try:
-            out = graph.run(capture=True)
+            out = graph.run()
         except Exception as exc:   # a kernel that cannot be captured: eager from now on, said once
             self.off, self.plans = f"the capture failed ({type(exc).__name__}: {exc})", OrderedDict()
             warnings.warn(f"DoPr: CUDA graph capture failed, the step runs eagerly from now on: {exc}",
@@ -217,8 +193,7 @@ class StepGraphs:
 
     @staticmethod
     def _plan(groups: dict, grads: dict, factor_for: Callable, homogeneous_of: Optional[dict]):
-        """(key, batch specs, bucket specs, group_of, the step's statistics per batch), or None where the
-        step is not one a graph captures (another statistic, a layer off the graph's devices)."""
+        """(key, batch specs, bucket specs, group_of, the step's statistics per batch), or None: not capturable."""
         by_size: dict = {}
         for key, stat in groups.items():
             if type(stat) is DenseCovariance and stat.sums[0].device.type in DEVICES:

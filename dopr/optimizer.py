@@ -7,20 +7,10 @@ Per preconditioned layer with weight W (rows x d) and input activations z (Algor
     M      = G_bar (Sigma_bar + gamma * tr(Sigma_bar) * I)^-1                (AP)
     W     <- GP(M)                                                            (the base optimizer, unchanged)
 
-Damping: Algorithms 1 and 2, the muP section and the invariance appendix write gamma * tr(Sigma);
-only the appendix paragraph "Damping" writes gamma * tr(Sigma) / d. ``damping_mode="trace"`` (the
-default) is what the algorithm boxes print, gamma * tr(Sigma); ``"trace_per_dim"`` is
-gamma * tr(Sigma) / d (the mean eigenvalue times gamma, d times weaker), ``"absolute"`` is gamma * I.
-
-EMAs start at zero and are bias-corrected (divided by 1 - beta^t), as Adam's moments are.
-
-The pieces, one module each: dopr/capture.py gathers Sigma's statistics from the forwards that a
-step's gradients come from; dopr/refresh.py holds the refresh state that turns them into factors (the
-refresh policy, the damping rule, the Sigma EMA, the cached factors and the counters) and factors each
-batch of groups; dopr/statistics.py the statistic kinds (dense covariance, rank-1 moments, diagonal), each
-knowing its diagonal and how to factor itself; dopr/solvers.py the solvers by name; dopr/damping.py the
-damping rules (lambda per group); dopr/apply.py the apply object (the gradient EMA, the buckets, the batched solve, the step's one read-back, the repair path, the write-back); dopr/ema.py the two EMAs; dopr/distributed.py the one
-all-reduce of the statistics; dopr/checkpoint.py the AP's state dict.
+Damping: Algorithms 1 and 2 write gamma * tr(Sigma) (``damping_mode="trace"``, the default); the appendix
+paragraph "Damping" writes gamma * tr(Sigma) / d (``"trace_per_dim"``); ``"absolute"`` is gamma * I. The EMAs
+start at zero and are bias-corrected as Adam's moments are. The pieces: dopr/capture.py (statistics),
+dopr/refresh.py (factors), dopr/apply.py (M), dopr/checkpoint.py (the AP's state dict).
 """
 from __future__ import annotations
 
@@ -33,8 +23,8 @@ from torch import nn
 
 from . import graphs, sharding, solvers
 from .apply import Apply, Borrowed
-from ._optimizer_surface import (WrapsBase, init_hook_registries, refuse_base, refuse_foreign, refuse_foreign_group,
-                                 with_load_hooks, with_state_dict_hooks)
+from ._optimizer_surface import (HOOK_REGISTRIES, WrapsBase, init_hook_registries, refuse_base, refuse_foreign,
+                                 refuse_foreign_group, with_load_hooks, with_state_dict_hooks)
 from .capture import ActivationCapture, remove_inert_hooks
 from .checkpoint import KEY, ap_state, load_ap_state
 from .distributed import is_distributed
@@ -45,7 +35,6 @@ from .options import DoPrOptions
 from .refresh import Factoring, Refresh
 from .sample_space import row_statistic
 from .statistics import STATISTICS
-
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -68,13 +57,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         **overrides: options by name, applied over ``options``: ``DoPr(model, base, damping=1e-3)``.
             ``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step.
 
-    Behaviours by design (docs/library.md, "By design"): torch.optim's global step hooks fire
-    twice per step; ``eval()`` forwards gather nothing (raw gradients, warned); a plain optimizer's
-    checkpoint is refused; layers that start training later are preconditioned from the next step.
+    Behaviours by design: docs/library.md, "By design".
     """
 
-    #: the counters of :meth:`stats` (ints, 0 until counted); a job's summary.json sums them over its
-    #: DoPr optimizers (experiments/common/run.py). "steps" is the AP step counter itself.
+    #: the counters of :meth:`stats` (ints, 0 until counted); "steps" is the AP step counter itself
     COUNTERS = ("steps", "warmup_steps", "preconditioned", "refreshes", "factorizations", "cholesky_retries",
                 "unreliable_factors", "eigh_fallbacks", "nonfinite_skips", "damping_choices", "damping_raises",
                 "sample_space_solves", "sample_space_fallbacks", *graphs.COUNTERS)
@@ -94,8 +80,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._sharded = any(sharding.is_sharded(p) for p in module.parameters())
         self._solver = solvers.SOLVERS[self.options.solver]
         self._factor_with = self._solver.bind(self.options)
-        self._step = 0            # AP steps taken so far (stats()["steps"])
-        self._warmed = 0          # base-GP-only steps taken so far (warmup_steps)
+        self._step, self._warmed = 0, 0   # AP steps and base-GP-only (warmup_steps) steps taken so far
         self._refresh = Refresh(self.options)   # statistics into factors: policy, damping, Sigma EMA, cache, counters
         self._apply = Apply(self.options)       # gradients into M: gradient EMA, buckets, read-back, repair, write-back
         self._health = HealthReports(self.options.health_every)
@@ -107,7 +92,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             raise ValueError(f"the model has no preconditionable layer:\n  {lines}")
         init_hook_registries(self)  # param_groups and state are the base's: Optimizer.__init__ is not called
 
-    # ----------------------------------------------------------- torch.optim.Optimizer surface
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base's zero_grad; the statistics since the last step go with their gradients (GradScaler's skip)."""
         self.base.zero_grad(set_to_none=set_to_none)
@@ -115,8 +99,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             self._capture.reset()
 
     def add_param_group(self, param_group: dict) -> None:
-        """The base's ``add_param_group``, for the model's parameters only (as the constructor asks);
-        a refused group leaves the optimizer unchanged."""
+        """The base's ``add_param_group``, for the model's parameters only."""
         refuse_foreign_group(self.model, param_group)
         self.base.add_param_group(param_group)
 
@@ -144,8 +127,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def _undone_on_raise(self):
-        """on_nonfinite="raise": a step that raises leaves no trace (counters, the damping rule's state, health
-        reports, EMA buffers, cached factors as before it): a few dict copies per step, in that mode only."""
+        """on_nonfinite="raise": a step that raises leaves no trace (counters, damping state, health, EMAs, factors)."""
         if self.options.on_nonfinite != "raise":
             yield
             return
@@ -158,15 +140,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
                 part.restore(state)
             raise
 
-    # ------------------------------------------------------------------ which layers
     def _signature(self) -> tuple:
         """What decides the preconditioned set: the base's parameters and which model parameters train."""
         return (tuple(id(p) for g in self.base.param_groups for p in g["params"]),
                 tuple(p.requires_grad for p in self.model.parameters()))
 
     def _attach(self) -> None:
-        """(Re)build the layer helpers and their hooks from what trains now; layers kept across a
-        rebuild keep the statistics they gathered."""
+        """(Re)build the layer helpers and their hooks from what trains now (kept layers keep their statistics)."""
         helpers, self._coverage = find_layers(
             self.model, {id(p) for g in self.base.param_groups for p in g["params"]},
             {k: self.options[k] for k in ("homogeneous", "conv2d", "skip_layers")})
@@ -185,7 +165,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._graphs = graphs.StepGraphs(graphs.static_reason(self.options, self._solver, self._refresh.damping, self._sharded),
                                          getattr(self, "_graphs", None))
 
-    # ------------------------------------------------------------------ statistics collection
     @property
     def warming_up(self) -> bool:
         """Whether the next step is one of the first ``warmup_steps`` (the GP alone)."""
@@ -193,17 +172,13 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
 
     @property
     def collecting(self) -> bool:
-        """Whether forwards now gather statistics: not while warming up; when the refresh policy says, and on the
-        steps after a layer had a gradient but no factor (it gets one then). The capture reads the refresh's answer."""
+        """Whether forwards now gather statistics (:meth:`dopr.refresh.Refresh.gathers`)."""
         return self._refresh.gathers(self._step, self.warming_up)
 
-    # ------------------------------------------------------------------------------ the AP
     @torch.no_grad()
     def precondition(self) -> None:
         """Algorithm 2 on every preconditioned layer (called by :meth:`step`): G becomes M = Gbar (Sigmabar +
-        lambda I)^-1 for the GP. The statistics gathered, the refresh object's factors (dopr/refresh.py, a refresh
-        replayed from a CUDA graph where its plan is static: dopr/graphs.py), the apply object's solve, one flag
-        read back and its repair path, write-back (dopr/apply.py), the refresh settled."""
+        lambda I)^-1 for the GP: factors (dopr/refresh.py), then the solve and write-back (dopr/apply.py)."""
         grads = {l.helper.name: l.helper for l in self._capture.layers if l.helper.has_grad()}   # G read later
         step = self._warmed + self._step                      # the optimizer's steps before this one
         self._refresh.begin(step, self.options, grads)
@@ -220,24 +195,23 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self._capture.reset()
 
     def _borrowed(self) -> Borrowed:
-        """What the apply object borrows for this step (dopr.apply.Borrowed)."""
+        """What the apply object borrows for this step."""
         return Borrowed(self._helpers(), self._refresh.empty, self._attached_now, self._sharded, self._warn_once,
                         lambda names: self._capture.no_forward_cause(names, self.model.training))
 
     def _factoring(self) -> Factoring:
-        """What the refresh borrows for this step's factors (dopr.refresh.Factoring)."""
+        """What the refresh borrows for this step's factors."""
         flags = {h.name: h.homogeneous for h in self.layers()} if self._refresh.damping.reads_homogeneous else None
         return Factoring(self._solver, self._factor_with, self._health, self._capture.statistic, flags,
                          self._sharded and is_distributed(), self.options.damping_mode, self._warn_once,
                          self._graphs, self._attached_now)
 
     def _warn_once(self, what: str, message) -> None:
-        """Warn about ``what`` once per optimizer; ``message`` a string or a function giving it (made only then)."""
+        """Warn about ``what`` once per optimizer; ``message`` a string or a function giving it."""
         if what not in self._warned:
             self._warned.add(what)
             warnings.warn("DoPr: " + (message() if callable(message) else message), RuntimeWarning, stacklevel=3)
 
-    # ---------------------------------------------------------------------- reporting
     def layers(self) -> list:
         """The preconditioned layers' helpers (dopr/layers: ``name``, ``module``, ``input_dim()``...), in order."""
         return [l.helper for l in self._capture.layers]
@@ -275,7 +249,7 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         return self._capture.pending_samples()
 
     def stats(self) -> dict:
-        """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports (once made)."""
+        """The :attr:`COUNTERS`, the layers with no forward / no samples on the last step, the health reports."""
         out = {k: 0 for k in self.COUNTERS}
         out.update(self._refresh.counters(), **self._graphs.counts, steps=self._step,
                    no_forward=list(self._apply.no_forward), no_samples=sorted(self._refresh.empty), **self._refresh.policy.stats())
@@ -283,7 +257,6 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
             out["health"] = dict(self._health.reports)
         return out
 
-    # ------------------------------------------------------------------ state and hooks
     def state_dict(self) -> dict:
         """The base's state dict and the AP's entry ``"dopr"`` (:meth:`ap_state_dict`), torch.optim's hooks around."""
         return with_state_dict_hooks(self, lambda: {**self.base.state_dict(), KEY: self.ap_state_dict()})
@@ -300,19 +273,15 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         self.load_ap_state_dict(ours)
 
     def ap_state_dict(self) -> dict:
-        """The AP's own state (what ``state_dict()["dopr"]`` holds): step, EMA buffers, cached
-        inverses, counters, options. Under FSDP2 the gradient EMA buffers are gathered to whole
-        matrices (a collective: every rank must call it, as for FSDP's full state dicts). With
-        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``, pass it ``opt.base`` and
-        add this entry: that function keeps only "state" and "param_groups" (``dopr.checkpoint`` does
-        both)."""
+        """The AP's own state (``state_dict()["dopr"]``): step, EMA buffers, cached inverses, counters, options.
+        Under FSDP2 the gradient EMA buffers are gathered to whole matrices (a collective: every rank calls it;
+        dopr.checkpoint adds this entry to ``get_optimizer_state_dict(model, opt.base)``'s)."""
         return ap_state(self.options, self._refresh, self._step, self._warmed,
                         self._apply.state_dict(self._helpers()))
 
     def load_ap_state_dict(self, ours: dict) -> None:
-        """Restore :meth:`ap_state_dict`'s entry (FSDP2: each rank its rows of the EMAs). EMA buffers and
-        cached factors are cast to their layer's dtype (statistics_dtype) and device, as torch.optim casts
-        its state, but a sample-space factor's float64 L: a checkpoint fits a CUDA or float64 model."""
+        """Restore :meth:`ap_state_dict`'s entry (FSDP2: each rank its rows of the EMAs), cast to each layer's
+        statistics dtype and device as torch.optim casts its state (a sample-space factor stays float64)."""
         self._step, self._warmed = load_ap_state(ours, self.options, self._refresh, self._apply, self._helpers())
         self._refresh.next_step(self._step, self.warming_up)
 
@@ -324,13 +293,10 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self._capture is not None:
             self._capture.close()
 
-    # ------------------------------------------------------------------ copy and pickle
-    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *(f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict",
-                  "load_state_dict") for when in ("pre", "post")))
+    _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *HOOK_REGISTRIES)
 
     def __getstate__(self) -> dict:
-        """Everything but the hooks (torch.optim drops its hook registries), the statistics gathered since the
-        last step and the CUDA graphs; copy or pickle between steps. The copy's model is a copy too."""
+        """Everything but the hooks, the statistics gathered since the last step and the CUDA graphs."""
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
     def __setstate__(self, state: dict) -> None:
@@ -345,9 +311,3 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         remove_inert_hooks(self.model)   # the copied model's hooks point at no optimizer
         self._attach()
         init_hook_registries(self)
-
-    def __enter__(self) -> "DoPr":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

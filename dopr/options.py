@@ -1,11 +1,9 @@
-"""DoPr's options, declared once: :class:`DoPrOptions` holds each option's default, its one-line
-meaning and its check. ``DoPr(model, base, options=None, **overrides)``, the factory's DoPr keywords,
-the ``ap`` config group's check (experiments/common/checks.py) and the options table of
-docs/library.md (:func:`options_table`) all read it.
+"""DoPr's options, declared once: :class:`DoPrOptions` holds each option's default, its one-line meaning and
+its check (DoPr, dopr.build, the ``ap`` config group's check and docs/library.md's table read it).
 
-``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step, as kfac-pytorch's damping
-is: ``damping=lambda step: 1e-2 if step < 100 else 1e-4``. ``step`` counts the optimizer's steps
-taken before this one (0 on the first, warm-up steps included); the value is checked when it is read.
+``damping``, ``grad_ema`` and ``precond_ema`` may be functions of the step (``damping=lambda step: 1e-2 if
+step < 100 else 1e-4``): ``step`` counts the optimizer's steps before this one, warm-up included; the value is
+checked when it is read.
 """
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ def _integer(v) -> bool:
 
 
 def _plain(v):
-    """A numpy scalar (np.int64, np.float32: numbers.Integral / numbers.Real, accepted as torch.optim
-    accepts them; np.bool_) as the Python int, float or bool it holds, so that options, checkpoints and
-    logs hold plain values; anything else unchanged."""
+    """A numpy scalar (accepted, as torch.optim accepts them) as the Python int, float or bool it holds, so that
+    options, checkpoints and logs hold plain values; anything else unchanged."""
     if isinstance(v, np.bool_):
         return bool(v)
     if isinstance(v, bool) or type(v) in (int, float) or not isinstance(v, numbers.Real):
@@ -53,9 +50,9 @@ def _plain(v):
 
 def _option(default, doc: str, valid: Callable, rule, label: Optional[str] = None, show=str,
             scheduled: bool = False):
-    """A field of DoPrOptions: ``doc`` its one-line meaning; ``valid(value)`` its check, ``rule`` (a
-    string, or a function giving one) what the error says it must be; ``label`` the error's name for
-    it; ``show`` how the error prints the value; ``scheduled``: it may be a function of the step."""
+    """A field of DoPrOptions: ``doc`` its meaning; ``valid(value)`` its check, ``rule`` (or a function giving it)
+    what the error says it must be, ``label`` and ``show`` the error's name and printing of it; ``scheduled``: it
+    may be a function of the step."""
     return field(default=default, metadata=dict(doc=doc, valid=valid, rule=rule, label=label, show=show,
                                                  scheduled=scheduled))
 
@@ -64,12 +61,9 @@ def _option(default, doc: str, valid: Callable, rule, label: Optional[str] = Non
 class DoPrOptions:
     """The activation preconditioner's options (every keyword of ``DoPr`` besides model and base).
 
-    Frozen: ``options.replace(damping=1e-3)`` is a copy with one value changed, checked again. An
-    invalid value raises ``ValueError("Invalid <name>: <value> (<what it must be>)")``. A float-valued
-    option given as a numeric string (``damping: 1e-4`` in YAML loads as the string "1e-4") is read as
-    the float; another string given for a number is refused naming its type (``Invalid damping: got str
-    'abc' (...)``). The fields, their defaults and meaning are listed below (generated from the field
-    declarations).
+    Frozen: ``options.replace(damping=1e-3)`` is a checked copy. An invalid value raises
+    ``ValueError("Invalid <name>: <value> (<what it must be>)")``; a float option given as a numeric string (YAML's
+    "1e-4") is read as the float. The fields are listed below (generated from their declarations).
     """
 
     damping: Union[float, Schedule] = _option(
@@ -203,11 +197,9 @@ class DoPrOptions:
         if self.solve_space == "samples" and (why := sample_space_blocker(self)) is not None:
             raise ValueError(f"Invalid solve_space: 'samples' ({why}; use 'auto' or 'features')")
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def of(cls, options=None, **overrides) -> "DoPrOptions":
-        """DoPr's ``options`` argument (a DoPrOptions, a mapping of some fields or None: the defaults) with
-        ``overrides`` applied; anything else is a TypeError naming it."""
+        """DoPr's ``options`` argument (a DoPrOptions, a mapping of some fields or None) with ``overrides`` applied."""
         if options is None:
             options = cls()
         elif isinstance(options, Mapping):
@@ -237,7 +229,6 @@ class DoPrOptions:
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.names()}
 
-    # ------------------------------------------------------------------ reading
     def at(self, name: str, step: int):
         """The value of option ``name`` at ``step`` (a function of the step is called and its value checked)."""
         value = getattr(self, name)
@@ -253,8 +244,7 @@ class DoPrOptions:
         return getattr(self, name)
 
     def describe(self) -> dict:
-        """Plain values for a checkpoint, a log or a report: a function of the step as its name
-        (``"<function of the step: schedule>"``), the rest as they are."""
+        """Plain values for a checkpoint or a log: a function of the step as ``"<function of the step: name>"``."""
         return {k: f"<function of the step: {getattr(v, '__qualname__', type(v).__name__)}>" if callable(v) else v
                 for k, v in self.as_dict().items()}
 
@@ -287,8 +277,7 @@ def check(f: dataclasses.Field, value, where: str = "") -> None:
 
 
 def check_options(options: dict) -> dict:
-    """The options of a mapping, checked (each as DoPrOptions checks it), as a dict: skip_layers a tuple,
-    the others at their defaults where ``options`` leaves them out."""
+    """The options of a mapping, checked, as a dict with the others at their defaults."""
     return DoPrOptions.from_dict(options).as_dict()
 
 

@@ -1,12 +1,8 @@
-"""The refresh: what turns a step's statistics into factors, and when (issue 75 item 1, the first verb).
+"""The refresh: what turns a step's statistics into factors, and when (issue 75 item 1).
 
-A :class:`Refresh` owns the refresh state of one DoPr optimizer: the refresh policy (dopr/refresh_policy.py,
-when factors are refreshed), the factors it keeps between refreshes (the cache, {group key: operator}), the
-layers with a gradient and no factor yet (unfactored) or waiting for the next refresh (idle), the damping rule
-(dopr/damping.py, lambda per group), the Sigma EMA (dopr/ema.py) and the counters of DoPr.stats(). It
-serialises that state itself (:meth:`Refresh.state_dict`, :meth:`Refresh.load_state_dict`: the entries of the
-checkpoint's ``"dopr"`` dict it owns, dopr/checkpoint.py). The other verb, apply (Gbar, the step's solve,
-read-back and write-back), is DoPr's (dopr/optimizer.py, dopr/apply.py).
+A :class:`Refresh` owns one DoPr's refresh state: the policy (dopr/refresh_policy.py), the cached factors, the
+damping rule (dopr/damping.py), the Sigma EMA (dopr/ema.py) and the counters, and serialises it (its entries of the
+checkpoint's ``"dopr"`` dict). The apply (Gbar, the solve, read-back, write-back) is dopr/apply.py's.
 """
 from __future__ import annotations
 
@@ -22,10 +18,8 @@ from .sample_space import SampleRows, gather_rows
 from .solve_space import choose as choose_space, group_rows
 from .statistics import statistics_dtype
 
-#: what a refresh borrows from its DoPr for one step: the solver and its bound factor, the health reports, the
-#: statistic kind, the layers' homogeneous flags (None unless the damping rule reads them), whether lambda's
-#: choice is a collective (FSDP2), damping_mode, the warn-once function, the CUDA graphs (dopr/graphs.py) and
-#: the layers that started training this step (raw, their warning said)
+#: what a refresh borrows from its DoPr for one step (homogeneous: None unless the damping rule reads the flags;
+#: collective: lambda's choice is one (FSDP2); attached_now: layers that started training this step, raw)
 Factoring = namedtuple("Factoring", "solver factor_with health statistic homogeneous collective damping_mode warn "
                                     "graphs attached_now")
 
@@ -41,9 +35,8 @@ def without(cache: dict, names) -> dict:
 
 
 def factor_for(solver, factor, keys: tuple, grads: dict):
-    """``factor`` (the solver's, its options bound) for a batch of groups, given (a solver that ``takes_rows``) the
-    gradient rows each member's operator is applied to, their mean over the batch: the Cholesky route depends on
-    them (dopr.solvers.cholesky_route)."""
+    """``factor`` for a batch of groups, given (a solver that ``takes_rows``) the mean gradient rows its operators
+    are applied to: the Cholesky route depends on them (dopr.solvers.cholesky_route)."""
     if not solver.takes_rows or factor is None:
         return factor
     rows = round(sum(group_rows(key, grads) for key in keys) / len(keys))
@@ -61,9 +54,8 @@ def _means(kind, items: list, report: bool) -> tuple:
 
 
 def cache_on_layers(cache: dict, helpers: dict) -> dict:
-    """The cached factors {group key: operator} in their layers' statistics dtype and on their device (a
-    checkpoint from another dtype or device, a model converted between refreshes: cast once, where they
-    differ); a float64 sample-space factor keeps its dtype (bit-identical resume). ``helpers``: {name: helper}."""
+    """The cached factors {group key: operator} in their layers' statistics dtype and device (a float64
+    sample-space factor keeps its dtype: bit-identical resume). ``helpers``: {name: helper}."""
     out = {}
     for key, op in cache.items():
         w = next((helpers[n].module.weight for n in key if n in helpers), None)
@@ -72,19 +64,16 @@ def cache_on_layers(cache: dict, helpers: dict) -> dict:
 
 
 class Refresh:
-    """The refresh state of one DoPr: ``policy``, ``damping``, ``precond_ema``, ``cache``, ``unfactored``,
-    ``idle``, ``empty``, ``counts`` (what DoPr counts, its damping rule's counters apart) and ``gathering``, which
-    the capture's forward hooks read (dopr/capture.py): a plain bool, so a compiled forward guards on its value and
-    compiles once per value, as it would on a flag of its own."""
+    """The refresh state of one DoPr. ``gathering``, which the capture's forward hooks read, is a plain bool: a
+    compiled forward guards on its value and compiles once per value."""
 
     def __init__(self, options) -> None:
         self.policy = refresh_policy.build(options)      # when factors are refreshed
         self.damping = damping.build(options)            # lambda per group, its state and counters
         self.precond_ema = CovarianceEMA(options.precond_ema)
-        self.cache: dict = {}        # a caching policy: {group key: its last good factor}, kept until a new one
+        self.cache: dict = {}          # a caching policy: {group key: its last good factor}
         self.unfactored: set = set()   # layers with a gradient and no factor: the next step gathers statistics
-        self.idle: set = set()         # ... or not, for those with a gradient but no forward on a collecting
-                                       # step since the last refresh: they wait for the next refresh
+        self.idle: set = set()         # layers with a gradient but no forward on a collecting step: wait
         self.empty: set = set()        # layers with no samples this step (an empty batch or mask): raw gradients
         self.counts = defaultdict(int)
         self.gathering = True          # whether the forwards now gather statistics (:meth:`next_step`)
@@ -95,7 +84,7 @@ class Refresh:
 
     @classmethod
     def from_pickled(cls, options, state: dict) -> "Refresh":
-        """The refresh state of a DoPr copied or pickled before this module, popped from its ``__dict__``."""
+        """The refresh state of a DoPr pickled before this module, popped from its ``__dict__``."""
         out = cls(options)
         rule, policy = state.pop("_damping", None), state.pop("_policy", None)
         out.damping = damping.from_pickled(options, state) if rule is None else rule
@@ -108,7 +97,7 @@ class Refresh:
 
     def gathers(self, step: int, warming_up: bool) -> bool:
         """Whether the forwards of AP step ``step`` gather statistics: not while warming up; when the policy says,
-        and on the steps after a layer had a gradient but no factor (it gets one then)."""
+        or while a layer has a gradient but no factor."""
         return not warming_up and (self.policy.gathers(step) or bool(self.unfactored))
 
     def next_step(self, step: int, warming_up: bool) -> None:
@@ -127,22 +116,9 @@ class Refresh:
         """New factors {group key: operator} replace their layers' old ones only."""
         self.cache = {**without(self.cache, {n for key in fresh for n in key}), **fresh}
 
-    def after_step(self, grads: dict, collected: bool, refresh: bool, gathered: set, attached_now: set) -> None:
-        """precond_every > 1: unfactored and idle after a step. Unfactored: the layers the next step gathers
-        statistics for, those with a gradient and no factor (not run on a refresh step yet, added or thawed, a
-        first Sigma not finite), until they get one; idle: a layer with a gradient but no statistics on a
-        collecting step waits for the next refresh."""
-        if refresh:
-            self.idle = set()
-        if collected:
-            self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
-        covered = {n for key in self.cache for n in key}
-        self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
-
-    # ------------------------------------------------------------------ statistics into factors
     def gather(self, capture, grads: dict, refresh: bool, step: int, gamma: float, how: Factoring) -> tuple:
-        """A collecting step: the statistics gathered (all-reduced), the policy's groups factored (Sigmabar, lambda,
-        factors: nothing read back yet). (groups, gathered names, refresh, batches, operators, graphed, raw)."""
+        """A collecting step's statistics (all-reduced) and the policy's groups factored, nothing read back:
+        (groups, gathered names, refresh, batches, operators, graphed, raw)."""
         groups = capture.groups(grads)                             # layers reading one input share Sigma
         groups = agree_groups(groups, capture.layers, capture.statistic)   # data parallel: one layout
         groups = gather_rows(groups, capture.rows)                 # data parallel: every rank's rows (sample space)
@@ -183,8 +159,8 @@ class Refresh:
         return out
 
     def select(self, groups: dict, step: int, refresh: bool) -> tuple:
-        """(the groups to factor, whether the step refreshes every group): all of them on a full refresh; else
-        the policy's due groups and the layers without a factor (factors between refreshes)."""
+        """(the groups to factor, whether the step refreshes every group): all on a full refresh; else the
+        policy's due groups and the layers without a factor."""
         due = self.policy.due(step, groups) if refresh else set()   # the policy's groups to refresh
         refresh = refresh and len(due) == len(groups)
         if not refresh:
@@ -193,11 +169,9 @@ class Refresh:
         return groups, refresh
 
     def factor(self, groups: dict, grads: dict, gamma: float, refresh: bool, how: Factoring) -> list:
-        """[(group keys, finite, factors)] per batch of same-kind, same-size groups damped by ``gamma``
-        (damping_mode's scale) as the damping rule says (dopr/damping.py), factored in one call: ``finite`` flags
-        (on the device) the groups whose Sigma is finite, ``factors`` are the solver's operators or a
-        dopr.solvers.Deferred whose trouble flags are still to be read. Not a ``refresh``: factors between
-        refreshes for layers without one (no health report, not counted)."""
+        """[(group keys, finite, factors)] per batch of same-kind, same-size groups, damped by the damping rule at
+        ``gamma`` and factored in one call (``finite``: device flags; ``factors``: operators or a
+        dopr.solvers.Deferred). Not a ``refresh``: layers without a factor (no health report, not counted)."""
         report, out, flags = refresh and how.health.due(self.counts["refreshes"]), [], how.homogeneous
         for (kind, shape, _, _), items in self._batches(choose_space(groups, grads), how.statistic).items():
             keys = tuple(key for key, _, _ in items)
@@ -217,8 +191,7 @@ class Refresh:
         return out
 
     def _batches(self, groups: dict, statistic: type) -> dict:
-        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None)]}: the groups by size, each
-        Sigmabar proposed to the EMA; None where the batch's Sigma is stacked at once (no statistics EMA)."""
+        """{(kind, shape, dtype, device): [(key, statistic, Sigmabar or None: stacked at once, no EMA)]}."""
         groups = self.precond_ema.shared_history(groups)
         batches = defaultdict(list)
         lazy = not self.precond_ema.on and hasattr(statistic, "stacked_mean")
@@ -231,8 +204,7 @@ class Refresh:
         return batches
 
     def operators(self, batches: list, refresh: bool) -> dict:
-        """{group key: operator} of a step's batches (a Deferred's operators, flags unread); between refreshes
-        over the cached ones."""
+        """{group key: operator} of a step's batches; between refreshes over the cached ones."""
         ops = {k: op for keys, _, res in batches if not isinstance(res, solvers.Deferred) for k, op in zip(keys, res)}
         ops.update({k: op for keys, _, res in batches if isinstance(res, solvers.Deferred)
                     for k, op in zip(keys, res.ops())})
@@ -240,25 +212,29 @@ class Refresh:
 
     def settle(self, ops: dict, batches: list, grads: dict, collected: bool, refresh: bool, gathered: set,
                attached_now: set, step: int = 0, stats: dict = None) -> None:
-        """After the step's solve, a caching policy's: the new factors cached (and told to the policy with the
-        statistics they came from, ``stats``), unfactored and idle updated."""
+        """After the step's solve (a caching policy): the new factors cached and told to the policy; then idle (a
+        gradient but no statistics on a collecting step: they wait for the next refresh) and unfactored (a gradient
+        and no factor: the next step gathers for them)."""
         if not self.policy.caches:
             return
         if collected:   # new factors replace their layers' old ones only
             fresh = solvers.cached({k: ops[k] for keys, _, _ in batches for k in keys if k in ops})
             self.store(fresh)
             self.policy.refreshed(step, fresh, stats or {})   # the policy's new factors (drift: its probes)
-        self.after_step(grads, collected, refresh, gathered, attached_now)
+        if refresh:
+            self.idle = set()
+        if collected:
+            self.idle = self.idle | {n for n in grads if n not in gathered and n not in attached_now}
+        covered = {n for key in self.cache for n in key}
+        self.unfactored = {n for n in (self.unfactored | grads.keys()) if n not in covered and n not in self.idle}
 
     def begin(self, step: int, options, helpers: dict) -> None:
-        """A step starts: proposals of a step that raised are dropped, a scheduled Sigma rate is read at ``step``,
-        the cached factors cast to their layers (``helpers`` {name: helper}: model.double(), .cuda() since)."""
+        """A step starts: a raised step's proposals dropped, a scheduled rate read, the factors cast to their layers."""
         self.precond_ema.pending.clear()
         if self.precond_ema.scheduled:
             self.precond_ema.beta = options.at("precond_ema", step)
         self.cache = cache_on_layers(self.cache, helpers)
 
-    # ------------------------------------------------------------------ undo (on_nonfinite="raise")
     def snapshot(self) -> tuple:
         return defaultdict(int, self.counts), self.damping.copy(), self.cache, dict(self.precond_ema.buffers), self.empty
 
@@ -266,10 +242,8 @@ class Refresh:
         self.counts, self.damping, self.cache, self.precond_ema.buffers, self.empty = saved
         self.precond_ema.pending = {}
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The checkpoint's entries of the refresh state (its damping rule's state as ``damping_scale`` and its
-        counters among ``counts``, the layout of checkpoints before dopr/damping.py)."""
+        """The checkpoint's entries (the damping rule's as ``damping_scale`` and among ``counts``, the old layout)."""
         rule = self.damping.state_dict()
         return {
             "precond_ema": self.precond_ema.state_dict(),
@@ -282,8 +256,7 @@ class Refresh:
         }
 
     def load_state_dict(self, state: dict, helpers: dict, to) -> None:
-        """Restore :meth:`state_dict`'s entries; factors and EMA buffers cast to their layers (``helpers``,
-        {name: helper}; ``to``: a group key's {dtype, device})."""
+        """Restore :meth:`state_dict`'s entries, cast to their layers (``to``: a group key's {dtype, device})."""
         self.precond_ema.load_state_dict(state["precond_ema"], to)
         self.cache = cache_on_layers({tuple(k.split("|")): solvers.operator_from_state(s)
                                       for k, s in state["cache"].items()}, helpers)

@@ -1,63 +1,33 @@
 """A refresh driven by drift (issue 76 item 2): ``refresh_policy="drift"``.
 
-A group's factor P = (Sigma + lambda I)^-1 is refreshed when a cheap estimate of how far its Sigma has moved
-since that factor passes ``drift_threshold``, and at the latest on every ``precond_every``-th step (the cap:
-every layer refreshes then, as under ``"every"``; k = 1 refreshes every step and the policy does nothing).
+A group's factor P = (Sigma + lambda I)^-1 is refreshed when an estimate of how far its Sigma has moved since
+that factor passes ``drift_threshold``, and at the latest on every ``precond_every``-th step (the cap: every layer
+refreshes then, as under ``"every"``). The estimate needs no Sigma GEMM on a step that does not refresh:
 
-The estimate, with no Sigma GEMM on a step that does not refresh:
+* at each refresh of a group, :data:`PROBES` random vectors u_j (seeded by the step and the group's names) go
+  through the new operator, w_j = P u_j; the reference is r_j = w_j^T Sigma w_j, from the Sigma just factored
+  (copied in :meth:`DriftPolicy.due` before the factorisation may normalise it in place), or from the first probe
+  pass where the policy did not see that Sigma;
+* a later training forward that gathers nothing hands the layer's input to :meth:`DriftPolicy.observe`, which
+  adds s_j = ||X w_j||^2 over its rows X (n d r multiply-adds, r / d of Sigma's GEMM; layers sharing an input
+  share the probes and one pass);
+* when the step is over, the drift of each observed group is ``max_j |s_j / r_j - 1|`` (s_j per row): exactly 0
+  while the inputs' second moment along w_j is unchanged, whatever its scale; weighting by P makes w_j large in
+  Sigma's weak directions, where a stale factor amplifies the gradient most. A group past the threshold is
+  refreshed on the next step (``gathers``, ``due``), as is one whose drift measured on a Sigma gathered anyway
+  passes it.
 
-* at each refresh of a group, r = :data:`PROBES` fixed random vectors u_j (d, drawn from a generator seeded by
-  the step and the group's names: reproducible, and kept in the checkpoint) go through the new operator:
-  w_j = P u_j (``op.apply`` on the rows u_j^T; P is symmetric). The reference is r_j = w_j^T Sigma w_j, from the
-  Sigma just factored (the batch Sigma of that step, copied in :meth:`DriftPolicy.due` before the factorisation
-  may normalise it in place), or from the first probe pass where the policy did not see that Sigma (a layer
-  DoPr factored between refreshes because it had no factor);
-* on a later training forward that gathers nothing, the capture hands the layer's input to
-  :meth:`DriftPolicy.observe` (dopr/capture.py's observer), which adds s_j = ||X w_j||^2 over its rows X (the
-  homogeneous 1 included): n d r multiply-adds, r / d of the n d^2 of Sigma's GEMM. Layers that share a Sigma
-  (one input tensor) share the probes and one pass;
-* when the step is over (the first ``gathers`` call for the next step) the drift of each observed group is
-  ``max_j |s_j / r_j - 1|``, s_j = (sum of ||X w_j||^2) / (rows), over the step's forwards. The maximum: one
-  probe that moved is enough; r_j and s_j are quadratic forms of the same w_j, so the ratio is exactly 1 while
-  the inputs' second moment along w_j is what it was, whatever its scale. Weighting by P makes w_j large in
-  Sigma's weak directions, where a stale factor amplifies the gradient most. A group whose drift passed the
-  threshold is refreshed on the next step: ``gathers`` says so, that step's forwards gather statistics, and
-  ``due`` names the group (with any group a probe or the cap names, and, on such a step, any group whose drift
-  measured on the gathered Sigma itself, w_j^T Sigma w_j at d^2 r, passed the threshold).
+Noise: s_j / r_j of another batch of the same distribution scatters by about sqrt(2 / n) for n Gaussian rows, and
+r_j read from the very Sigma P was inverted from is biased low (measurements: issue 76). ``drift_test="noise"``
+takes r_j out of sample (s_j of the first probe pass after the refresh) and flags a group when, for some probe,
+|s_j / r_j - 1| - Z (s_j / r_j) sqrt(v_s + v_r) > drift_threshold: v the relative variances of s_j and r_j from
+the per-sample totals T_b (a sample's rows one block), (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1), by the delta
+method; Z = 3 standard errors, a convention. It cannot see a stale factor whose inputs do not move.
 
-Noise: for n independent rows, s_j / r_j of another batch of the same distribution scatters by about
-sqrt(2 / n) (Gaussian rows); a threshold well above that (0.1 for a few hundred rows and more) reacts to the
-inputs, not to sampling. Measured (issue 76, seed 0 at cap 100): at 1024 rows the scatter is 0.06 per probe and
-the plain test fires on 25-43% of probed steps of feature learning's layers, its first layer's inputs stationary;
-and r_j read from the very Sigma P was inverted from is biased low (w_j is large where that batch's Sigma is
-small): on conv digits' head (128 rows, d = 33) s_j / r_j - 1 averaged +2.1 with no drift.
-
-``drift_test="noise"`` (the default is ``"plain"``, the test above) tests against that noise:
-
-* the reference is out of sample: r_j is s_j of the first probe pass after the refresh (no Sigma copied), so the
-  step after a refresh is not tested (a change on exactly that step waits for a later one or the cap);
-* each pass also sums, per probe, the squares of the per-sample totals T_b (the sum of (x w_j)^2 over the rows of
-  sample b: the input's leading dimension, a conv's patches and a sequence's positions one block; n r more
-  work), and with the B samples the relative variance of s_j is (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1): the
-  samples independent, the rows of one sample not; the reference keeps its own;
-* a group is flagged when, for some probe, |s_j / r_j - 1| - Z (s_j / r_j) sqrt(v_s + v_r) > drift_threshold
-  (v the two relative variances, the delta method; Z = 3 standard errors, a convention, not tuned); a step that
-  gathers Sigma for another group measures a probed group on that Sigma, its v_s the reference's scaled by the rows.
-  ``drift`` then holds that excess (0 while inside the noise).
-
-What it does not see: a stale factor whose inputs do not move. On feature learning at cap 100 (seed 0) the noise
-test refreshed 1-2% of layer-steps and the run ended at a validation loss of 19.6 (the plain test: 0.20); refreshing
-the first layer, whose inputs are stationary, every step brought it back to 0.28: the harm there is one batch's
-estimation error frozen into P, which refreshing (plain's noise-driven 30%) re-draws and no drift test detects;
-with ``precond_ema=0.9`` the same noise test refreshed 1.5% and ended at 0.17.
-
-Cost and reads: one host read-back per step that does not gather (the groups' drift, one small tensor), and
-an all-reduce of the probe sums under data parallelism (so that every rank decides the same). Statistics kinds
-other than dense and sample rows (rank1_diag's moments, an embedding's diagonal) and forwards under
-torch.compile or a torch.func transform are not probed: those layers keep the cap's cadence, EveryK's.
-
-Counters: refreshes and steps per layer, ``DoPr.stats()["refresh_fraction"]`` (per layer, and
-``"refresh_fraction_all"``: all layers' refreshes over all their steps), also shown in the health report.
+Cost: one host read-back per step that does not gather, and an all-reduce of the probe sums under data
+parallelism. Statistics kinds other than dense and sample rows, and compiled or torch.func forwards, are not
+probed: those layers keep the cap's cadence. ``DoPr.stats()["refresh_fraction"]`` (per layer) and
+``"refresh_fraction_all"`` count the refreshes.
 """
 from __future__ import annotations
 
@@ -77,8 +47,7 @@ PROBES = 4
 SEED = 76
 #: ``drift_test``: plain (the threshold on max_j |s_j / r_j - 1|) or noise (past the threshold by Z standard errors)
 TESTS = ("plain", "noise")
-#: the noise test's margin in standard errors of s_j / r_j: a convention (a one-sided normal tail of 0.13% per
-#: probe), not tuned
+#: the noise test's margin in standard errors of s_j / r_j: a convention (a one-sided tail of 0.13%), not tuned
 Z = 3.0
 
 
@@ -91,8 +60,7 @@ def _seed(step: int, key: tuple) -> int:
 
 
 def _reference(stat) -> Optional[tuple]:
-    """What a quadratic form w^T Sigma w is read from: ("dense", Sigma) (a copy: the factorisation may turn the
-    sums into Sigma in place) or ("samples", rows, n); None for other kinds or no samples."""
+    """What w^T Sigma w is read from: ("dense", a copy of Sigma) or ("samples", rows, n); None for other kinds."""
     kind = getattr(stat, "kind", None)
     if stat is None or not stat.count or kind not in ("dense", "samples"):
         return None
@@ -104,16 +72,14 @@ def _reference(stat) -> Optional[tuple]:
 def _quadratic(ref: tuple, wt: Tensor) -> Tensor:
     """(w_j^T Sigma w_j)_j for the rows w_j^T of `wt` (r, d)."""
     if ref[0] == "dense":
-        sigma = ref[1]
-        w = wt.to(sigma.dtype)
-        return ((w @ sigma) * w).sum(1).to(wt.dtype)
+        w = wt.to(ref[1].dtype)
+        return ((w @ ref[1]) * w).sum(1).to(wt.dtype)
     rows, n = ref[1], ref[2]
     return (rows @ wt.to(rows.dtype).T).square().sum(0).div(n).to(wt.dtype)
 
 
 def _drift(s: list, ref: list) -> float:
-    """max_j |s_j / r_j - 1| (a reference of 0: the probe's direction carried nothing, any change is drift; a
-    non-finite s_j or r_j: infinite drift)."""
+    """max_j |s_j / r_j - 1| (r_j = 0: any change is drift; a non-finite s_j or r_j: infinite drift)."""
     out = 0.0
     for a, b in zip(s, ref):
         v = abs(a / b - 1.0) if b > 0 else (0.0 if a == 0 else math.inf)
@@ -122,18 +88,16 @@ def _drift(s: list, ref: list) -> float:
 
 
 def _relvar(total: Tensor, squares: Tensor, samples: Tensor) -> Tensor:
-    """The relative variance of s_j = (sum of the per-sample totals T_b) / rows, from B samples' totals:
-    (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1), the squared standard error of their mean over its square (the
-    samples independent, the rows within one sample not necessarily); inf for fewer than 2 samples."""
+    """The relative variance of s_j from B samples' totals T_b: (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1); inf for
+    fewer than 2 samples."""
     b = samples.to(total.dtype)
     rv = (b * squares / total.square() - 1).clamp_min(0) / (b - 1)
     return torch.where(b > 1, rv, torch.full_like(rv, math.inf))
 
 
 def _noisy(s: list, ref: list, rv: list, rv_ref: list) -> float:
-    """max_j of |s_j / r_j - 1| less Z standard errors of the ratio, (s_j / r_j) sqrt(rv_j + rv_ref_j) (the delta
-    method; rv the relative variances), at least 0: the drift the noise test holds against the threshold. A
-    non-finite s_j or r_j (or r_j of 0 with s_j > 0): infinite drift; a probe without an error estimate: 0."""
+    """max_j of |s_j / r_j - 1| less Z (s_j / r_j) sqrt(rv_j + rv_ref_j), at least 0 (a non-finite s_j or r_j, or
+    r_j = 0 < s_j: infinite; a probe without an error estimate: 0)."""
     out = 0.0
     for a, b, va, vb in zip(s, ref, rv, rv_ref):
         if not (math.isfinite(a) and math.isfinite(b)) or (b <= 0 and a != 0):
@@ -146,16 +110,13 @@ def _noisy(s: list, ref: list, rv: list, rv_ref: list) -> float:
 
 
 def _dim(stat) -> Optional[int]:
-    kind = getattr(stat, "kind", None)
-    if kind not in ("dense", "samples"):
-        return None
-    return stat.sums[0].shape[-1]
+    return stat.sums[0].shape[-1] if getattr(stat, "kind", None) in ("dense", "samples") else None
 
 
 @register_policy("drift")
 class DriftPolicy(RefreshPolicy):
     """Refresh a group when its probes say its Sigma moved by more than ``drift_threshold``, and every group on
-    every ``precond_every``-th step (see the module's docstring)."""
+    every ``precond_every``-th step."""
 
     def __init__(self, options) -> None:
         super().__init__(options)
@@ -163,12 +124,9 @@ class DriftPolicy(RefreshPolicy):
         self.threshold = float(options.drift_threshold)
         self.caches = self.k > 1
         self.noise = getattr(options, "drift_test", "plain") == "noise"
-        # {group key: [w^T (r, d), reference (r,) or None: from the first probe pass; under the noise test also the
-        #  reference's relative variances (r,) and its rows]}
-        self._probes: dict = {}
+        self._probes: dict = {}      # {group key: [w^T (r, d), reference or None (noise: + its variances, rows)]}
         self._group: dict = {}       # {layer name: the group key it was last refreshed in}
-        # {group key: [sum of ||X w_j||^2 (r,), rows] (+ [sum of T_b^2 (r,), samples] under the noise test)}
-        self._acc: dict = {}
+        self._acc: dict = {}         # {group key: [sum of ||X w_j||^2, rows] (noise: + [sum of T_b^2, samples])}
         self._seen: dict = {}        # {group key: weakref of the input it last probed} (transient)
         self._sigma: dict = {}       # {group key: _reference}: the Sigma of a due group, until it is refreshed
         self._pending: set = set()   # layers whose drift passed the threshold: refreshed on the next step
@@ -177,7 +135,6 @@ class DriftPolicy(RefreshPolicy):
         self._refreshes: dict = {}   # {layer name: its refreshes}
         self.drift: dict = {}        # {group label: its last drift estimate}
 
-    # ------------------------------------------------------------------ the seam
     def gathers(self, step: int) -> bool:
         if step > self._now:   # the forwards of the steps before `step` are over: their probes are read
             self._fold()
@@ -249,19 +206,11 @@ class DriftPolicy(RefreshPolicy):
             if self.noise:   # per-sample totals T_b: the rows of one sample (patches, positions) are one block
                 b = x.shape[0] if x.dim() > 2 and x.shape[0] and n % x.shape[0] == 0 else n
                 sq = q.reshape(b, n // b, -1).sum(1).square().sum(0)   # n r more
-        acc = self._acc.get(key)
-        if acc is None:
-            self._acc[key] = [s, n] + ([sq, b] if self.noise else [])
-        else:
-            acc[0] = acc[0] + s
-            acc[1] += n
-            if self.noise:
-                acc[2] = acc[2] + sq
-                acc[3] += b
+        new, acc = [s, n] + ([sq, b] if self.noise else []), self._acc.get(key)
+        self._acc[key] = new if acc is None else [a + v for a, v in zip(acc, new)]
 
-    # ------------------------------------------------------------------ the estimate
     def _fold(self) -> None:
-        """Read the drift of every group probed since the last fold (one read-back); flag those past the threshold."""
+        """Read the drift of every group probed since the last fold (one read-back) and flag them."""
         from .distributed import is_distributed
 
         self._seen = {}
@@ -301,8 +250,8 @@ class DriftPolicy(RefreshPolicy):
 
     def _read(self, keys: list, s: Tensor, seen: Tensor, rv: Optional[Tensor] = None,
               rows: Optional[Tensor] = None) -> list:
-        """[(s_j as floats, the reference's as floats or None, seen, s_j's relative variances, the reference's, the
-        rows)] per group (the last three None but under the noise test): one read-back of the device's numbers."""
+        """[(s_j, the reference or None, seen, s_j's relative variances, the reference's, the rows)] per group as
+        floats (the last three None but under the noise test): one read-back."""
         device = s.device
         r = PROBES
         nan = torch.full((r,), float("nan"), dtype=torch.float64, device=device)
@@ -329,7 +278,7 @@ class DriftPolicy(RefreshPolicy):
 
     def _measured(self, stats: Mapping, keys: list) -> set:
         """Of `keys` (probed, not due), those whose drift measured on this step's gathered Sigma passed the
-        threshold: w_j^T Sigma w_j, d^2 r, no new GEMM of the inputs."""
+        threshold (w_j^T Sigma w_j, d^2 r)."""
         keys = [k for k in keys if k in self._probes and self._probes[k][1] is not None
                 and _reference(stats.get(k)) is not None]
         if not keys:
@@ -348,7 +297,6 @@ class DriftPolicy(RefreshPolicy):
         return self._flag({k: _noisy(si, ref, rvs, rvr) if self.noise else _drift(si, ref)
                            for k, (si, ref, _, rvs, rvr, _) in zip(keys, host)})
 
-    # ------------------------------------------------------------------ counters and state
     def refresh_fractions(self) -> dict:
         """{layer name: its refreshes / the steps since its first}: 1 / k under the cap alone."""
         return {n: self._refreshes[n] / max(1, self._now - first) for n, first in self._first.items()}

@@ -1,21 +1,11 @@
 """When a layer's factor is refreshed: the refresh policies (issue 75 item 3), one small class each.
 
-DoPr asks its policy two things each step, and nothing else decides the refresh cadence:
-
-* :meth:`RefreshPolicy.gathers`: whether this step's forwards gather statistics for a refresh (DoPr also gathers
-  them, whatever the policy says, for layers that have a gradient but no factor yet);
-* :meth:`RefreshPolicy.due`: of the groups (tuples of layer names sharing one Sigma) whose statistics were
-  gathered, which get a new factor this step. The others keep their last factor, which DoPr caches whenever
-  the policy says ``caches``.
-
-``"every"`` (:class:`EveryK`): every ``precond_every``-th step refreshes every layer, the paper's Algorithm 2 at
-k = 1; ``"drift"`` (:class:`dopr.refresh_drift.DriftPolicy`): a group when its probes say its Sigma moved, and
-every layer at the k cap. A new policy is a new class here (or in a module that dopr/options.py imports, as
-dopr/refresh_drift.py), registered with :func:`register_policy` under the ``refresh_policy`` value that chooses
-it, with its own state (``state_dict`` / ``load_state_dict``, which the checkpoint keeps); dopr/optimizer.py does
-not change. Optional hooks, no-ops here: :attr:`RefreshPolicy.observe` (the inputs of forwards that gather
-nothing), :meth:`RefreshPolicy.refreshed` (the new factors), :meth:`RefreshPolicy.stats` (entries of
-``DoPr.stats()``) and :meth:`RefreshPolicy.refresh_fractions` (shown in the health report).
+DoPr asks its policy :meth:`RefreshPolicy.gathers` (whether this step's forwards gather statistics; DoPr also
+gathers them for layers with a gradient but no factor yet) and :meth:`RefreshPolicy.due` (which of the groups
+gathered get a new factor; the others keep their last one, cached when the policy ``caches``). ``"every"``
+(:class:`EveryK`) refreshes every layer every ``precond_every``-th step, the paper's Algorithm 2 at k = 1;
+``"drift"`` is dopr/refresh_drift.py. A new policy is a class registered with :func:`register_policy`, with its
+own ``state_dict`` / ``load_state_dict``; the optional hooks below are no-ops here.
 """
 from __future__ import annotations
 
@@ -44,8 +34,7 @@ class RefreshPolicy:
 
     name = "?"
     caches = True
-    #: ``observe(helper, x)``: called by the capture, under no_grad, with the input of each training forward that
-    #: gathers no statistics (a policy that watches the inputs between refreshes: "drift"); None: not called
+    #: ``observe(helper, x)``: called by the capture with the input of each training forward that gathers nothing
     observe = None
 
     def __init__(self, options) -> None:
@@ -60,21 +49,19 @@ class RefreshPolicy:
         raise NotImplementedError
 
     def attach(self, capture, health):
-        """DoPr's new capture (returned) and its health reports: the capture hands the inputs of forwards that gather
-        nothing to :attr:`observe`, the reports show :meth:`refresh_fractions`."""
+        """Hook DoPr's new capture (returned) to :attr:`observe` and its health reports to :meth:`refresh_fractions`."""
         capture.observer, health.fractions = self.observe, self.refresh_fractions
         return capture
 
     def refreshed(self, step: int, ops: dict, stats) -> None:
-        """After step ``step`` factored the groups of ``ops`` ({group key: the cached operator}) from ``stats``
-        ({group key: statistics}, whose sums the factorisation may have normalised in place)."""
+        """Step ``step`` factored the groups of ``ops`` ({group key: operator}) from ``stats`` ({key: statistics})."""
 
     def stats(self) -> dict:
         """The policy's own entries of ``DoPr.stats()``."""
         return {}
 
     def refresh_fractions(self) -> dict:
-        """{layer name: the share of its steps that refreshed it}, where the policy counts them (the health report)."""
+        """{layer name: the share of its steps that refreshed it}, where the policy counts them."""
         return {}
 
     def state_dict(self) -> dict:

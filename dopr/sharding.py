@@ -1,18 +1,10 @@
 """Parameter sharding (FSDP2): the AP acts on each rank's shard of the weight's rows.
 
-The AP multiplies the gradient on the right, M = [G | g_b] (Sigma + lambda I)^-1, so each row of M
-needs only the same row of G and the (replicated) Sigma. FSDP2 (``torch.distributed.fsdp.fully_shard``)
-shards every parameter on dim 0 as ``torch.chunk`` does, so a weight and its bias are split at the
-same rows, evenly or not; every rank already has the global batch's Sigma after the one all-reduce
-of the statistics (dopr/distributed.py). No gradient is gathered: each rank preconditions its rows.
-
-Whole-matrix GPs (Muon, AdaMuon: Newton-Schulz) gather the matrix once per layer with
-``full_tensor()``, orthogonalise it on every rank, and keep their own rows (:func:`gather` and
-:func:`local_rows`).
-
-FSDP1's ``FlatParameter`` (a flattened concatenation of many weights) and DeepSpeed ZeRO-3
-(partitioned flat buffers) do not keep a weight's rows together: :func:`check_supported` refuses
-them with a message naming FSDP2 and DDP.
+The AP multiplies the gradient on the right, M = [G | g_b] (Sigma + lambda I)^-1, so each row of M needs only
+the same row of G and the global Sigma (dopr/distributed.py). FSDP2 (``fully_shard``) shards every parameter on
+dim 0, a weight and its bias at the same rows: no gradient is gathered. Whole-matrix GPs (Muon, AdaMuon) gather
+each matrix once (:func:`on_whole_matrix`). FSDP1's ``FlatParameter`` and DeepSpeed ZeRO-3 do not keep a
+weight's rows together: :func:`check_supported` refuses them.
 """
 from __future__ import annotations
 
@@ -63,20 +55,10 @@ def row_range(t: Tensor) -> tuple:
     return offset[0], offset[0] + shape[0]
 
 
-def gather(t: Tensor) -> Tensor:
-    """The whole tensor on every rank (one all-gather), or ``t`` itself when not sharded."""
-    return t.full_tensor() if is_sharded(t) else t
-
-
 def on_whole_matrix(fn, t: Tensor, like: Tensor) -> Tensor:
-    """``fn`` (a whole-matrix map: Newton-Schulz) of the matrix whose rows this rank holds as ``t``
-    (sharded as ``like``), back to this rank's rows: one all-gather, ``fn`` on every rank. Not sharded:
-    ``fn(t)``."""
-    return local_rows(fn(gather(t)), like)
-
-
-def local_rows(full: Tensor, like: Tensor) -> Tensor:
-    """The rows of ``full`` that this rank holds of ``like`` (a DTensor), or ``full`` when not sharded."""
+    """``fn`` (a whole-matrix map: Newton-Schulz) of the matrix whose rows this rank holds as ``t`` (sharded as
+    ``like``), back to this rank's rows: one all-gather, ``fn`` on every rank. Not sharded: ``fn(t)``."""
+    full = fn(t.full_tensor() if is_sharded(t) else t)
     if not is_sharded(like):
         return full
     first, stop = row_range(like)
@@ -84,10 +66,9 @@ def local_rows(full: Tensor, like: Tensor) -> Tensor:
 
 
 def norm(local_t: Tensor, like: Tensor) -> Tensor:
-    """The Frobenius norm of the whole matrix whose rows ``local_t`` are (sharded like ``like``), as a
-    float64 scalar. The squares are summed in float64 so that the result does not depend on how the rows
-    are split over ranks: a float32 sum in another order differs by up to ~n * 6e-8 relative, which a
-    normalised update (AdaMuon's RMS alignment) passes straight on to every entry."""
+    """The Frobenius norm of the whole matrix whose rows ``local_t`` are (sharded like ``like``), a float64 scalar:
+    summed in float64 so that it does not depend on the split over ranks (AdaMuon's RMS alignment passes a float32
+    sum's ~n * 6e-8 on to every entry)."""
     rows = torch.linalg.vector_norm(local_t.reshape(local_t.shape[0], -1), dim=1, dtype=torch.float64).square()
     if not is_sharded(like):
         return rows.sum().sqrt()

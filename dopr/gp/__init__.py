@@ -25,10 +25,9 @@ __all__ = ["BaseGP", "SGD", "Signum", "Lion", "AdaMuon", "Muon", "HybridOptimize
 
 @dataclass(frozen=True)
 class GradientPreconditioner:
-    """A GP by name: ``build(params, lr=, weight_decay=, **kwargs)`` makes it, over a list of
-    parameters (or param groups), or over the ``nn.Module`` itself when ``needs_module`` (Muon's
-    hybrids route parameters by module), or over the module's (name, parameter) pairs when ``named`` (to
-    name a layer it refuses); ``kwargs`` are the keywords it takes besides lr and weight_decay."""
+    """A GP by name: ``build(params, lr=, weight_decay=, **kwargs)`` makes it over parameters (or param groups),
+    the ``nn.Module`` itself (``needs_module``) or its (name, parameter) pairs (``named``); ``kwargs`` are the
+    keywords it takes besides lr and weight_decay."""
 
     name: str
     build: Callable
@@ -54,25 +53,19 @@ def register_gp(name: str, build: Callable, kwargs: Optional[Iterable[str]] = No
 
 def build_gp(model_or_params_source, name: str, lr: Optional[float] = None, weight_decay: float = 0.0,
              **kwargs) -> torch.optim.Optimizer:
-    """Build the gradient preconditioner ``name`` over the trainable parameters of a model.
+    """Build the registered GP ``name`` (:data:`GPS`) over a model's trainable parameters (or, but for "muon" and
+    "adamuon", an iterable of parameters / param groups).
 
-    ``name`` is a registered GP (:data:`GPS`): "sgd", "adamw", "signum", "lion" (an ``nn.Module`` or
-    an iterable of parameters / param groups), or "muon", "adamuon" (an ``nn.Module`` only). The last two
-    return a :class:`HybridOptimizer`: Muon / AdaMuon on the hidden ``nn.Linear`` weights
-    (see :func:`route_matrix_params`; ``input_layer="muon"`` adds the input layer) and AdamW, at
-    ``adamw_lr`` (default ``lr``), on the rest; a member with no parameters is left out.
-    ``adjust_lr_fn`` is the Muon step scale, with torch.optim.Muon's names: ``"original"``
-    (sqrt(max(1, m/n)), Keller Jordan's Muon, torch's default); ``conv="flatten"`` gives
-    convolutions to Muon / AdaMuon as (out, in x kernel) matrices (default ``"adamw"``) or ``"match_rms_adamw"``
-    (0.2 sqrt(max(m, n)): update RMS 0.2, AdamW's rates carry over). ``eps`` and ``betas`` go to AdamW (``eps``
-    to AdaMuon too). "soap", "shampoo", "kron" are pytorch-optimizer's SOAP, Shampoo and Kron with the
-    package's defaults (:mod:`dopr.gp.peers`; an nn.Module, parameters or param groups). Keywords a GP does
-    not take raise ``TypeError`` naming them (and the closest option), as does a missing ``lr``.
+    "muon" and "adamuon" return a :class:`HybridOptimizer`: Muon / AdaMuon on the hidden matrices
+    (:func:`route_matrix_params`: ``head_names``, ``input_layer``, ``input_names``, ``conv``) and AdamW at
+    ``adamw_lr`` (default ``lr``) on the rest; ``adjust_lr_fn`` is torch.optim.Muon's step scale ("original",
+    sqrt(max(1, m/n)), or "match_rms_adamw", 0.2 sqrt(max(m, n))); ``eps`` and ``betas`` go to AdamW (``eps`` to
+    AdaMuon too). "soap", "shampoo", "kron" are pytorch-optimizer's (:mod:`dopr.gp.peers`). A keyword the GP does
+    not take, or a missing ``lr``, raises ``TypeError`` naming it (and the closest option).
     """
     gp = GPS.get(name)
     if gp is None:
-        raise ValueError(f"Unknown gradient preconditioner {name!r}; "
-                         f"valid names: {list(GPS)}")
+        raise ValueError(f"Unknown gradient preconditioner {name!r}; valid names: {list(GPS)}")
     unknown = sorted(set(kwargs) - gp.kwargs)
     if unknown:
         options = ["lr", "weight_decay", *sorted(gp.kwargs)]
@@ -112,8 +105,7 @@ def _build_hybrid(model, name, lr, weight_decay, momentum=0.95, nesterov=True, n
             other_params, lr=lr if adamw_lr is None else adamw_lr, betas=betas, eps=eps,
             weight_decay=weight_decay)
     if not members:
-        raise ValueError("optimizer got an empty parameter list: the model has no trainable "
-                         "parameters")
+        raise ValueError("optimizer got an empty parameter list: the model has no trainable parameters")
     return HybridOptimizer(members)
 
 

@@ -33,21 +33,11 @@ class AdaMuon(BaseGP):
         U_t <- s(m, n) U_t / ||U_t||_F               (RMS alignment, s from ``adjust_lr_fn``)
         W_t = W_{t-1} - lr (U_t + wd W_{t-1})        (decoupled weight decay)
 
-    This is the sign-stabilised variant described in the paper (arXiv v2 onward), which
-    orthogonalises sign(N_t); the authors' released ``adamuon.py`` orthogonalises N_t itself
-    and bias-corrects V_t. As in the paper, V_t is not bias-corrected here: the scalar
-    correction (1 - beta2^t) would cancel in the RMS alignment, apart from rescaling eps.
-
-    ``adjust_lr_fn`` names the alignment with torch.optim.Muon's names: ``"match_rms_adamw"``
-    (the paper's, default) sets ||U_t||_F = 0.2 sqrt(m n), i.e. RMS 0.2, as Muon's 0.2 sqrt(max(m, n))
-    does to an orthogonal matrix; ``"original"`` sets ||U_t||_F = sqrt(min(m, n)) sqrt(max(1, m/n)),
-    the norm of Keller Jordan's Muon update sqrt(max(1, m/n)) O_t.
-    Because sign(.) and the alignment are scale-invariant, an EMA momentum
-    M_t = mu M_{t-1} + (1 - mu) G_t would give the same update. The target RMS of 0.2 matches
-    AdamW's typical update RMS, so AdamW learning rates and weight decays carry over.
-
-    Only 2-D parameters are accepted; route the rest to another optimizer
-    (see :func:`dopr.gp.route_matrix_params`).
+    The paper's sign-stabilised variant (arXiv v2 onward); the authors' released code orthogonalises N_t itself and
+    bias-corrects V_t, a correction that would cancel in the RMS alignment but for eps. ``adjust_lr_fn``:
+    ``"match_rms_adamw"`` (the paper's, default) ||U_t||_F = 0.2 sqrt(m n), RMS 0.2, so AdamW's learning rates and
+    weight decays carry over; ``"original"`` sqrt(min(m, n)) sqrt(max(1, m/n)), Keller Jordan's Muon update's norm.
+    Matrices and convolution filters only (:func:`dopr.gp.route_matrix_params` routes the rest).
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
@@ -57,9 +47,8 @@ class AdaMuon(BaseGP):
             raise ValueError(f"Invalid number of Newton-Schulz steps: {ns_steps}")
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (choose from {ADJUST_LR_FNS})")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -71,8 +60,7 @@ class AdaMuon(BaseGP):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
             if p.ndim < 2:   # a convolution's filters are the matrix (out, in x kernel), as in Muon
-                raise ValueError(
-                    f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
+                raise ValueError(f"AdaMuon updates matrices and convolution filters, got shape {tuple(p.shape)}")
         super().add_param_group({**param_group, "params": params})
 
     def update(self, p, grad, group):
@@ -83,25 +71,15 @@ class AdaMuon(BaseGP):
             state["momentum_buffer"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         M, V = state["momentum_buffer"], state["exp_avg_sq"]
-
-        # M_t = mu M_{t-1} + G_t, and the Nesterov look-ahead N_t = G_t + mu M_t
         M.mul_(mu).add_(grad)
         N = grad.add(M, alpha=mu) if group["nesterov"] else M
-
-        # O_t = NewtonSchulz5(sign(N_t)), in float32 (bfloat16 inside on CUDA); sharded (FSDP2):
-        # on the gathered matrix, then this rank's rows
+        # O_t = NewtonSchulz5(sign(N_t)) (FSDP2: on the gathered matrix, then this rank's rows)
         O = sharding.on_whole_matrix(
             lambda n: newton_schulz5(torch.sign(as_matrix(n)), steps=group["ns_steps"]).view_as(n), N, p)
-
-        # V_t = beta2 V_{t-1} + (1 - beta2) O_t * O_t;  U_t = O_t / (sqrt(V_t) + eps)
         V = sharding.local(V)
         V.mul_(beta2).addcmul_(O, O, value=1.0 - beta2)
         U = O / (V.sqrt() + eps)
-
-        # RMS alignment: ||U_t||_F = 0.2 sqrt(m n) (RMS 0.2) or Muon's original norm
         U.mul_(_target_norm(group["adjust_lr_fn"], matrix_shape(p.shape)) / sharding.norm(U, p).clamp_min(eps))
-
-        # W_t = (1 - lr wd) W_{t-1} - lr U_t
         w = sharding.local(p)
         w.mul_(1.0 - lr * wd)
         w.add_(U.to(p.dtype), alpha=-lr)

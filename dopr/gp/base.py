@@ -1,6 +1,4 @@
-"""The step every GP of this package takes: evaluate the closure, walk the groups and their parameters,
-skip a parameter with no gradient, refuse a sparse one, and apply the GP's update formula
-(:meth:`BaseGP.update`) to the rest. The hyperparameters GPs share are checked here once."""
+"""The step every GP of this package takes (:class:`BaseGP`), and the check of their shared hyperparameters."""
 
 import torch
 from torch.optim import Optimizer
@@ -32,9 +30,8 @@ def check_hyperparameters(defaults: dict) -> None:
 
 
 class BaseGP(Optimizer):
-    """A gradient preconditioner written as its update formula: a subclass defines
-    ``update(p, grad, group)``, which moves the parameter ``p`` given its dense gradient ``grad``, the
-    hyperparameters of its ``group`` and its own ``self.state[p]``; ``step`` is this class's."""
+    """A gradient preconditioner written as its update formula: a subclass defines ``update(p, grad, group)``,
+    which moves ``p`` given its dense gradient, its group's hyperparameters and ``self.state[p]``."""
 
     def __init__(self, params, defaults: dict):
         check_hyperparameters(defaults)

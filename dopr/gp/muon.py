@@ -17,17 +17,12 @@ from .newton_schulz import as_matrix, matrix_shape, newton_schulz5
 
 
 class Muon(BaseGP, torch.optim.Muon):
-    """torch.optim.Muon with the orthogonalisation in float32 off CUDA.
+    """torch.optim.Muon (same hyperparameters, state and update) with the orthogonalisation in float32 off CUDA.
 
-    Same hyperparameters (``ns_coefficients`` and ``eps`` included), state (``momentum_buffer``)
-    and update as torch's Muon:
-    B <- mu B + (1 - mu) G (torch's lerp form), U = NS5(G + mu (B - G) if nesterov else B),
-    W <- (1 - lr wd) W - lr' U with lr' from ``adjust_lr_fn``. torch runs Newton-Schulz in
-    bfloat16 everywhere, which on a CPU without bf16 matrix units is ~50x slower than float32;
-    on CUDA this class also uses bfloat16. Under FSDP2 each weight is gathered (one all-gather per
-    layer), orthogonalised whole on every rank, and each rank applies its own rows. A convolution's
-    weight (ndim > 2; torch's Muon refuses it) is orthogonalised as the matrix (out, in x kernel),
-    as Keller Jordan's reference Muon does, and its step scale uses that matrix's shape.
+    B <- mu B + (1 - mu) G, U = NS5(G + mu (B - G) if nesterov else B), W <- (1 - lr wd) W - lr' U with lr' from
+    ``adjust_lr_fn``. torch's bfloat16 Newton-Schulz is ~50x slower than float32 on a CPU without bf16 matrix
+    units; on CUDA this class uses bfloat16 too. Under FSDP2 each weight is gathered, orthogonalised whole and each
+    rank applies its rows. A convolution's weight is the matrix (out, in x kernel), as in Keller Jordan's Muon.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -80,16 +75,13 @@ def _lr_ratio(adjust_lr_fn, shape) -> float:
 INPUT_LAYER = ("adamw", "muon")
 #: where a convolution's weight goes: AdamW (the default), or Muon as the matrix (out, in x kernel)
 CONV_ROUTES = ("adamw", "flatten")
-#: the roles a model gives its layers for the routing (:func:`mark_role`): "input", a layer that reads
-#: the data (an image encoder's stem, a patch embedding), and "output", the layer that writes the
-#: model's output. Muon's rule keeps both on AdamW, whatever the modules' registration order.
+#: the roles a model gives its layers for the routing (:func:`mark_role`); Muon's rule keeps both on AdamW
 ROLES = ("input", "output")
 ROLE_ATTRIBUTE = "muon_role"
 
 
 def mark_role(module: nn.Module, role: str) -> nn.Module:
-    """Record ``module``'s role ("input" or "output") for :func:`route_matrix_params`; returns it.
-    A model marks its layers where it builds them, so every copy (each camera's encoder) is marked."""
+    """Record ``module``'s role ("input" or "output") for :func:`route_matrix_params`; returns it."""
     if role not in ROLES:
         raise ValueError(f"Invalid role: {role!r} (choose from {ROLES})")
     setattr(module, ROLE_ATTRIBUTE, role)
@@ -97,9 +89,7 @@ def mark_role(module: nn.Module, role: str) -> nn.Module:
 
 
 def _heads_and_inputs(modules: dict, linears: list, convs: list, head_names, input_names) -> tuple:
-    """(head modules, input modules) by name, as :func:`route_matrix_params` takes them: named, else marked
-    (:func:`mark_role`), else the last ``nn.Linear`` / the first layer in module order (none when the model has an
-    ``nn.Embedding``: it reads the input). ``modules``: {name: module}; ``convs``: the convolutions routed to Muon."""
+    """(head modules, input modules) by name, as :func:`route_matrix_params` takes them."""
     def named(names, what):
         names = set([names] if isinstance(names, str) else names)
         missing = sorted(names - modules.keys())
@@ -128,28 +118,15 @@ def _heads_and_inputs(modules: dict, linears: list, convs: list, head_names, inp
 def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = None,
                         input_layer: str = "adamw", input_names: Iterable[str] | None = None,
                         conv: str = "adamw"):
-    """Split ``model``'s trainable parameters into ``(matrix_params, other_params)``.
-
-    ``matrix_params`` (for Muon / AdaMuon) holds the ``weight`` of every hidden ``nn.Linear`` whose
-    weight requires grad. ``other_params`` (for AdamW) holds every other trainable parameter:
-    embeddings, convolutions, biases, norm parameters, the output head and, with
-    ``input_layer="adamw"`` (Muon's convention, the default), the input layer. Both lists follow
+    """Split ``model``'s trainable parameters into ``(matrix_params, other_params)``, both in
     ``model.parameters()`` order.
 
-    The layers are taken by role. The head (output layer) is the modules named in ``head_names`` if
-    given, else the modules the model marked "output" (:func:`mark_role`: SiT's final projection,
-    the ChiUNet's last convolution, which module order alone would miss), else the last
-    ``nn.Linear`` in ``model.named_modules()`` order. The input layers are the modules named in
-    ``input_names`` if given, else every module marked "input" (each camera's stem), else the first
-    ``nn.Linear``, unless the model has an ``nn.Embedding`` (then the embedding reads the input and
-    every ``nn.Linear`` but the head is hidden). ``input_layer="muon"`` gives the input layers to
-    Muon as well.
-
-    ``conv="flatten"`` gives every convolution's weight (Conv1d/2d/3d, not transposed) to Muon,
-    orthogonalised as the matrix (out, in x kernel) as in Keller Jordan's reference Muon, except the
-    head and input layers; with no layer marked "input", the input layer is then the first
-    convolution or ``nn.Linear`` in module order.
-    ``"adamw"`` (the default) leaves convolutions to AdamW.
+    ``matrix_params`` (Muon / AdaMuon): the weight of every hidden ``nn.Linear`` (and, with ``conv="flatten"``,
+    of every non-transposed convolution, as the matrix (out, in x kernel)). ``other_params`` (AdamW): the rest,
+    the head and, with ``input_layer="adamw"`` (the default), the input layers. The head: ``head_names``, else the
+    modules marked "output" (:func:`mark_role`), else the last ``nn.Linear``. The input layers: ``input_names``,
+    else the modules marked "input", else the first ``nn.Linear`` (or convolution, under ``conv="flatten"``) unless
+    the model has an ``nn.Embedding``.
     """
     if input_layer not in INPUT_LAYER:
         raise ValueError(f"Invalid input_layer: {input_layer!r} (choose from {INPUT_LAYER})")
@@ -172,11 +149,8 @@ def route_matrix_params(model: nn.Module, head_names: Iterable[str] | None = Non
 
 
 class _Beta1AsMomentum(dict):
-    """An Adam-style param group (``betas``) that also answers to ``momentum``: reading it gives
-    beta1, writing it sets beta1 and keeps the other betas. Nothing extra is stored, so the member's
-    ``state_dict`` is the plain optimizer's. ``momentum`` of Muon and AdaMuon and Adam's beta1 are the
-    same quantity, the decay of the first-moment average (Muon: B <- mu B + (1 - mu) G; Adam:
-    m <- beta1 m + (1 - beta1) g; AdaMuon's heavy-ball buffer differs by a scale its update ignores)."""
+    """An Adam-style param group (``betas``) that also answers to ``momentum`` as its beta1 (the same decay of the
+    first-moment average as Muon's momentum); nothing extra is stored, so the ``state_dict`` is unchanged."""
 
     __slots__ = ()
 
@@ -198,9 +172,8 @@ class _Beta1AsMomentum(dict):
 
 
 def _momentum_key(optimizers) -> str | None:
-    """The key every group of every member answers to for its momentum: ``"betas"`` if every member
-    is Adam-style, ``"momentum"`` if every member has ``momentum`` or ``betas`` (the latter aliased,
-    see :class:`_Beta1AsMomentum`), else None (a member has no momentum to schedule)."""
+    """The key every member's groups answer to for their momentum: ``"betas"`` if every member is Adam-style,
+    ``"momentum"`` if each has ``momentum`` or ``betas`` (aliased, :class:`_Beta1AsMomentum`), else None."""
     kinds = [("momentum" if "momentum" in opt.defaults else "betas" if "betas" in opt.defaults else None)
              for opt in optimizers]
     if None in kinds:
@@ -209,21 +182,14 @@ def _momentum_key(optimizers) -> str | None:
 
 
 class HybridOptimizer(Optimizer):
-    """Several optimizers over disjoint parameters, used as one ``torch.optim.Optimizer``.
+    """Several optimizers over disjoint parameters, used as one ``torch.optim.Optimizer``:
+    ``HybridOptimizer({"muon": Muon(...), "adamw": torch.optim.AdamW(...)})``.
 
-    ``HybridOptimizer({"muon": torch.optim.Muon(...), "adamw": torch.optim.AdamW(...)})``.
-    ``param_groups`` is the concatenation of the members' groups (the same dicts, so an LR
-    scheduler writing ``group["lr"]`` changes the member) and ``state`` a merged read-only
-    view of the members' states; both are recomputed on access, so they stay right after
-    ``load_state_dict``. Step hooks and LR schedulers attach as to any optimizer.
-
-    Momentum schedules (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum=True``) pick one key
-    from ``optimizer.defaults`` and write it into every group: ``group["betas"]`` if ``"betas"`` is
-    in the defaults, else ``group["momentum"]``. A Muon + AdamW hybrid has groups of both kinds, so
-    ``defaults`` holds ``"momentum"`` (and no ``"betas"``) and each Adam-style group answers to
-    ``group["momentum"]`` as its beta1: the schedule reaches every member. An all-Adam hybrid keeps
-    ``"betas"``; a member with neither key leaves both out, and those schedulers refuse it. The other
-    ``defaults`` entries are the members' own, the first member's where they differ.
+    ``param_groups`` are the members' own dicts (an LR scheduler writes the members) and ``state`` a merged
+    read-only view, both recomputed on access. For momentum schedules (``OneCycleLR``, ``CyclicLR``), a Muon +
+    AdamW hybrid's ``defaults`` hold ``"momentum"`` and each Adam-style group answers to ``group["momentum"]`` as
+    its beta1; an all-Adam hybrid keeps ``"betas"``; a member with neither key leaves both out. The other
+    ``defaults`` are the members' own, the first member's where they differ.
     """
 
     def __init__(self, optimizers: dict[str, Optimizer]):
@@ -232,16 +198,14 @@ class HybridOptimizer(Optimizer):
         seen = set()
         for name, opt in optimizers.items():
             if not isinstance(opt, Optimizer):
-                raise TypeError(
-                    f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
+                raise TypeError(f"Member {name!r} is not a torch.optim.Optimizer: {type(opt).__name__}")
             if needs_closure(opt):
                 raise ValueError(f"Member {name!r} ({type(opt).__name__}) needs a closure in step(); "
                                  "HybridOptimizer steps its members without one")
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
-                        raise ValueError(
-                            f"Member {name!r} holds a parameter that another member also holds")
+                        raise ValueError(f"Member {name!r} holds a parameter that another member also holds")
                     seen.add(id(p))
         self.optimizers = dict(optimizers)
         members = list(self.optimizers.values())
@@ -258,9 +222,8 @@ class HybridOptimizer(Optimizer):
         init_hook_registries(self)  # Optimizer.__init__ would copy the members' groups into new dicts
 
     def _alias_beta1(self) -> None:
-        """With a ``"momentum"`` default, wrap each member's Adam-style groups in place as
-        :class:`_Beta1AsMomentum`; run on every access, as a member's ``load_state_dict`` or
-        ``add_param_group`` puts plain dicts back."""
+        """With a ``"momentum"`` default, wrap each member's Adam-style groups as :class:`_Beta1AsMomentum` (on
+        every access: a member's ``load_state_dict`` or ``add_param_group`` puts plain dicts back)."""
         if getattr(self, "_momentum_key", None) != "momentum":
             return
         for opt in self.optimizers.values():
@@ -281,8 +244,7 @@ class HybridOptimizer(Optimizer):
         return {"optimizers": self.optimizers, "defaults": self.defaults, "_momentum_key": self._momentum_key}
 
     def __repr__(self):
-        members = [f"  {name}: " + repr(opt).replace("\n", "\n  ")
-                   for name, opt in self.optimizers.items()]
+        members = [f"  {name}: " + repr(opt).replace("\n", "\n  ") for name, opt in self.optimizers.items()]
         return f"{type(self).__name__}(\n" + "\n".join(members) + "\n)"
 
     @torch.no_grad()

@@ -1,18 +1,10 @@
-"""SOAP, Shampoo and PSGD-Kron, the preconditioned optimizers users pick instead of DoPr, as GPs: the classes
-of the published package pytorch-optimizer (pinned in pyproject's `peers` extra), built with the package's
-own defaults and imported only when built (dopr itself depends on torch alone).
+"""SOAP, Shampoo and PSGD-Kron as GPs: the classes of the package pytorch-optimizer (pyproject's `peers` extra),
+with the package's own defaults, imported only when built. Two things the package does not guard are refused:
 
-The package routes what each peer cannot precondition by its own options: SOAP leaves 1-d parameters and
-dimensions over ``max_precondition_dim`` to plain Adam, Kron gives 1-d parameters and dimensions over
-``max_size_triangular`` (or all of them, ``memory_save_mode``) a diagonal factor. Two things it does not
-guard are refused here in one line:
-
-- Shampoo keeps two dim x dim matrices for every dimension of every parameter and takes an SVD of each on
-  every step, with no option to leave a large dimension out; a parameter with a dimension over
-  :data:`SHAMPOO_MAX_DIM` (a token embedding's vocabulary) is refused, naming it.
-- Kron applies its factors by one 5-operand ``torch.einsum``, which torch contracts left to right unless
-  opt_einsum is installed: through the gradient's outer product, (m n)^2 numbers (64 GB asked for a 4-block
-  transformer's embedding, issue 64). Kron is refused where torch would contract that way.
+- Shampoo keeps two dim x dim matrices per dimension of every parameter and an SVD of each every step: a
+  parameter with a dimension over :data:`SHAMPOO_MAX_DIM` (a token embedding's vocabulary) is refused, naming it.
+- Kron applies its factors by one 5-operand ``torch.einsum``, which without opt_einsum contracts through the
+  gradient's outer product, (m n)^2 numbers (issue 64): refused unless opt_einsum is there.
 """
 import importlib
 import importlib.util
@@ -21,8 +13,7 @@ import torch
 
 PACKAGE, MODULE, EXTRA = "pytorch-optimizer", "pytorch_optimizer", "peers"
 
-#: the largest dimension Shampoo is given: pytorch_optimizer's SOAP preconditions dimensions up to its
-#: max_precondition_dim default, 10000, and leaves larger ones alone; Shampoo cannot leave them alone
+#: the largest dimension Shampoo is given (SOAP's max_precondition_dim default)
 SHAMPOO_MAX_DIM = 10000
 
 #: each peer's class in the package and the keywords it takes besides params, lr and weight_decay
@@ -36,26 +27,6 @@ PEERS = {
                       "min_ndim_triangular", "memory_save_mode", "momentum_into_precondition_update", "mu_dtype",
                       "precondition_dtype", "balance_prob", "maximize")),
 }
-
-
-def package_class(name: str):
-    """The package's class of peer ``name``; ImportError in one line when the package is not installed."""
-    cls = PEERS[name][0]
-    try:
-        return getattr(importlib.import_module(MODULE), cls)
-    except ImportError as e:
-        raise ImportError(f"GP {name!r} is {MODULE}.{cls} from the {PACKAGE} package, which is not installed: "
-                          f"pip install 'dopr[{EXTRA}]'") from e
-
-
-def _names_and_params(params) -> tuple:
-    """(names by parameter, what the package's class is given): (name, parameter) pairs, as
-    :func:`dopr.gp.build_gp` passes a model's, become the parameters alone, so that the optimizer (and its
-    state_dict) is the one a direct use of the package builds."""
-    params = list(params)
-    if params and isinstance(params[0], tuple):
-        return {p: n for n, p in params}, [p for _, p in params]
-    return {}, params
 
 
 def _check_kron() -> None:
@@ -80,9 +51,16 @@ def _check_shampoo(params, names: dict) -> None:
 
 def build_peer(params, name: str, lr: float, weight_decay: float = 0.0, **kwargs) -> torch.optim.Optimizer:
     """``{MODULE}.<class>(params, lr=lr, weight_decay=weight_decay, **kwargs)`` for peer ``name``, after the
-    refusals above; ``params`` may be (name, parameter) pairs, for the refusals to name the layer."""
-    cls = package_class(name)
-    names, params = _names_and_params(params)
+    refusals above; ``params`` may be (name, parameter) pairs, for the refusals to name the layer (the class gets
+    the parameters alone, as a direct use of the package would). ImportError in one line without the package."""
+    try:
+        cls = getattr(importlib.import_module(MODULE), PEERS[name][0])
+    except ImportError as e:
+        raise ImportError(f"GP {name!r} is {MODULE}.{PEERS[name][0]} from the {PACKAGE} package, which is not "
+                          f"installed: pip install 'dopr[{EXTRA}]'") from e
+    params = list(params)
+    names = {p: n for n, p in params} if params and isinstance(params[0], tuple) else {}
+    params = [p for _, p in params] if names else params
     if name == "kron":
         _check_kron()
     if name == "shampoo":

@@ -13,17 +13,15 @@ class SGD(BaseGP):
         d_t = g_t + mu b_t   if nesterov,   else   d_t = b_t
         p_t = (1 - lr wd) p_{t-1} - lr d_t
 
-    ``momentum=0`` gives plain gradient descent, d_t = g_t. The weight decay is decoupled
-    (Loshchilov & Hutter, 2019): it shrinks p directly and never enters the buffer, unlike
-    the L2 penalty of ``torch.optim.SGD``.
+    ``momentum=0`` gives plain gradient descent. The weight decay is decoupled (Loshchilov & Hutter, 2019),
+    unlike ``torch.optim.SGD``'s L2 penalty.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0):
         if nesterov and momentum == 0.0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
 
     def update(self, p, grad, group):
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -31,15 +29,10 @@ class SGD(BaseGP):
         if mu != 0.0:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                # b_1 = g_1
                 buf = state["momentum_buffer"] = grad.detach().clone()
             else:
-                # b_t = mu b_{t-1} + g_t
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(grad)
-            # d_t = g_t + mu b_t (Nesterov) or b_t (heavy ball)
             d = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-
-        # p <- (1 - lr wd) p - lr d
         p.mul_(1.0 - lr * wd)
         p.add_(d, alpha=-lr)

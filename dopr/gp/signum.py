@@ -18,8 +18,7 @@ class Signum(BaseGP):
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0):
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     def update(self, p, grad, group):
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
@@ -27,9 +26,6 @@ class Signum(BaseGP):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         m = state["momentum_buffer"]
-
-        # m_t = mu m_{t-1} + (1 - mu) g_t
         m.mul_(mu).add_(grad, alpha=1.0 - mu)
-        # p <- (1 - lr wd) p - lr sign(m_t)
         p.mul_(1.0 - lr * wd)
         p.add_(torch.sign(m), alpha=-lr)

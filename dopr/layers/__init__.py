@@ -1,12 +1,9 @@
 """The layer registry: which module types the AP preconditions, and why others are skipped.
 
-``register_layer(ModuleType, factory)`` adds a layer type: ``factory(module, name, options)``
-returns a :class:`LayerHelper`, or a string saying why this instance is skipped (it does not raise: a
-layer the AP cannot take goes to the GP unchanged, named with its reason in the coverage report). A type from a
-package dopr does not import (Hugging Face's Conv1D) is registered by its qualified name,
-``"package.module.ClassName"``; the lookup walks each module's class hierarchy and matches either.
-The walk over a model reports every module that owns trainable parameters (:class:`CoverageEntry`);
-parameters of skipped modules go to the gradient preconditioner unchanged.
+``register_layer(ModuleType, factory)`` adds a layer type: ``factory(module, name, options)`` returns a
+:class:`LayerHelper`, or a string saying why this instance is skipped (its parameters go to the GP unchanged,
+named with the reason in the coverage report, :class:`CoverageEntry`). A type from a package dopr does not import
+is registered by its qualified name, ``"package.module.ClassName"``.
 """
 from __future__ import annotations
 
@@ -73,24 +70,25 @@ def _conv(module, name, opts):
     return _weight_trainable(module) or ConvHelper(module, name, opts["homogeneous"])
 
 
+def _input_sharded(module, what: str, inputs: str) -> Optional[str]:
+    """FSDP2 shards dim 0, which for ConvTranspose1d's (C_in, C_out, k) and Conv1D's (in, out) weight is the
+    input: the columns of G that Sigma mixes, so no rank holds whole rows of G."""
+    if sharding.is_sharded(module.weight):
+        return (f"sharded {what}: FSDP2 splits its weight's dim 0, the {inputs}, which are the "
+                "columns the AP mixes; leave it out of fully_shard (ignored_params) to precondition it")
+    return None
+
+
 def _conv_transpose(module, name, opts):
     if module.groups != 1:
         return f"grouped convolution (groups={module.groups}) is not supported"
-    if sharding.is_sharded(module.weight):
-        # FSDP2 shards dim 0, which for ConvTranspose1d's (C_in, C_out, k) weight is the input: the
-        # columns of G that Sigma mixes (as for Conv1D below)
-        return ("sharded ConvTranspose1d: FSDP2 splits its weight's dim 0, the input channels, which are the "
-                "columns the AP mixes; leave it out of fully_shard (ignored_params) to precondition it")
-    return _weight_trainable(module) or ConvTranspose1dHelper(module, name, opts["homogeneous"])
+    return (_input_sharded(module, "ConvTranspose1d", "input channels") or _weight_trainable(module)
+            or ConvTranspose1dHelper(module, name, opts["homogeneous"]))
 
 
 def _hf_conv1d(module, name, opts):
-    if sharding.is_sharded(module.weight):
-        # FSDP2 shards dim 0, which for Conv1D's (in, out) weight is the input: the columns of G
-        # that Sigma mixes, so no rank holds whole rows of G
-        return ("sharded Conv1D: FSDP2 splits its weight's dim 0, the input features, which are the "
-                "columns the AP mixes; leave it out of fully_shard (ignored_params) to precondition it")
-    return _weight_trainable(module) or HFConv1DHelper(module, name, opts["homogeneous"])
+    return (_input_sharded(module, "Conv1D", "input features") or _weight_trainable(module)
+            or HFConv1DHelper(module, name, opts["homogeneous"]))
 
 
 def _embedding(module, name, opts):
@@ -122,11 +120,9 @@ class CoverageEntry:
 
 
 class _ModelMap:
-    """What :func:`find_layers` reads of ``model`` once, before its walk: who owns each parameter, every name a
-    module is held under, the modules whose forward computes with a functional weight and the parametrized ones.
-    A module held under several names (nn.ModuleList([blk] * 3), a siamese ``self.a = self.b = enc``) is one layer
-    called several times: one helper, one Sigma over all its uses. Only a parameter held by two different modules
-    (an embedding tied to the unembedding) is tied."""
+    """What :func:`find_layers` reads of ``model`` once: who owns each parameter, every name a module is held under
+    (one module under several names is one layer, one Sigma over all its uses; only a parameter held by two
+    different modules is tied), the modules with a functional weight and the parametrized ones."""
 
     def __init__(self, model: nn.Module) -> None:
         self.owners: dict = {}    # id(parameter) -> {id(module): its first name}
@@ -148,8 +144,7 @@ class _ModelMap:
         self.loras = lora_inputs(model)
 
     def skip_reason(self, name: str, module: nn.Module, own: list, options: dict) -> Optional[str]:
-        """Why a module owning trainable parameters ``own`` is not preconditioned, before any helper is made for it:
-        frozen, named in skip_layers, inside a functional-weight module, a parametrization's, complex; else None."""
+        """Why a module owning trainable parameters ``own`` is not preconditioned, before any helper; else None."""
         if not any(p.requires_grad for p in own):
             return "frozen (no parameter requires grad)"
         skip = next((k for k in options.get("skip_layers", ()) for a in self.aliases[id(module)]
@@ -171,8 +166,7 @@ class _ModelMap:
         return None
 
     def helper(self, name: str, module: nn.Module, optimized: set, options: dict) -> Union[LayerHelper, str]:
-        """The module's helper, or why it has none: no preconditioner for its type, its factory's refusal, a tied
-        weight, a weight the base optimizer does not hold."""
+        """The module's helper, or why it has none."""
         found = self.loras.get(id(module))
         factory = _factory_for(module) if found is None else partial(_lora_input, found=found)
         if factory is None:

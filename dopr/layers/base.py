@@ -1,13 +1,8 @@
-"""The contract between a layer type and the activation preconditioner (AP).
-
-Every preconditioned layer is, for the AP, a linear map ``h = W z`` applied to activation vectors
-``z`` (a token, a sample, or an unfolded convolution patch). A :class:`LayerHelper` knows, for one
-layer type, how to turn the layer's input into those vectors and how to read the weight gradient
-as the matrix ``G`` (rows x dim) that the AP right-multiplies by ``(Sigma + damping)^-1``.
-
-With ``homogeneous=True`` a layer with a bias appends a constant 1 to ``z`` (homogeneous
-coordinates): the bias becomes the last column of ``W`` and the update is invariant to affine
-input transforms ``z -> Q z + d``, shifts included.
+"""The contract between a layer type and the activation preconditioner (AP): every preconditioned layer is a
+linear map ``h = W z`` on activation vectors ``z`` (a token, a sample, a convolution patch), its gradient the matrix
+``G`` (rows x dim) that the AP right-multiplies by ``(Sigma + damping)^-1``. With ``homogeneous=True`` a layer with
+a bias appends a constant 1 to ``z``: the bias is the last column of ``W`` and the update is invariant to affine
+input transforms ``z -> Q z + d``.
 """
 from __future__ import annotations
 
@@ -21,11 +16,9 @@ from ..statistics import ActivationStatistics
 
 
 class LayerHelper:
-    """Base class: one instance per preconditioned module.
-
-    Subclasses set ``mode`` and implement :meth:`activations`, :meth:`grad_matrix` and
-    :meth:`set_grad`. ``share_key`` (not None) lets layers that read the very same input tensor
-    (q, k and v projections) share one covariance and one factorisation.
+    """Base class, one instance per preconditioned module: subclasses set ``mode`` and implement
+    :meth:`activations`, :meth:`grad_matrix` and :meth:`set_grad`. ``share_key`` (not None) lets layers that read
+    the very same input tensor (q, k and v projections) share one covariance and one factorisation.
     """
 
     mode: str = "?"
@@ -38,7 +31,6 @@ class LayerHelper:
         bias = getattr(module, "bias", None)
         self.homogeneous = bool(homogeneous and bias is not None and bias.requires_grad)
 
-    # --- what the AP sees -------------------------------------------------------------------
     @property
     def dim(self) -> int:
         """Dimension d of the activation covariance (including the homogeneous 1)."""
@@ -60,11 +52,9 @@ class LayerHelper:
         return kind
 
     def statistics(self, x: Tensor, kind: type) -> ActivationStatistics:
-        """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes
-        (DenseCovariance: z z^T, Moments: z and z*z)."""
+        """Sums over the n vectors z of this input, of the statistic type `kind` the solver consumes."""
         return kind.from_activations(self.activations(x), self.homogeneous)  # under no_grad (the capture's)
 
-    # --- gradient in matrix form ------------------------------------------------------------
     def grad_matrix(self) -> Optional[Tensor]:
         """G as a (rows, dim) matrix, or None when the weight has no gradient."""
         raise NotImplementedError
@@ -84,14 +74,12 @@ class LayerHelper:
         return self.module.weight.grad.dtype
 
     def read_grad(self, out: Tensor) -> None:
-        """Write G into `out` (a slot of the step's stack of same-shape gradients): one copy, where
-        :meth:`grad_matrix` and a stack would make two."""
+        """Write G into `out` (a slot of the step's stack of same-shape gradients)."""
         out.copy_(self.grad_matrix())
 
     def grad_parts(self) -> Optional[tuple]:
-        """(the weight's gradient as a (rows, d_in) matrix that writes through, the bias's gradient or
-        None), for a bucket's batched read and write (dopr/buckets.py); None: this layer type or this
-        step's gradient has no such parts (the layer is read and written on its own)."""
+        """(the weight's gradient as a (rows, d_in) matrix that writes through, the bias's gradient or None), for a
+        bucket's batched read and write (dopr/buckets.py); None: the layer is read and written on its own."""
         return None
 
     def _plain_parts(self, g_weight: Optional[Tensor]) -> Optional[tuple]:
@@ -108,10 +96,8 @@ class LayerHelper:
         """The columns of Sigma that this rank's gradient matrix has (a sharded embedding), or None: all."""
         return None
 
-    # --- shard geometry (FSDP2 splits the weight's rows over ranks) ----------------------------
     def whole_matrix(self, g: Tensor) -> Tensor:
-        """A buffer laid out as this rank's gradient matrix (a gradient EMA), gathered to the whole
-        layer's matrix: a collective under FSDP2 (every rank calls it); ``g`` itself otherwise."""
+        """A buffer laid out as this rank's gradient matrix, gathered whole (a collective under FSDP2)."""
         w = self.module.weight
         if not sharding.is_sharded(w):
             return g
@@ -125,11 +111,9 @@ class LayerHelper:
         return sharding.local_matrix(g, w, self._sharded_axis(), self.rows_per_weight_row)
 
     def _sharded_axis(self) -> int:
-        """The gradient matrix's axis that the weight's row shards split: its rows, or an embedding's
-        token columns."""
+        """The gradient matrix's axis that the weight's row shards split (an embedding's: its token columns)."""
         return 1 if self.local_columns() is not None else 0
 
-    # shared by the weight-plus-bias layers -------------------------------------------------
     @staticmethod
     def _grad(p: nn.Parameter) -> Optional[Tensor]:
         """p's gradient, or this rank's rows of it when p is sharded (FSDP2): a view that writes through."""
@@ -145,8 +129,7 @@ class LayerHelper:
         return torch.cat([g_weight, gb if gb.dtype == g_weight.dtype else gb.to(g_weight.dtype)], dim=1)
 
     def _read_with_bias_column(self, g_weight: Tensor, out: Tensor) -> None:
-        """:meth:`_with_bias_column` written into `out`: the weight's and the bias's gradients straight
-        into their columns (no concatenation)."""
+        """:meth:`_with_bias_column` written into `out` (no concatenation)."""
         if not self.homogeneous:
             out.copy_(g_weight)
             return
@@ -160,8 +143,7 @@ class LayerHelper:
             col.copy_(gb if gb.dim() == 1 else gb.reshape(-1))
 
     def _split_bias_column(self, m: Tensor) -> Tensor:
-        """Write the bias column (if any) into bias.grad; return the weight part (``as_strided`` views:
-        one op each, per layer per step)."""
+        """Write the bias column (if any) into bias.grad; return the weight part (``as_strided`` views)."""
         if not self.homogeneous:
             return m
         rows, cols = m.shape

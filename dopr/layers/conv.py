@@ -1,11 +1,6 @@
-"""Convolutions, reduced to linear maps on unfolded patches (im2col).
-
-A convolution computes, at every output position, ``h = W z`` where ``W`` is the kernel flattened
-to (C_out, C_in * prod(kernel)) and ``z`` is the input patch under the kernel, flattened in the same
-(channel, kernel offset) order. Sigma is the mean of z z^T over all samples and output positions
-(the paper's "Convolutional Affine Invariance"); its dimension is C_in * prod(kernel) (+1 for the
-bias in homogeneous coordinates). Only ``groups == 1`` is preconditioned; the registry skips grouped
-convolutions with that reason.
+"""Convolutions as linear maps on unfolded patches (im2col): ``h = W z`` at every output position, ``W`` the
+kernel as (C_out, C_in * prod(kernel)) and ``z`` the patch in the same (channel, kernel offset) order; Sigma is
+the mean of z z^T over samples and positions (the paper's "Convolutional Affine Invariance"). ``groups == 1`` only.
 """
 from __future__ import annotations
 
@@ -34,11 +29,8 @@ def explicit_padding(module) -> list:
 
 
 def patch_matrix(x: Tensor, kernel, dilation, stride) -> Tensor:
-    """The patches of a padded (N, C, *spatial) input as rows of an (N * positions, C * prod(kernel))
-    matrix: rows (sample, output position), columns (channel, kernel offset), F.unfold's order.
-
-    A strided view (Tensor.unfold per spatial dim, every dilation-th element of each window) and one
-    copy: F.unfold's CUDA im2col launches one kernel per sample (26,880 per 3 steps at batch 256).
+    """The patches of a padded (N, C, *spatial) input as rows of an (N * positions, C * prod(kernel)) matrix in
+    F.unfold's order: a strided view and one copy (F.unfold's CUDA im2col launches one kernel per sample).
     """
     n = len(kernel)
     for i, (k, dl, s) in enumerate(zip(kernel, dilation, stride)):
@@ -89,15 +81,9 @@ class ConvHelper(LayerHelper):
 
 
 class ConvTranspose1dHelper(LayerHelper):
-    """nn.ConvTranspose1d as the equivalent ordinary convolution.
-
-    A transposed convolution with stride s, padding p, dilation dl equals a stride-1 convolution,
-    with the kernel flipped and its in/out channels swapped, of the input with s - 1 zeros inserted
-    between samples and padded by dl*(k-1) - p on the left (plus output_padding on the right). Its
-    patches are the z of the AP; dim = C_in * k.
-
-    Whole weights only: FSDP2 shards the weight's dim 0, here the input channels, the columns the AP
-    mixes; the registry skips a sharded one with that reason (dopr.layers, ``_conv_transpose``).
+    """nn.ConvTranspose1d as the equivalent ordinary convolution: stride s, padding p, dilation dl is a stride-1
+    convolution, the kernel flipped and its in/out channels swapped, of the input with s - 1 zeros between samples,
+    padded by dl*(k-1) - p on the left (plus output_padding on the right); dim = C_in * k. Whole weights only.
     """
 
     mode = "convtranspose1d-full"
@@ -145,11 +131,8 @@ class Conv2dSUAHelper(LayerHelper):
     of size C_in x C_in. Its inverse acts on the channel axis of the kernel gradient at each of the
     kh*kw kernel offsets: M[:, :, i, j] = G[:, :, i, j] (Sigma_c + damping)^-1.
 
-    Cost per step: N*H*W*C_in^2 to form Sigma_c and C_in^3/3 to factor it, against
-    N*H_out*W_out*(C_in*kh*kw)^2 and (C_in*kh*kw)^3/3 for "full" (kh*kw = 9 gives 81x and 729x),
-    and no unfolded copy of the input. The bias is not part of this covariance (the cross terms
-    between patch and constant are dropped with the spatial ones): its gradient goes to the GP
-    unchanged.
+    Cost: N*H*W*C_in^2 to form Sigma_c and C_in^3/3 to factor it, (kh*kw)^2 and (kh*kw)^3 times less than
+    "full", no unfolded copy. The bias is not part of this covariance: its gradient goes to the GP unchanged.
     """
 
     mode = "conv2d-sua"

@@ -1,11 +1,5 @@
-"""Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2's c_attn, c_proj, c_fc).
-
-Despite its name it is a linear map, y = x W + b, with the weight stored (in, out): the transpose
-of nn.Linear's (out, in). In the AP's form h = W_lin z the matrix is W_lin = weight^T, so the
-gradient matrix is G = weight.grad^T (out x in, the bias gradient as its last column) and the
-activation vectors z are the input's feature vectors, exactly as for nn.Linear.
-
-This module does not import transformers: the registry matches the class by its qualified name.
+"""Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2's c_attn, c_proj, c_fc): a linear map y = x W + b
+with the weight stored (in, out), so G = weight.grad^T; matched by its qualified name (transformers not imported).
 """
 from __future__ import annotations
 

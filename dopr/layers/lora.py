@@ -1,16 +1,10 @@
-"""peft's LoRA on a half-precision base: lora_A of ``peft.tuners.lora.layer.Linear``.
+"""peft's LoRA on a half-precision base: lora_A of ``peft.tuners.lora.layer.Linear`` (matched by name).
 
-peft keeps the adapters in float32 on a bf16 (or fp16) model (``autocast_adapter_dtype=True``, its default)
-and computes ``lora_B(lora_A(dropout(x.to(float32))))``: lora_A's input is float32, yet each entry is
-``c`` times a value of the base's dtype, with c = 1 / (1 - p) under a training dropout (1 otherwise). Read
-as float32, Sigma would be formed by a float32 GEMM (on a GPU without its tensor cores); this helper
-hands the statistics that scale and dtype, and where the device's GEMM accumulates bf16 in float32 Sigma
-is formed from the bf16 values (statistics.DenseCovariance.from_scaled_activations). lora_B's input is
-lora_A's float32 output: a plain Linear.
-
-Which lora_A modules qualify is found once (:func:`lora_inputs`); whether this forward's input is such an
-upcast is read at each capture from the layer's state (the base's dtype, the adapter's, its dropout):
-attribute reads, no device work. This module does not import peft: the class is matched by its name.
+peft keeps the adapters in float32 on a bf16 (or fp16) model and computes ``lora_B(lora_A(dropout(x.to(float32))))``:
+lora_A's input is float32, yet each entry is ``c`` times a value of the base's dtype (c = 1 / (1 - p) under a
+training dropout, else 1). This helper hands the statistics that scale and dtype, so that Sigma is formed from the
+half-precision values where the device's GEMM accumulates them in float32
+(statistics.DenseCovariance.from_scaled_activations), not by a float32 GEMM.
 """
 from __future__ import annotations
 
