@@ -293,6 +293,12 @@ class DoPr(WrapsBase, torch.optim.Optimizer):
         if self._capture is not None:
             self._capture.close()
 
+    def __enter__(self) -> "DoPr":   # `with DoPr(...) as opt:` closes the hooks on leaving
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     _TRANSIENT = ("_capture", "_solver", "_factor_with", "_graphs", *HOOK_REGISTRIES)
 
     def __getstate__(self) -> dict:

@@ -18,7 +18,7 @@ refreshes then, as under ``"every"``). The estimate needs no Sigma GEMM on a ste
   passes it.
 
 Noise: s_j / r_j of another batch of the same distribution scatters by about sqrt(2 / n) for n Gaussian rows, and
-r_j read from the very Sigma P was inverted from is biased low (measurements: issue 76). ``drift_test="noise"``
+r_j read from the very Sigma P was inverted from is biased low (measured: results/staleness/README.md). ``drift_test="noise"``
 takes r_j out of sample (s_j of the first probe pass after the refresh) and flags a group when, for some probe,
 |s_j / r_j - 1| - Z (s_j / r_j) sqrt(v_s + v_r) > drift_threshold: v the relative variances of s_j and r_j from
 the per-sample totals T_b (a sample's rows one block), (B sum T_b^2 / (sum T_b)^2 - 1) / (B - 1), by the delta
