@@ -83,6 +83,18 @@ def test_dopr_is_small_and_names_no_damping_rule():
     assert not (defined | {n.id for n in ast.walk(health) if isinstance(n, ast.Name)}) & rule_logic
 
 
+#: dopr/'s size, lines of its .py files (wc -l): a ratchet at what the issue-75 cut reached (7,785 -> 6,976), not the
+#: issue's 6.0k target, which is missed; lower it when the library shrinks, never raise it to fit a change
+MAX_LIBRARY_LINES = 7000
+
+
+def test_dopr_is_no_larger_than_the_ratchet():
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in (ROOT / "dopr").rglob("*.py")}
+    biggest = ", ".join(f"{p} {n}" for p, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:5])
+    assert sum(sizes.values()) <= MAX_LIBRARY_LINES, f"dopr/ is {sum(sizes.values())} lines (at most " \
+        f"{MAX_LIBRARY_LINES}); the largest files: {biggest}"
+
+
 #: the longest function or method dopr/ may hold, in lines as ast counts them (its def line to its last line)
 MAX_FUNCTION_LINES = 60
 
