@@ -346,3 +346,36 @@ def test_a_copy_pickled_before_the_refresh_object_held_empty_and_gathering_steps
         o.step()
     for a, b in zip(model.parameters(), copied.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_copy_pickled_before_the_apply_object_keeps_its_gradient_ema():
+    """A DoPr pickled when it held the gradient EMA and ``_no_forward`` itself (no ``_apply``), with an EMA from
+    before rates could be scheduled (no ``scheduled``), loads them into its Apply and steps to the same
+    parameters as the live optimizer: the EMA's buffers carry over, not a fresh EMA."""
+    _seed_globals(0)
+    model = _mlp()
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=0.1), grad_ema=0.9)
+    for seed in (1, 2):
+        _loss(model, seed).backward()
+        opt.step()
+        opt.zero_grad()
+    live, apply = vars(opt), opt.apply
+    ema = apply.grad_ema
+    assert ema.buffers, "the gradient EMA holds buffers after two steps"
+    scheduled = vars(ema).pop("scheduled")
+    live.update(_grad_ema=ema, _no_forward=apply.no_forward)
+    del live["_apply"]
+    old = pickle.dumps(opt)   # as pickled by the code before dopr/apply.py's Apply
+    del live["_grad_ema"], live["_no_forward"]
+    live["_apply"], vars(ema)["scheduled"] = apply, scheduled
+    copied = pickle.loads(old)
+    got = copied.apply.grad_ema
+    assert got.scheduled is False and got.beta == 0.9
+    assert set(got.buffers) == set(ema.buffers)
+    for name, buf in ema.buffers.items():
+        assert all(torch.equal(buf[k], got.buffers[name][k]) for k in buf if torch.is_tensor(buf[k]))
+    for o in (opt, copied):
+        _loss(o.model, 3).backward()
+        o.step()
+    for a, b in zip(model.parameters(), copied.model.parameters()):
+        assert torch.equal(a, b)
