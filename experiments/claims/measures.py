@@ -697,13 +697,14 @@ def damping() -> Measured:
     seen, damped = arm(SAMPLE_COUNT["humanoid"], "dopr_adamw"), arm(PEERS_HUMANOID, "dopr_adamw")
     sit, sit_damped = arm(SAMPLE_COUNT["sit_digits"], "dopr_adamw"), arm(SIT_DIGITS, "dopr_adamw")
     alone, fl_damped = arm(SAMPLE_COUNT["feature_learning"], "dopr_adamw"), arm(SAMPLE_COUNT["damped"], "dopr_adamw")
-    words = {compare(seen, damped, "return_mean", "max"), compare(sit, sit_damped, "quality", "min")}
-    paired = words.pop() if len(words) == 1 else "inconclusive"
+    humanoid, sit_word = compare(seen, damped, "return_mean", "max"), compare(sit, sit_damped, "quality", "min")
+    paired = (f"Humanoid, SiT digits: {humanoid}" if humanoid == sit_word else
+              f"Humanoid: {humanoid}; SiT digits: {sit_word}")
     return Measured(f"seen form, Humanoid {spread(seen, 'return_mean')} vs damped "
                     f"{spread(damped, 'return_mean')}; SiT digits FD {spread(sit, 'quality')} vs "
                     f"{spread(sit_damped, 'quality')}; alone: val {num(alone['val_loss_median'])} vs "
                     f"{num(fl_damped['val_loss_median'])}",
-                    (f"Humanoid, SiT digits: {paired}", "SFT, Lift: not run here",
+                    (paired, "SFT, Lift: not run here",
                      f"as a default: {compare(alone, fl_damped, 'val_loss', 'min')} (alone)"),
                     f"sample-count rule: Humanoid {num(seen['return_mean_median'])} vs "
                     f"{num(damped['return_mean_median'])} damped; SiT FD {num(sit['quality_median'])} vs "
