@@ -128,7 +128,8 @@ def cached(ops: dict) -> dict:
             if isinstance(op, ExplicitInverse):
                 whole[id(l)] = l.contiguous()
                 continue
-            failed = ~(l.diagonal(dim1=-2, dim2=-1).isfinite() & (l.diagonal(dim1=-2, dim2=-1) > 0)).all(-1)
+            diag = l.diagonal(dim1=-2, dim2=-1)
+            failed = ~(diag.isfinite() & (diag > 0)).all(-1)
             eye = torch.eye(l.shape[-1], dtype=l.dtype, device=l.device)
             whole[id(l)] = inverse_from_factor(torch.where(failed[:, None, None], eye, l)).contiguous()
     return {key: ExplicitInverse(batch=whole[id(op.batch)], index=op.index)
@@ -473,9 +474,10 @@ def factor_rank1(mean: Tensor, second: Tensor, lam: Tensor) -> Rank1Diagonal:
 
 
 def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
-    """The pseudo-inverse: an entry 0 at lambda 0 (a token no row carried, its gradient column 0 too) gets 0."""
+    """The pseudo-inverse: an entry exactly 0 at lambda 0 (a token no row carried, its gradient column 0 too) gets
+    0; a non-finite one stays non-finite, for the step's checks to count."""
     a = diag + lam
-    return DiagonalInverse(torch.where(a > 0, 1.0 / a, torch.zeros_like(a)))
+    return DiagonalInverse(torch.where(a == 0, torch.zeros_like(a), 1.0 / a))
 
 
 # ------------------------------------------------------------------------------ the registry
