@@ -118,17 +118,23 @@ def inverse_from_factor(l: Tensor) -> Tensor:
 
 def cached(ops: dict) -> dict:
     """{key: op.cached()}, the Cholesky factors of one batch inverted in one call. A member whose factor
-    failed (solved by a fallback, never applied) is inverted as I: cholesky_inverse raises on it (issue 73)."""
+    failed (solved by a fallback, never applied) is inverted as I: cholesky_inverse raises on it (issue 73).
+    The inverses row-major (cholesky_inverse's are column-major): a resume stacks the saved ones, and bmm
+    rounds a transposed operand otherwise (issue 73, N6)."""
     whole = {}
     for op in ops.values():
-        if isinstance(op, CholeskyFactor) and op.batch is not None and id(op.batch) not in whole:
+        if isinstance(op, (CholeskyFactor, ExplicitInverse)) and op.batch is not None and id(op.batch) not in whole:
             l = op.batch
+            if isinstance(op, ExplicitInverse):
+                whole[id(l)] = l.contiguous()
+                continue
             diag = l.diagonal(dim1=-2, dim2=-1)
             failed = ~(diag.isfinite() & (diag > 0)).all(-1)
             eye = torch.eye(l.shape[-1], dtype=l.dtype, device=l.device)
-            whole[id(op.batch)] = inverse_from_factor(torch.where(failed[:, None, None], eye, l))
+            whole[id(l)] = inverse_from_factor(torch.where(failed[:, None, None], eye, l)).contiguous()
     return {key: ExplicitInverse(batch=whole[id(op.batch)], index=op.index)
-            if isinstance(op, CholeskyFactor) and op.batch is not None else op.cached() for key, op in ops.items()}
+            if isinstance(op, (CholeskyFactor, ExplicitInverse)) and op.batch is not None else op.cached()
+            for key, op in ops.items()}
 
 
 class DiagonalInverse(_Operator):
@@ -468,7 +474,10 @@ def factor_rank1(mean: Tensor, second: Tensor, lam: Tensor) -> Rank1Diagonal:
 
 
 def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
-    return DiagonalInverse(1.0 / (diag + lam))
+    """The pseudo-inverse: an entry exactly 0 at lambda 0 (a token no row carried, its gradient column 0 too) gets
+    0; a non-finite one stays non-finite, for the step's checks to count."""
+    a = diag + lam
+    return DiagonalInverse(torch.where(a == 0, torch.zeros_like(a), 1.0 / a))
 
 
 # ------------------------------------------------------------------------------ the registry

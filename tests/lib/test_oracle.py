@@ -608,10 +608,6 @@ def known_open(spec: "Spec") -> str:
     o = {**_DEFAULTS, **spec.options}
     if o["solver"] in ("newton_schulz", "rank1_diag", "rankk_diag"):
         return "N3/N4: the Sherman-Morrison, Woodbury and Newton-Schulz solves lose digits past their bounds"
-    if o["damping"] == 0.0:
-        return "N2: a sample-count rule at damping 0 gives lambda 0 on statistics that are not dense"
-    if o["precond_ema"] and o["precond_every"] > 1 and spec.resume_at is not None:
-        return "N6: a float32 resume between refreshes with the statistics EMA is not bit-identical (at 5165447 too)"
     if o["solve_space"] == "samples":
         return ("N5: forced sample space (solve_space='samples') where auto would not take it, at n >= d or an "
                 "absolute damping far below tr(Sigma), loses past the bound (its cancellation; APPLY_LOSS does not "

@@ -432,3 +432,30 @@ def test_a_compiled_forward_counts_its_rows():
                                rtol=1e-9, atol=1e-12)
     opt.close()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rule", ["sample_count", "sample_count_seen", "trace"])
+def test_an_unseen_token_at_damping_zero_gets_the_pseudo_inverse(rule):
+    """N2 (docs/library.md, "Open defects the oracle found"): at damping 0 the rule's lambda on an embedding's
+    diagonal Sigma (token counts / n) is 0, and a token no row carried has Sigma_ii = 0. Its gradient column is
+    0, so M = G Sigma^+ (the float64 reference's pseudo-inverse): finite, the seen tokens' rows scaled by n /
+    count, the unseen ones' 0, and nothing to count."""
+    from oracle_reference import ReferenceAP, grad_matrix
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 3))
+    before = model[0].weight.detach().clone().double()
+    opts = dict(damping=0.0, damping_rule=rule)
+    ref = ReferenceAP(model, opts)
+    opt = DoPr(model, torch.optim.SGD(model.parameters(), lr=1.0), **opts)
+    x = torch.tensor([[0, 1, 1], [2, 3, 0]])                       # tokens 4 and 5 unseen
+    model(x).square().sum().backward()
+    grads = {p: p.grad.detach().clone() for p in model.parameters()}
+    opt.step()
+    m = (before - model[0].weight.detach().double()).T            # the reference's layout (d x tokens)
+    expected = ref.step(grads)["0"].m
+    assert torch.isfinite(m).all()
+    torch.testing.assert_close(m, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(m[:, 4:], torch.zeros_like(m[:, 4:]))
+    assert grad_matrix(ref.layers[0], grads)[:, 4:].abs().max() == 0
+    opt.close()
+    ref.close()
