@@ -106,7 +106,10 @@ def test_rows_without_per_run_files_say_so(measured):
         assert not measured[row].recomputed
     assert measured["humanoid"].recomputed   # the BC grid's per-run tables
     # a row resting on a protocol's aggregate table alone is not recomputed, and names the table
-    assert not measured["sit"].recomputed and "results/sit_mnist/protocol/protocol.csv" in measured["sit"].aggregates
+    assert not measured["sft-8b"].recomputed
+    assert "results/sft_arith/protocol_rebase_46/protocol.csv" in measured["sft-8b"].aggregates
+    # one whose protocol tables have their per-run files beside them (protocol_runs.csv) is
+    assert measured["sit"].recomputed and not measured["sit"].aggregates
 
 
 def test_every_family_readme_with_a_row_carries_its_block():
