@@ -741,9 +741,28 @@ def run_rows(records: list, selection: dict, metrics: list) -> list:
     rows = [{"arm": name, "setting": _setting_text(overrides), "seed": r["summary"]["seed"],
              "fixed": "true" if r["summary"]["seed"] in fixed else "false",
              **{m: _run_value(r, m, selection) for m in metrics if m in r["summary"]},
-             **{k: r["summary"][k] for k in RUN_EXTRAS if r["summary"].get(k) is not None}}
+             **{k: r["summary"][k] for k in RUN_EXTRAS if r["summary"].get(k) is not None},
+             **({"base": _base(r)} if _base(r) else {})}
             for name, overrides, runs in _fresh_runs(records, selection) for r in runs]
     return sorted(rows, key=lambda r: (r["arm"], r["seed"]))
+
+
+def _base(record: dict) -> str:
+    """The fine-tuned base a run started from (its summary's base.weights_sha256, experiments/llm/model.py), or ""."""
+    return (record["summary"].get("base") or {}).get("weights_sha256", "")
+
+
+def check_one_base(records: list) -> None:
+    """Refuse a report over runs fine-tuned from different bases (their recorded weight hashes differ): the
+    SFT analogue's verdict moved with the base, so such a table compares bases, not optimizers."""
+    bases: dict = {}
+    for r in records:
+        if _base(r):
+            bases.setdefault(_base(r), []).append(str(r.get("dir", "?")))
+    if len(bases) > 1:
+        raise ValueError("the runs were fine-tuned from different bases (summary.json base.weights_sha256): "
+                         + "; ".join(f"{h}: {len(d)} run{'s' * (len(d) > 1)}, e.g. {d[0]}" for h, d in sorted(bases.items()))
+                         + ". Report each base's runs apart, or re-run them from one base")
 
 
 def protocol_tables(records: list, selection: dict, metrics: list) -> tuple:
@@ -915,6 +934,7 @@ def main(argv=None) -> None:
                 raise SystemExit("report needs --selection <selection.json>")
             sel = json.loads(Path(args.selection).read_text())
             metrics = task_tuning(records).get("report", [sel["metric"]])
+            check_one_base(records)
             rows, every, extra = protocol_tables(records, sel, metrics)
             cols = ["arm", "setting", "seeds", "missing"] + [f"{m}_{s}" for m in metrics
                                                              for s in ("min", "median", "max", "mean", "se")]
@@ -939,7 +959,9 @@ def main(argv=None) -> None:
                 notes.append(f"Seeds {extra} ran beyond the {len(sel['fresh_seeds'])} fixed at selection: the table "
                              "above leaves them out; the table on all seeds is protocol_all_seeds.md.")
             runs = run_rows(records, sel, metrics)
-            write_table(runs, [*RUN_COLUMNS, *metrics, *RUN_EXTRAS], out / "protocol_runs", stamp, markdown=False)
+            based = ["base"] if any("base" in r for r in runs) else []
+            write_table(runs, [*RUN_COLUMNS, *metrics, *RUN_EXTRAS, *based], out / "protocol_runs", stamp,
+                        markdown=False)
             notes.append(f"Each run: protocol_runs.csv ({len(runs)} runs, one row a run and seed; `fixed` true for the "
                          "fixed fresh seeds, the runs this table aggregates).")
             md = out / "protocol.md"

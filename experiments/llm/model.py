@@ -2,9 +2,33 @@
 built from a LlamaConfig (the CPU analogue's base, no download); LoRA as in the paper's tables."""
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import torch
 
 BASE_QUALITY = "base_quality.json"   # a pretrained base's held-out greedy accuracy and NLL, saved beside its weights
+WEIGHT_FILES = ("*.safetensors", "*.bin")   # what a base's identity hashes (not its configs or tokenizer)
+
+
+def base_identity(path) -> dict:
+    """Which base a fine-tune started from, for its summary.json: the SHA-256 of the weight files (sorted by
+    name; the first 16 hex digits) and the base's quality record where pretraining wrote one. Two bases
+    pretrained from one config are not bitwise equal (results/pretrain_arith/README.md), and the SFT analogue's
+    verdict moved with the base (results/sft_arith/README.md): runs of one table must share this."""
+    root, digest = Path(path), hashlib.sha256()
+    files = sorted(f for pattern in WEIGHT_FILES for f in root.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_FILES)}) in the base model directory {root}")
+    for f in files:
+        digest.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    quality = root / BASE_QUALITY
+    return {"weights_sha256": digest.hexdigest()[:16], "files": len(files),
+            **({"quality": json.loads(quality.read_text())} if quality.exists() else {})}
 
 
 def load_tokenizer(path):

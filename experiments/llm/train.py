@@ -29,7 +29,7 @@ from . import arith
 from .data import (IGNORE, PAPER_PROMPT, encode_example, encode_prompt, load_openmathinstruct, micro_batches, pack,
                    split_heldout, take)
 from .evaluate import extract_boxed, generation_accuracy, lm_eval_run_dir, validation_nll
-from .model import BASE_QUALITY, add_lora, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
+from .model import BASE_QUALITY, add_lora, base_identity, gradient_checkpointing, load_model, load_tokenizer, packed_forward, small_llama
 from .sources import locate_inputs
 
 SHARDINGS = ("none", "fsdp")
@@ -251,6 +251,7 @@ def run(cfg, run) -> dict:
     check_sharding(cfg)
     local = locate_inputs(t)
     check_base_quality(t, local)
+    base = None if t.model.path is None else base_identity(local["model"])   # before training: what it started from
     device = run.device
     tokenizer = load_tokenizer(local["tokenizer"]) if t.model.tokenizer is not None else arith.char_tokenizer()
     prompt = t.data.prompt or PAPER_PROMPT
@@ -275,7 +276,8 @@ def run(cfg, run) -> dict:
     nll_sum, nll_count = validation_nll(core, val_blocks, t.train.micro_batch_size, device)
     summary = {**result, "lr": float(cfg.optim.lr), "train_blocks": len(blocks["input_ids"]),
                "val_nll": all_reduce_sum(nll_sum, device) / max(1.0, all_reduce_sum(nll_count, device)),
-               "trainable_params": sum(p.numel() for p in core.parameters() if p.requires_grad)}
+               "trainable_params": sum(p.numel() for p in core.parameters() if p.requires_grad),
+               "base": base}
     save_adapter(model, tokenizer, run.dir / "adapter", sharded, run.is_main)
     if t.eval.generation is not None and run.is_main:
         g = t.eval.generation

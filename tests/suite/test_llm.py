@@ -1,6 +1,7 @@
 """Language-model SFT pipeline (experiments/llm): labels, packing, \\boxed{} extraction, LoRA + DoPr,
 lm-eval invocation, missing inputs, sharding, and a tiny pretrain -> SFT -> generation run on CPU."""
 import copy
+import hashlib
 import json
 
 import pytest
@@ -433,6 +434,8 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compos
         rows = [json.loads(line) for line in (tmp_path / optim / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [3] and rows[0]["lr"] == 1e-2  # log_every 5: the last step
         records.append({"summary": json.loads((tmp_path / optim / "summary.json").read_text())})
+    weights = hashlib.sha256(b"model.safetensors" + (base / "model.safetensors").read_bytes()).hexdigest()[:16]
+    assert [r["summary"]["base"] for r in records] == [{"weights_sha256": weights, "files": 1, "quality": quality}] * 2
     assert "dopr" in records[1]["summary"] and records[1]["summary"]["dopr"]["preconditioned"] > 0
     from experiments.llm.report import sft
 

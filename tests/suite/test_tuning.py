@@ -582,6 +582,31 @@ def test_report_writes_each_fresh_run_and_its_rows_give_back_the_aggregates(tmp_
     assert "protocol_runs.csv (11 runs" in (out / "protocol.md").read_text()
 
 
+def test_report_names_each_runs_base_and_refuses_runs_from_different_bases(tmp_path):
+    """Fine-tunes record their base (summary.json base.weights_sha256): protocol_runs.csv gets a base column, and
+    a report over runs from two bases is refused before it writes anything, naming both hashes."""
+    import csv
+
+    sel = tuning.select(_sft_like(), "val", accept_edge="test", fresh_seeds=[3, 4, 5])
+    tuning.write_selection(sel, tmp_path / "sel", "stamp")
+    dopr = dict(lr=1e-2, weight_decay=0.01, betas=[0.9, 0.999])
+    for seed in (3, 4, 5):
+        _write_run(tmp_path / "one" / f"adamw_{seed}", "adamw", "adamw", seed, 1.0 + seed, 0.5)
+        _write_run(tmp_path / "one" / f"dopr_{seed}", "dopr_adamw", "dopr_adamw", seed, 2.0 + seed, 0.4, **dopr)
+    for f in (tmp_path / "one").rglob("summary.json"):
+        s = json.loads(f.read_text())
+        f.write_text(json.dumps({**s, "base": {"weights_sha256": "aaaa1111", "files": 1}}))
+    args = ["--selection", str(tmp_path / "sel" / "selection.json")]
+    tuning.main(["report", str(tmp_path / "one"), *args, "--out", str(tmp_path / "out")])
+    runs = list(csv.DictReader(open(tmp_path / "out" / "protocol_runs.csv")))
+    assert list(runs[0])[-1] == "base" and {r["base"] for r in runs} == {"aaaa1111"} and len(runs) == 6
+    moved = tmp_path / "one" / "dopr_4" / "summary.json"
+    moved.write_text(json.dumps({**json.loads(moved.read_text()), "base": {"weights_sha256": "bbbb2222"}}))
+    with pytest.raises(SystemExit, match=r"refused: .*different bases.*aaaa1111: 5 runs.*bbbb2222: 1 run, e\.g\. .*dopr_4"):
+        tuning.main(["report", str(tmp_path / "one"), *args, "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
 def _arm(grid: dict, winner: dict) -> dict:
     return {"grid": grid, "winner": winner}
 
