@@ -11,6 +11,7 @@ import numpy as np
 from dopr import split_name
 from experiments.common.report import legend, save_figure, write_table
 from experiments.common.stats import group_runs, mean_and_error
+from experiments.common.tuning import check_one_base
 
 
 def accuracies(summary: dict) -> dict:
@@ -23,6 +24,19 @@ def accuracies(summary: dict) -> dict:
             out[f"peak_{task}"] = (best["accuracy"], best["accuracy_stderr"])
         return out
     return {"exact_match": (summary["accuracy"], summary["accuracy_stderr"])}
+
+
+def run_rows(records, benchmarks) -> list:
+    """One row per run, sorted by optimizer, rate and seed: what `sweep_rows` averages, and the base it
+    fine-tuned (refused when the runs' bases differ: tuning.check_one_base)."""
+    check_one_base(records)
+    out = []
+    for s in sorted((r["summary"] for r in records), key=lambda s: (s["optim"], s["lr"], s.get("seed") or 0)):
+        row = {"optimizer": s["optim"], "lr": s["lr"], "seed": s.get("seed", ""), "val_nll": s["val_nll"],
+               "train_loss": s["train_loss"], **{b: accuracies(s)[b][0] for b in benchmarks}}
+        out.append({**row, **{k: s[k] for k in ("wall_time_s", "git_revision") if s.get(k) is not None},
+                    **({"base": s["base"]["weights_sha256"]} if s.get("base") else {})})
+    return out
 
 
 def sweep_rows(records) -> tuple:
@@ -68,6 +82,9 @@ def sft(records, out_dir, stamp) -> None:
     columns += [c for b in benchmarks for c in (b, f"{b}_se", f"{b}_delta")]
     write_table(rows, columns, out_dir / task, stamp,
                 f"{task}: final validation NLL and accuracy per optimizer and learning rate (mean, standard error)")
+    runs = run_rows(records, benchmarks)
+    write_table(runs, list(dict.fromkeys(k for r in runs for k in r)), out_dir / f"{task}_runs", stamp,
+                f"{task}: each run (the table's means and standard errors recompute from these)")
 
     fig, axes = plt.subplots(1, len(benchmarks), figsize=(4.5 * len(benchmarks), 4), squeeze=False)
     scale = nll_axis_scale([r["val_nll"] for r in rows])

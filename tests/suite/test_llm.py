@@ -3,6 +3,7 @@ lm-eval invocation, missing inputs, sharding, and a tiny pretrain -> SFT -> gene
 import copy
 import hashlib
 import json
+import math
 
 import pytest
 import torch
@@ -442,6 +443,12 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compos
     sft(records, tmp_path / "results", "Made by `test`")
     md = (tmp_path / "results" / "sft_arith.md").read_text()
     assert "dopr_adamw" in md and "exact_match" in md and "Made by" in md
+    import csv   # each run, as the table averages it, with its base
+    runs = list(csv.DictReader(open(tmp_path / "results" / "sft_arith_runs.csv")))
+    assert [(r["optimizer"], float(r["lr"]), r["base"]) for r in runs] == [("adamw", 1e-2, weights), ("dopr_adamw", 1e-2, weights)]
+    for r, rec in zip(runs, records):
+        assert math.isclose(float(r["val_nll"]), rec["summary"]["val_nll"], rel_tol=1e-6)
+        assert float(r["exact_match"]) == rec["summary"]["accuracy"]
     assert (tmp_path / "results" / "sft_arith_nll_vs_accuracy.png").stat().st_size > 10_000
 
 
