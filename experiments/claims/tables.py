@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PER_SEED = "protocol_runs.csv"   # beside a protocol.csv: the runs it aggregates (experiments/common/tuning.py)
 #: not metrics: the per-seed table's other columns
-RUN_FIELDS = ("arm", "setting", "seed", "fixed", "wall_time_s", "git_revision")
+RUN_FIELDS = ("arm", "setting", "seed", "fixed", "wall_time_s", "git_revision", "base")
 #: the protocol tables `arm` read since the last `SOURCES.clear()`: {path: "per seed" | "aggregate"}
 SOURCES: dict = {}
 

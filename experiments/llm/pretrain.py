@@ -20,7 +20,7 @@ from experiments.common.provenance import atomic_write
 from . import arith
 from .data import IGNORE, pack, split_heldout
 from .evaluate import generation_accuracy, validation_nll
-from .model import BASE_QUALITY, small_llama
+from .model import BASE_QUALITY, base_identity, small_llama
 from .train import train
 
 ANSWER = re.compile(r"The answer is \\boxed\{(\d+)\}\.")
@@ -72,4 +72,5 @@ def run(cfg, run) -> dict:
         (tmp / BASE_QUALITY).write_text(json.dumps(quality, indent=1) + "\n")   # what SFT checks before it starts
     atomic_write(save_to, save)
     return {**summary, "val_nll": nll / max(1, count), "lr": float(cfg.optim.lr), "saved_to": str(save_to),
+            "base": base_identity(save_to),   # the hash a fine-tune from it records (experiments/llm/train.py)
             "params": sum(p.numel() for p in model.parameters()), "train_blocks": len(blocks["input_ids"])}

@@ -133,6 +133,7 @@ def pretrain(records, out_dir, stamp) -> None:
     rows = [{"optimizer": r["summary"]["optim"], "lr": r["summary"]["lr"], "seed": r["summary"]["seed"],
              "steps": r["summary"]["steps"], "train_loss": r["summary"]["train_loss"],
              "val_nll": r["summary"]["val_nll"], "accuracy": r["summary"]["accuracy"],
-             "wall_time_s": r["summary"]["wall_time_s"]} for r in records]
+             "wall_time_s": r["summary"]["wall_time_s"],
+             "weights_sha256": (r["summary"].get("base") or {}).get("weights_sha256", "")} for r in records]
     write_table(rows, list(rows[0]), out_dir / "pretrain_arith", stamp,
                 "CPU analogue: the pretrained base (token NLL on held-out documents, greedy answer accuracy)")

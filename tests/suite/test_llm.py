@@ -437,6 +437,7 @@ def test_tiny_pretrain_then_sft_then_generation_eval_and_report(tmp_path, compos
         records.append({"summary": json.loads((tmp_path / optim / "summary.json").read_text())})
     weights = hashlib.sha256(b"model.safetensors" + (base / "model.safetensors").read_bytes()).hexdigest()[:16]
     assert [r["summary"]["base"] for r in records] == [{"weights_sha256": weights, "files": 1, "quality": quality}] * 2
+    assert pre_summary["base"]["weights_sha256"] == weights   # the pretraining run names the base it wrote
     assert "dopr" in records[1]["summary"] and records[1]["summary"]["dopr"]["preconditioned"] > 0
     from experiments.llm.report import sft
 
