@@ -159,7 +159,9 @@ def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationSt
 # ------------------------------------------------------------------------------ the solve
 class SampleSpaceBatch(solvers.Deferred):
     """The float64 Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch; :meth:`finish` solves the
-    trouble (module docstring) in feature space."""
+    trouble (module docstring) in feature space, counted in sample_space_fallbacks."""
+
+    COUNTER = "sample_space_fallbacks"
 
     def __init__(self, xs: Tensor, lam: Tensor, factor) -> None:
         self.xs, self.lam, self.factor = xs, lam, factor
@@ -175,18 +177,10 @@ class SampleSpaceBatch(solvers.Deferred):
     def ops(self) -> list:
         return [SampleSpaceInverse(whole=self.whole, index=i) for i in range(len(self.xs))]
 
-    def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
-        bad = self.trouble if finite is None else self.trouble & finite
-        ops = self.ops()
-        idx = bad.nonzero().flatten()
-        if idx.numel() == 0:
-            return ops
-        counts["sample_space_fallbacks"] += idx.numel()
+    def fallback(self, idx: Tensor, counts: dict) -> list:
         x = self.xs[idx]
         res = self.factor(torch.matmul(x.mT, x), self.lam[idx], counts)     # Sigma, the feature-space solver (float64)
-        for j, op in zip(idx.tolist(), res.finish(counts) if isinstance(res, solvers.Deferred) else res):
-            ops[j] = op
-        return ops
+        return res.finish(counts) if isinstance(res, solvers.Deferred) else res
 
 
 class SampleSpaceInverse:
