@@ -204,7 +204,11 @@ OPERATORS = {cls.__name__: cls for cls in (ExplicitInverse, DiagonalInverse, Dia
 
 
 def operator_from_state(state: dict):
-    return OPERATORS[state["type"]](**state["tensors"])
+    t = state["tensors"]
+    if state["type"] in ("Rank1Diagonal", "LowRankDiagonal"):   # saved before N3's fix: the inverse they applied
+        v, k = (t["u"][:, None], (1 / t["c"]).reshape(1, 1)) if "u" in t else (t["v"], t["k"])
+        return ExplicitInverse(torch.diag(t["dinv"]) - v @ k @ v.T)
+    return OPERATORS[state["type"]](**t)
 
 
 def operator_state(op) -> dict:

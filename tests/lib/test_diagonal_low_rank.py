@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dopr import DoPr
+from dopr import DoPr, solvers
 from oracle_reference import ReferenceAP, grad_matrix
 
 U32 = 2.0 ** -24
@@ -68,3 +68,25 @@ def test_rank1_diag_with_a_bias_at_lambda_zero_is_the_formula_not_a_division_by_
         err, bound, trouble, finite = _error_and_bound(model, x, 4, solver="rank1_diag", damping=0.0,
                                                        damping_rule="sample_count")
         assert finite and (err <= bound or trouble), (seed, err, bound)
+
+
+def test_a_checkpoint_cached_operator_of_the_old_formulas_loads_as_the_inverse_it_applied():
+    """Rank1Diagonal (Sherman-Morrison: dinv, u = D^-1 mu, c = 1 + mu^T D^-1 mu) and LowRankDiagonal (Woodbury: dinv,
+    V = D^-1 U, K = (S^-1 + U^T D^-1 U)^-1), as checkpoints before the N3 fix saved them, load as that inverse."""
+    torch.manual_seed(0)
+    d, r = 5, 2
+    diag = torch.rand(d, dtype=torch.float64) + 0.5
+    mu, u = torch.randn(d, dtype=torch.float64), torch.linalg.qr(torch.randn(d, r, dtype=torch.float64))[0]
+    s = torch.rand(r, dtype=torch.float64) + 1.0
+    g = torch.randn(3, d, dtype=torch.float64)
+    dinv = 1 / diag
+    old = {"Rank1Diagonal": ({"dinv": dinv, "u": dinv * mu, "c": 1 + mu @ (dinv * mu)},
+                             torch.diag(diag) + torch.outer(mu, mu)),
+           "LowRankDiagonal": ({"dinv": dinv, "v": dinv[:, None] * u,
+                                "k": torch.linalg.inv(torch.diag(1 / s) + u.T @ (dinv[:, None] * u))},
+                               torch.diag(diag) + u @ torch.diag(s) @ u.T)}
+    for name, (tensors, sigma) in old.items():
+        op = solvers.operator_from_state({"type": name, "tensors": tensors})
+        want = g @ torch.linalg.inv(sigma)
+        # float64, d = 5, cond(sigma) < 10: the formulas' rounding is a few ulps of |M|
+        assert torch.allclose(op.apply(g), want, rtol=0, atol=1e-12 * want.abs().max()), name
