@@ -36,7 +36,7 @@ statistics), DoPr's default damping lam = 1e-4 tr(Sigma) (damping_mode 'trace'; 
   cholesky_solve    dopr.solvers.factor_cholesky, CholeskyFactor.apply: cholesky_ex, two triangular solves
   explicit_inverse  factor_cholesky, dopr.solvers.cached (P = L^-T L^-1: cholesky_inverse on the CPU; on other
                     devices a triangular solve against I and one GEMM, batched, no status read), then G @ P
-  ns_fp32           dopr.solvers.factor_newton_schulz, then G @ X
+  ns_fp32           dopr.solvers.NewtonSchulzBatch's iterates (no repair), then G @ X
   ns_bf16           the same iteration on Sigma, lam cast to bfloat16 (A and X bfloat16), X back to float32
                     for G @ X: the error is the bfloat16 inverse's
 
@@ -103,9 +103,9 @@ METHODS = {  # name: (factor(sigma, lam) -> operators, flops(d, rows) without Ne
     "explicit_inverse": (lambda s, l: list(solvers.cached(dict(enumerate(_cholesky(s, l)))).values()),
                          lambda d, r, dev="cpu": d**3 / 3 + (2 * d**3 / 3 if dev in solvers.LAPACK_DEVICES else 3 * d**3)
                          + 2 * d * d * r),
-    "ns_fp32": (solvers.factor_newton_schulz, lambda d, r: 2 * d * d * r),
+    "ns_fp32": (lambda s, l: solvers.NewtonSchulzBatch(s, l, 0.0).ops(), lambda d, r: 2 * d * d * r),
     "ns_bf16": (lambda s, l: [solvers.ExplicitInverse(op.p.float())
-                              for op in solvers.factor_newton_schulz(s.bfloat16(), l.bfloat16())],
+                              for op in solvers.NewtonSchulzBatch(s.bfloat16(), l.bfloat16(), 0.0).ops()],
                 lambda d, r: 2 * d * d * r),
 }
 

@@ -16,7 +16,9 @@ data parallelism :func:`gather_rows` all-gathers every rank's rows.
 
 Trouble (flagged on the device with the other trouble flags): a factor of K + lam I that failed or lost lam
 to rounding, an apply whose cancellation would cost more than APPLY_LOSS of M (eps64 tr(K) / lam bounds
-eps64 cond(Sigma + lam I)), lam <= 0. Those are solved in feature space from Sigma = Xs^T Xs (float64).
+eps64 cond(Sigma + lam I)), lam <= 0, and for rows forced there (:class:`ForcedRows`) a K + lam I whose pivots
+spread over more than n + d (issue 73, N5: the apply's rounding is the feature space's times cond(K + lam I),
+which nearly collinear rows, or n >= d, make large). Those are solved in feature space from Sigma = Xs^T Xs (float64).
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class SampleRows(ActivationStatistics):
         return cls((torch.cat([z, ones_column(n, z)], dim=1),), n, auto)   # one op (per layer, per forward)
 
     def clone(self) -> "SampleRows":
-        return SampleRows(self.sums, self.count, self.auto)   # the rows are never changed in place
+        return type(self)(self.sums, self.count, self.auto)   # the rows are never changed in place
 
     def to_dense(self) -> DenseCovariance:
         return DenseCovariance((gram(self.rows),), self.count)
@@ -100,7 +102,12 @@ class SampleRows(ActivationStatistics):
     @classmethod
     def factor(cls, xs: Tensor, lam: Tensor, factor, counts: dict) -> "SampleSpaceBatch":
         counts["sample_space_solves"] += len(xs)
-        return SampleSpaceBatch(xs, lam.to(xs.dtype), factor)
+        return SampleSpaceBatch(xs, lam.to(xs.dtype), factor, cls is ForcedRows)
+
+
+class ForcedRows(SampleRows):
+    """solve_space "samples": rows that did not choose the sample space; :class:`SampleSpaceBatch` gives back to
+    feature space those it would solve less accurately (issue 73, N5)."""
 
 
 class RowsOrCovariance:
@@ -118,7 +125,7 @@ class AlwaysRows:
 
     @staticmethod
     def from_activations(z: Tensor, homogeneous: bool) -> SampleRows:
-        return SampleRows.from_activations(z, homogeneous, auto=False)
+        return ForcedRows.from_activations(z, homogeneous, auto=False)
 
 
 def sample_space_blocker(options) -> Optional[str]:
@@ -149,7 +156,7 @@ def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationSt
     become sums."""
     rows_a, rows_b = isinstance(a, SampleRows), isinstance(b, SampleRows)
     if rows_a and rows_b:
-        out = SampleRows((torch.cat([a.rows, b.rows]),), a.count + b.count, a.auto and b.auto)
+        out = type(a)((torch.cat([a.rows, b.rows]),), a.count + b.count, a.auto and b.auto)
         return out.to_dense() if out.full() else out
     if rows_a or rows_b:
         return (a.to_dense() if rows_a else a).add_(b.to_dense() if rows_b else b)
@@ -159,9 +166,11 @@ def accumulate(a: ActivationStatistics, b: ActivationStatistics) -> ActivationSt
 # ------------------------------------------------------------------------------ the solve
 class SampleSpaceBatch(solvers.Deferred):
     """The float64 Cholesky factors of K + lam I = Xs Xs^T + lam I for a batch; :meth:`finish` solves the
-    trouble (module docstring) in feature space."""
+    trouble (module docstring) in feature space, counted in sample_space_fallbacks."""
 
-    def __init__(self, xs: Tensor, lam: Tensor, factor) -> None:
+    COUNTER = "sample_space_fallbacks"
+
+    def __init__(self, xs: Tensor, lam: Tensor, factor, forced: bool = False) -> None:
         self.xs, self.lam, self.factor = xs, lam, factor
         x = xs.to(SAMPLE_SPACE_DTYPE)
         k = torch.matmul(x, x.mT)
@@ -169,24 +178,18 @@ class SampleSpaceBatch(solvers.Deferred):
         lossy = torch.finfo(k.dtype).eps * k.diagonal(dim1=-2, dim2=-1).sum(-1) > APPLY_LOSS * lam64
         k.diagonal(dim1=-2, dim2=-1).add_(lam64[:, None])
         l, info = torch.linalg.cholesky_ex(k)
-        self.trouble = (info > 0) | (lam <= 0) | lossy | solvers.unreliable(l.diagonal(dim1=-2, dim2=-1), lam64)
+        pivots = l.diagonal(dim1=-2, dim2=-1)
+        ill = forced & (pivots.amax(-1) ** 2 > sum(xs.shape[-2:]) * pivots.amin(-1) ** 2)   # cond(K + lam I) > n + d
+        self.trouble = (info > 0) | (lam <= 0) | lossy | ill | solvers.unreliable(pivots, lam64)
         self.whole = (xs, l, lam)    # what the operators share: a batch applies in one call
 
     def ops(self) -> list:
         return [SampleSpaceInverse(whole=self.whole, index=i) for i in range(len(self.xs))]
 
-    def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
-        bad = self.trouble if finite is None else self.trouble & finite
-        ops = self.ops()
-        idx = bad.nonzero().flatten()
-        if idx.numel() == 0:
-            return ops
-        counts["sample_space_fallbacks"] += idx.numel()
+    def fallback(self, idx: Tensor, counts: dict) -> list:
         x = self.xs[idx]
         res = self.factor(torch.matmul(x.mT, x), self.lam[idx], counts)     # Sigma, the feature-space solver (float64)
-        for j, op in zip(idx.tolist(), res.finish(counts) if isinstance(res, solvers.Deferred) else res):
-            ops[j] = op
-        return ops
+        return res.finish(counts) if isinstance(res, solvers.Deferred) else res
 
 
 class SampleSpaceInverse:
@@ -277,6 +280,7 @@ def gather_rows(groups: "OrderedDict", rows: Optional[type]) -> "OrderedDict":
     offset = 0
     for (key, stat, counts, d), w in zip(gathered, width):
         x = torch.cat([b[offset:offset + c * d].view(c, d) for b, c in zip(bufs, counts)])
-        out[key] = SampleRows((x.to(stat.sums[0].dtype),), float(sum(counts)), rows is RowsOrCovariance)
+        kind = SampleRows if rows is RowsOrCovariance else ForcedRows
+        out[key] = kind((x.to(stat.sums[0].dtype),), float(sum(counts)), rows is RowsOrCovariance)
         offset += w
     return out

@@ -7,10 +7,10 @@ G to G (Sigma + lam I)^-1 (docs/library.md, ``solver``).
   All counted. The route to M (two triangular solves, potri or dopr.inverse's blocked inverse; issue 61) is
   CHOLESKY_ROUTE_TABLE's for the device within its measured sizes, else the FLOP count's (issue 73).
 * ``eigh``: the pseudo-inverse; eigenvalues under rcond * max are exact zeros and their directions stay zero.
-* ``rank1_diag``: Sigma ~ diag(E[z*z] - mu*mu) + mu mu^T by Sherman-Morrison (the paper's "Rank-1 + Diagonal").
-* ``rankk_diag``: Sigma ~ U diag(s) U^T + diag(residual), top-k eigenvectors U, by Woodbury.
-* ``newton_schulz``: X <- X (2I - A X) from X0 = 2 I / (tr A + lam), GEMMs only; the error falls as
-  (1 - 2 lam / (tr A + lam))^(2^k), so about log2(tr A / lam) + 6 steps.
+* ``rank1_diag``: Sigma ~ diag(E[z*z] - mu*mu) + mu mu^T (the paper's "Rank-1 + Diagonal"), ``rankk_diag``:
+  Sigma ~ U diag(s) U^T + diag(residual), top-k eigenvectors U; both by rank-one Cholesky updates, O(k d) a row.
+* ``newton_schulz``: X <- X + X (I - A X) from X0 = 2 I / (tr A + lam), GEMMs only, ~log2(tr A / lam) + 6 steps;
+  a residual |I - A X|_F over 0.1 (a diverged or singular solve) is counted and solved by Cholesky.
 * ``span``: no damping (issue 48): P = U diag(1 / max(e_i, mean(e) / span_cap)) U^T on the directions with
   e_i > max(span_rcond, d eps) e_max (d eps e_max bounds eigh's rounding), 0 elsewhere. Where neither the cap
   nor the floor binds the update is Prop. PrecondInvariance's exactly, also for a rank-deficient Sigma on the
@@ -153,30 +153,43 @@ class DiagonalInverse(_Operator):
         return {"inv": self.inv}
 
 
-class Rank1Diagonal(_Operator):
-    """(D + mu mu^T)^-1 = D^-1 - D^-1 mu mu^T D^-1 / (1 + mu^T D^-1 mu)  (Sherman-Morrison)."""
+class DiagonalPlusLowRank(_Operator):
+    """(D + Z^T Z)^-1, D diagonal, Z (k, d), as k rank-one Cholesky updates (Gill, Golub, Murray and Saunders
+    1974, C1): D + z z^T = L diag(D + z^2 / t_prev) L^T with t = 1 + cumsum(z^2 / D), L unit lower, L_ij = z_i z_j
+    / (D_j t_j) below the diagonal; each solve is a cumsum, O(k d) a row, and as stable as a Cholesky solve
+    (issue 73, N3: Sherman-Morrison's and Woodbury's D^-1 - ... cancelled up to u mu^T D^-1 mu of M). ``z``:
+    each update's vector through the earlier factors; ``diag`` (k + 1, d): D before each, and the last."""
 
-    def __init__(self, dinv: Tensor, u: Tensor, c: Tensor) -> None:
-        self.dinv, self.u, self.c = dinv, u, c  # u = D^-1 mu, c = 1 + mu^T D^-1 mu
+    def __init__(self, z: Tensor, diag: Tensor) -> None:
+        self.z, self.diag = z, diag
+
+    @classmethod
+    def of(cls, diag: Tensor, zs: Tensor) -> "DiagonalPlusLowRank":
+        """diag(diag) + zs^T zs; a 0 in diag (a bias's variance at lambda 0) taken as eps^2 of the scale."""
+        floor = torch.finfo(diag.dtype).eps ** 2 * (diag.amax() + zs.square().sum(0).amax())
+        op = cls(zs[:0], diag.clamp(min=floor)[None])
+        for z in zs:
+            z = functools.reduce(op._solve, range(len(op.z)), z)     # through the earlier factors
+            t = torch.cat([torch.ones_like(z[:1]), 1 + torch.cumsum(z * z / op.diag[-1], -1)[:-1]])
+            op = cls(torch.cat([op.z, z[None]]), torch.cat([op.diag, (op.diag[-1] + z * z / t)[None]]))
+        return op
+
+    def _solve(self, b: Tensor, i: int, upper: bool = False) -> Tensor:
+        """L_i^-1 b, or L_i^-T b (``upper``), along the last dimension: a cumsum each."""
+        z, dz = self.z[i], self.z[i] / self.diag[i]
+        t = torch.cat([torch.ones_like(z[:1]), 1 + torch.cumsum(z * dz, -1)[:-1]])          # t_{j-1}
+        if upper:
+            p = torch.flip(torch.cumsum(torch.flip(b * z / t, [-1]), -1), [-1])           # sum over i >= j
+            return b - dz * torch.cat([p[..., 1:], torch.zeros_like(p[..., :1])], -1)
+        c = torch.cumsum(b * dz, -1)
+        return b - z * torch.cat([torch.zeros_like(c[..., :1]), c[..., :-1]], -1) / t
 
     def apply(self, g: Tensor) -> Tensor:
-        return g * self.dinv - torch.outer(g @ self.u, self.u) / self.c
+        g = functools.reduce(self._solve, range(len(self.z)), g) / self.diag[-1]
+        return functools.reduce(lambda v, i: self._solve(v, i, upper=True), reversed(range(len(self.z))), g)
 
     def tensors(self) -> dict:
-        return {"dinv": self.dinv, "u": self.u, "c": self.c}
-
-
-class LowRankDiagonal(_Operator):
-    """(D + U S U^T)^-1 = D^-1 - V K V^T with V = D^-1 U, K = (S^-1 + U^T D^-1 U)^-1 (Woodbury)."""
-
-    def __init__(self, dinv: Tensor, v: Tensor, k: Tensor) -> None:
-        self.dinv, self.v, self.k = dinv, v, k
-
-    def apply(self, g: Tensor) -> Tensor:
-        return g * self.dinv - (g @ self.v) @ self.k @ self.v.T
-
-    def tensors(self) -> dict:
-        return {"dinv": self.dinv, "v": self.v, "k": self.k}
+        return {"z": self.z, "diag": self.diag}
 
 
 def apply_stack(ops: list, gs: Tensor) -> Tensor:
@@ -187,12 +200,15 @@ def apply_stack(ops: list, gs: Tensor) -> Tensor:
     return torch.stack([op.apply(g) for op, g in zip(ops, gs.unbind(0))])
 
 
-OPERATORS = {cls.__name__: cls for cls in (ExplicitInverse, DiagonalInverse, Rank1Diagonal, LowRankDiagonal)}
+OPERATORS = {cls.__name__: cls for cls in (ExplicitInverse, DiagonalInverse, DiagonalPlusLowRank)}
 
 
 def operator_from_state(state: dict):
-    cls = OPERATORS[state["type"]]
-    return cls(**state["tensors"])
+    t = state["tensors"]
+    if state["type"] in ("Rank1Diagonal", "LowRankDiagonal"):   # saved before N3's fix: the inverse they applied
+        v, k = (t["u"][:, None], (1 / t["c"]).reshape(1, 1)) if "u" in t else (t["v"], t["k"])
+        return ExplicitInverse(torch.diag(t["dinv"]) - v @ k @ v.T)
+    return OPERATORS[state["type"]](**t)
 
 
 def operator_state(op) -> dict:
@@ -234,10 +250,6 @@ def span_inverse(sigma: Tensor, rcond: float, cap: float) -> Tensor:
     return (u * inv[:, None, :]) @ u.transpose(-1, -2)
 
 
-def factor_span(sigma: Tensor, rcond: float, cap: float) -> list:
-    return [ExplicitInverse(p) for p in span_inverse(sigma, rcond, cap)]
-
-
 def unreliable(diag: Tensor, lam: Tensor) -> Tensor:
     """Factors (``diag``: their L_ii) whose smallest pivot L_ii^2 is under lam / 2: every pivot of Sigma + lam I
     is at least lam in exact arithmetic, so such a factor lost lam to rounding and its solve is not reliable."""
@@ -254,8 +266,15 @@ class Deferred:
         raise NotImplementedError
 
     def finish(self, counts: dict, finite: Optional[Tensor] = None) -> list:
-        """The operators after the repair path, counted in `counts`; members not `finite` are left (dropped later)."""
-        raise NotImplementedError
+        """The operators after the repair path: members in trouble counted in counts[COUNTER] and replaced by
+        ``fallback(idx, counts)``'s (the subclass's); members not `finite` are left (dropped later)."""
+        bad = self.trouble if finite is None else self.trouble & finite
+        ops, idx = self.ops(), bad.nonzero().flatten()
+        if idx.numel():
+            counts[self.COUNTER] += idx.numel()
+            for j, op in zip(idx.tolist(), self.fallback(idx, counts)):
+                ops[j] = op
+        return ops
 
 
 #: per device type, the size from which a batch's members are factored one cholesky_ex call each: cuSOLVER's
@@ -397,25 +416,18 @@ class CholeskyBatch(Deferred):
             p = p.index_copy(0, idx, p_r) if p is not None else None
             bad = bad.index_copy(0, idx, (info_r > 0) | unreliable(diag_r, lam_r))
         idx = (bad | singular).nonzero().flatten()
+        counts["eigh_fallbacks"] += idx.numel()
         if idx.numel() and p is not None:                      # explicit inverses: the fallback joins the batch
-            counts["eigh_fallbacks"] += idx.numel()
             return self._ops(None, p.index_copy(0, idx, pseudo_inverse(sigma[idx], lam[idx], self.rcond)))
         ops = self._ops(l, p)
-        if idx.numel():
-            counts["eigh_fallbacks"] += idx.numel()
-            pinv = pseudo_inverse(sigma[idx], lam[idx], self.rcond)
-            for j, i in enumerate(idx.tolist()):
-                ops[i] = ExplicitInverse(pinv[j])
+        for i, pinv in zip(idx.tolist(), pseudo_inverse(sigma[idx], lam[idx], self.rcond) if idx.numel() else ()):
+            ops[i] = ExplicitInverse(pinv)
         return ops
 
 
 def factor_cholesky(sigma: Tensor, lam: Tensor, rcond: float, counts: dict) -> list:
     """The operators of :class:`CholeskyBatch` at once (one host sync); damps ``sigma`` in place."""
     return CholeskyBatch(sigma, lam, rcond).finish(counts)
-
-
-def factor_eigh(sigma: Tensor, lam: Tensor, rcond: float) -> list:
-    return [ExplicitInverse(p) for p in pseudo_inverse(sigma, lam, rcond)]
 
 
 def top_eigenpairs(sigma: Tensor, k: int, iters: int = 8):
@@ -431,46 +443,38 @@ def top_eigenpairs(sigma: Tensor, k: int, iters: int = 8):
     for _ in range(iters):
         q, _ = torch.linalg.qr(sigma @ q)
     e, w = torch.linalg.eigh(q.transpose(-1, -2) @ sigma @ q)  # Rayleigh-Ritz
-    v = q @ w
-    return e[:, -k:], v[:, :, -k:]
+    return e[:, -k:], (q @ w)[:, :, -k:]
 
 
 def factor_rankk(sigma: Tensor, lam: Tensor, rank: int) -> list:
-    k = min(rank, sigma.shape[-1])
-    s, u = top_eigenpairs(sigma, k)
-    s = s.clamp(min=0)
-    resid = sigma.diagonal(dim1=-2, dim2=-1) - ((u * u) * s[:, None, :]).sum(-1)
-    dinv = 1.0 / (resid.clamp(min=0) + lam[:, None])
-    ops = []
-    for i in range(len(sigma)):
-        v = dinv[i][:, None] * u[i]
-        keep = s[i] > 0
-        v = v[:, keep]
-        core = torch.diag(1.0 / s[i][keep]) + u[i][:, keep].T @ v
-        ops.append(LowRankDiagonal(dinv[i], v, torch.linalg.inv(core)))
-    return ops
+    s, u = top_eigenpairs(sigma, min(rank, sigma.shape[-1]))
+    z = u * s.clamp(min=0).sqrt()[:, None, :]
+    resid = sigma.diagonal(dim1=-2, dim2=-1) - z.square().sum(-1)
+    return [DiagonalPlusLowRank.of(r, zi.mT) for r, zi in zip(resid.clamp(min=0) + lam[:, None], z)]
 
 
-def factor_newton_schulz(sigma: Tensor, lam: Tensor, max_steps: int = 60) -> list:
-    """Batched (sigma + lam I)^-1 by Newton-Schulz; one step count for the batch (its hardest member)."""
-    a = _damped(sigma, lam)
-    trace = a.diagonal(dim1=-2, dim2=-1).sum(-1)
-    ratio = float((trace / lam.clamp(min=torch.finfo(a.dtype).tiny)).max())
-    steps = min(max_steps, int(torch.tensor(ratio).log2().ceil()) + 6)
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    x = (2.0 / (trace + lam))[:, None, None] * eye
-    for _ in range(steps):
-        x = x @ (2.0 * eye - a @ x)
-    x = 0.5 * (x + x.transpose(-1, -2))
-    return [ExplicitInverse(p) for p in x]
+class NewtonSchulzBatch(Deferred):
+    """(sigma + lam I)^-1 by X <- X + X (I - A X), one step count for the batch. X = A^-1 (I - R), R = I - A X: M's
+    error |G A^-1 R| <= |R| |M|, d u cond as Cholesky's (issue 73, N4: symmetrising X put R on the right, u cond^2).
+    Trouble, counted and solved by the Cholesky path: |R|_F > RESIDUAL or not finite."""
 
+    COUNTER, RESIDUAL = "unreliable_factors", 0.1   # RESIDUAL: |I - A X|_F (bounds |dM| / |M|) trusted at most
 
-def factor_rank1(mean: Tensor, second: Tensor, lam: Tensor) -> Rank1Diagonal:
-    """mean = E[z], second = E[z*z] (diagonal of Sigma)."""
-    var = (second - mean * mean).clamp(min=0)
-    dinv = 1.0 / (var + lam)
-    u = dinv * mean
-    return Rank1Diagonal(dinv, u, 1.0 + mean @ u)
+    def __init__(self, sigma: Tensor, lam: Tensor, rcond: float, max_steps: int = 60) -> None:
+        self.sigma, self.lam, self.rcond, a = sigma, lam, rcond, _damped(sigma, lam)
+        trace = a.diagonal(dim1=-2, dim2=-1).sum(-1)
+        ratio = float((trace / lam.clamp(min=torch.finfo(a.dtype).tiny)).max())
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        self.x = (2.0 / (trace + lam))[:, None, None] * eye
+        for _ in range(min(max_steps, int(torch.tensor(ratio).log2().ceil()) + 6)):
+            self.x = self.x + self.x @ (eye - a @ self.x)
+        self.trouble = ~((eye - a @ self.x).norm(dim=(-2, -1)) <= self.RESIDUAL)   # NaN too
+
+    def ops(self) -> list:
+        return [ExplicitInverse(p) for p in self.x]
+
+    def fallback(self, idx: Tensor, counts: dict) -> list:
+        return factor_cholesky(self.sigma[idx], self.lam[idx], self.rcond, counts)
 
 
 def factor_diagonal(diag: Tensor, lam: Tensor) -> DiagonalInverse:
@@ -515,11 +519,13 @@ def register_solver(name: str, statistic: str, factor: Optional[Callable] = None
 register_solver("cholesky", "dense",
                 lambda sigma, lam, counts, eigh_rcond, rows=None: CholeskyBatch(sigma, lam, eigh_rcond, rows),
                 finite_inputs=False, options=("eigh_rcond",), takes_rows=True)
-register_solver("eigh", "dense", lambda sigma, lam, counts, eigh_rcond: factor_eigh(sigma, lam, eigh_rcond),
-                options=("eigh_rcond",))
+register_solver("eigh", "dense", lambda sigma, lam, counts, eigh_rcond: [
+    ExplicitInverse(p) for p in pseudo_inverse(sigma, lam, eigh_rcond)], options=("eigh_rcond",))
 register_solver("rank1_diag", "moments")
-register_solver("newton_schulz", "dense", lambda sigma, lam, counts: factor_newton_schulz(sigma, lam))
+register_solver("newton_schulz", "dense",
+                lambda sigma, lam, counts, eigh_rcond: NewtonSchulzBatch(sigma, lam, eigh_rcond),
+                options=("eigh_rcond",))
 register_solver("rankk_diag", "dense", lambda sigma, lam, counts, rank: factor_rankk(sigma, lam, rank),
                 options=("rank",))
-register_solver("span", "dense", lambda sigma, lam, counts, span_rcond, span_cap: factor_span(sigma, span_rcond, span_cap),
-                options=("span_rcond", "span_cap"))
+register_solver("span", "dense", lambda sigma, lam, counts, span_rcond, span_cap: [
+    ExplicitInverse(p) for p in span_inverse(sigma, span_rcond, span_cap)], options=("span_rcond", "span_cap"))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import quantities
-from .solvers import factor_diagonal, factor_rank1
+from .solvers import DiagonalPlusLowRank, factor_diagonal
 
 
 class ActivationStatistics:
@@ -180,7 +180,8 @@ class Moments(ActivationStatistics):
 
     @classmethod
     def factor(cls, means, lam: Tensor, factor, counts: dict) -> list:
-        return [factor_rank1(m[0], m[1], x) for m, x in zip(means, lam.unbind(0))]
+        return [DiagonalPlusLowRank.of((m[1] - m[0] * m[0]).clamp(min=0) + x, m[0][None])   # diag(var) + mu mu^T
+                for m, x in zip(means, lam.unbind(0))]
 
 
 class Diagonal(ActivationStatistics):

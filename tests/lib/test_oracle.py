@@ -605,14 +605,7 @@ def known_open(spec: "Spec") -> str:
     """Why `spec` lies in a region where the oracle found a defect that is still open (docs/library.md, "Open defects the oracle found", each with its
     shrunk example), or "". The fixed tier of `make test` leaves these regions out so that it guards the rest;
     `make fuzz` (profile "fuzz") searches them too and fails there until they are fixed."""
-    o = {**_DEFAULTS, **spec.options}
-    if o["solver"] in ("newton_schulz", "rank1_diag", "rankk_diag"):
-        return "N3/N4: the Sherman-Morrison, Woodbury and Newton-Schulz solves lose digits past their bounds"
-    if o["solve_space"] == "samples":
-        return ("N5: forced sample space (solve_space='samples') where auto would not take it, at n >= d or an "
-                "absolute damping far below tr(Sigma), loses past the bound (its cancellation; APPLY_LOSS does not "
-                "flag it)")
-    return ""
+    return ""   # none open: N1-N6 are fixed (docs/library.md)
 
 
 _DEFAULTS = dict(damping=1e-4, damping_mode="trace", damping_rule="trace", solver="cholesky", grad_ema=0.0,
