@@ -151,3 +151,20 @@ def median_range(cell: str) -> dict:
     med, rest = cell.split(" [")
     lo, hi = rest.rstrip("]").split("-")
     return {"v_median": float(med), "v_min": float(lo), "v_max": float(hi)}
+
+
+def rank_correlation(x: list, y: list) -> float:
+    """Spearman's rank correlation of two equally long lists (ties share their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+    return statistics.correlation(ranks(x), ranks(y))
