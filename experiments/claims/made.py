@@ -60,9 +60,11 @@ EXPERIMENTS = (
     Experiment('Figures "sft", "sft-8b", "sft-3b-muon", Tables "sft_small_setup", "sft-serious", "sft_8b_setup", '
                '"sft_8b_lora_optim"',
                "`python run.py -m sweep=sft_llama32_3b` / `sft_llama31_8b` (GPU cluster); CPU analogue "
-               "`sweep=pretrain_arith` then `sweep=sft_arith` (see `experiments/llm/README.md`)",
-               "8 GPUs, Llama weights, OpenMathInstruct-2; CPU analogue ~45 min + 22 x ~7 min",
-               "the CPU analogue under the tuning protocol, on the committed and a re-pretrained base: "
+               "`sweep=pretrain_arith` then `python -m experiments.common.protocol <stage> sft_arith` (see "
+               "`experiments/llm/README.md`)",
+               "8 GPUs, Llama weights, OpenMathInstruct-2; CPU analogue: pretraining ~40 min, then 27 fresh-seed "
+               "jobs of ~4 min (one core each)",
+               "the CPU analogue under the tuning protocol, on three pretrained bases (the rows read the third): "
                "`results/sft_arith/README.md`; nothing has run on a GPU; the 8B preset shards with FSDP2",
                ("sft-3b", "sft-serious", "sft-8b", "cross-task", "grid-mean")),
     Experiment('Figures "sit_imagenet256*" (FID and loss, AdamW and Muon), Table "sit_setup"',
@@ -87,7 +89,7 @@ EXPERIMENTS = (
                "also 3000; the earlier standard-parameterisation run kept in `grafting/`)", ("grafting",)),
     Experiment('Figures "stable_rank*"',
                "`python -m experiments.llm.stable_ranks <GP SFT job> <DoPr SFT job> --out results/<task>/stable_ranks`",
-               "CPU, seconds per run", "`results/sft_arith/stable_ranks/README.md` (one pair, seed 0, old base)",
+               "CPU, seconds per run", "`results/sft_arith/stable_ranks/README.md` (one pair, seed 0, first base)",
                ("stable-rank",)),
     Experiment('Guidelines (§C.1): SUA, low dropout, the covariance EMA; beyond the paper: the peers (issue 64)',
                "`python -m experiments.common.protocol {tune,select,protocol,report} <task> --variant V`",

@@ -36,7 +36,7 @@ GPU_STEP = "results/bench/gpu_nvidia_h200_77.md"   # make gpu-check at 6554eb2 (
 GPU_BEFORE = "results/bench/gpu_nvidia_h200_a7af4b7.md"   # the same parts at a7af4b7, on the same device
 PAPER_OVERHEAD, RUN_TO_RUN = 1.25, 0.2   # the paper's ≈ 1.25x; R's spread between two runs of the same code
 SFT = "results/sft_arith/protocol/protocol.csv"
-SFT_LR_AXIS = "results/sft_arith/sft_arith_protocol/sft_arith.csv"
+SFT_LR_AXIS = "results/sft_arith/protocol/sft_arith/sft_arith.csv"
 LIFT = {"adamw": "results/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",
         "dopr_adamw": "results/robomimic_lift/rerun_46/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",
         "muon": "results/robomimic_lift/rerun_46_muon/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",

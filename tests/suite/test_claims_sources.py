@@ -105,11 +105,22 @@ def test_rows_without_per_run_files_say_so(measured):
         assert NOT_RECOMPUTABLE in measured[row].ours, row
         assert not measured[row].recomputed
     assert measured["humanoid"].recomputed   # the BC grid's per-run tables
-    # a row resting on a protocol's aggregate table alone is not recomputed, and names the table
-    assert not measured["sft-8b"].recomputed
-    assert "results/sft_arith/protocol_rebase_46/protocol.csv" in measured["sft-8b"].aggregates
-    # one whose protocol tables have their per-run files beside them (protocol_runs.csv) is
+    # one whose protocol tables have their per-run files beside them (protocol_runs.csv) is recomputed
     assert measured["sit"].recomputed and not measured["sit"].aggregates
+    assert measured["sft-8b"].recomputed and not measured["sft-8b"].aggregates
+
+
+def test_a_row_resting_on_an_aggregate_table_alone_is_not_recomputed_and_names_it(monkeypatch):
+    """The first SFT base's protocol table has no per-run file beside it (its runs predate protocol_runs.csv): a row
+    reading it is marked not recomputed and names the table, whatever its function says."""
+    from experiments.claims import measures
+
+    old = "results/sft_arith/first_base/protocol.csv"
+    assert not (ROOT / old).with_name(tables.PER_SEED).exists()
+    monkeypatch.setattr(measures, "SFT", old)
+    m = pages.measure_all()["sft-8b"]
+    assert not m.recomputed and m.aggregates == (old,)
+    assert f"[sft-8b](#sft-8b): aggregate tables only: `{old}`" in pages.sources_block({**pages.measure_all(), "sft-8b": m})
 
 
 def test_every_family_readme_with_a_row_carries_its_block():
