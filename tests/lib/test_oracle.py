@@ -602,7 +602,7 @@ def options(draw, dims: list, focus: str) -> dict:
 
 
 def known_open(spec: "Spec") -> str:
-    """Why `spec` lies in a region where the oracle found a defect that is still open (docs/library.md, "Open defects the oracle found", each with its
+    """Why `spec` lies in a region where the oracle found a defect that is still open (docs/library.md, "Defects the oracle found", each with its
     shrunk example), or "". The fixed tier of `make test` leaves these regions out so that it guards the rest;
     `make fuzz` (profile "fuzz") searches them too and fails there until they are fixed."""
     return ""   # none open: N1-N6 are fixed (docs/library.md)
@@ -681,10 +681,11 @@ def test_the_default_path_equals_the_float64_reference(spec):
     _run(spec)
 
 
-#: the properties that find defects still open (docs/library.md, "Open defects the oracle found": resumes between refreshes, EMAs across a dtype
-#: change, the diagonal-plus-low-rank and Newton-Schulz solvers, the sample-count rule at damping 0, forced
-#: sample space); `make test` runs the default path's property, `make fuzz` all three
-FUZZ_ONLY = pytest.mark.skipif(PROFILE != "fuzz", reason="oracle: open defects (docs/library.md, N1-N6) here; run by make fuzz")
+#: the properties that found N1-N6 (docs/library.md, "Defects the oracle found", all fixed: resumes between refreshes,
+#: EMAs across a dtype change, the diagonal-plus-low-rank and Newton-Schulz solvers, the sample-count rule at damping
+#: 0, forced sample space); `make test` runs the default path's property, `make fuzz` all three
+FUZZ_ONLY = pytest.mark.skipif(PROFILE != "fuzz", reason="oracle: the state and any-option properties, where N1-N6 were "
+                                                           "found (docs/library.md, all fixed); run by make fuzz")
 
 
 @FUZZ_ONLY
