@@ -10,13 +10,15 @@ from test_dopr_optimizer import _mlp
 
 
 def test_the_counters_of_stats_are_the_declared_ones_and_the_summary_carries_them():
-    """DoPr.COUNTERS lists every counter the library counts (each `counts["<name>"]` in dopr/), stats()
-    has each of them from the start, and a job's summary.json sums the same list."""
+    """DoPr.COUNTERS lists every counter the library counts (each `counts["<name>"]` in dopr/, and each repair
+    path's `COUNTER = "<name>"`, which solvers.Deferred.finish counts), stats() has each of them from the start,
+    and a job's summary.json sums the same list."""
     import re
     from pathlib import Path
 
     counted = {m for path in (Path(dopr.__file__).parent).rglob("*.py")
-               for m in re.findall(r"counts\[\"(\w+)\"\]", path.read_text())}
+               for m in re.findall(r"counts\[\"(\w+)\"\]|COUNTER(?:, \w+)* = \"(\w+)\"", path.read_text())
+               for m in m if m}
     assert counted and counted | {"steps"} == set(DoPr.COUNTERS)
     opt = dopr.build(_mlp(), "sgd", ap={}, lr=1e-2)
     assert {k: opt.stats()[k] for k in DoPr.COUNTERS} == dict.fromkeys(DoPr.COUNTERS, 0)
