@@ -683,12 +683,7 @@ def test_the_default_path_equals_the_float64_reference(spec):
 
 #: the properties that found N1-N6 (docs/library.md, "Defects the oracle found", all fixed: resumes between refreshes,
 #: EMAs across a dtype change, the diagonal-plus-low-rank and Newton-Schulz solvers, the sample-count rule at damping
-#: 0, forced sample space); `make test` runs the default path's property, `make fuzz` all three
-FUZZ_ONLY = pytest.mark.skipif(PROFILE != "fuzz", reason="oracle: the state and any-option properties, where N1-N6 were "
-                                                           "found (docs/library.md, all fixed); run by make fuzz")
-
-
-@FUZZ_ONLY
+#: 0, forced sample space): with no defect open they run in both tiers, `make test`'s derandomized one included
 @settings(settings.get_profile(PROFILE))
 @given(specs("state"))
 def test_refreshes_emas_resumes_and_dtype_changes_equal_the_reference(spec):
@@ -697,7 +692,6 @@ def test_refreshes_emas_resumes_and_dtype_changes_equal_the_reference(spec):
     _run(spec)
 
 
-@FUZZ_ONLY
 @settings(settings.get_profile(PROFILE))
 @given(specs("any"))
 def test_every_option_equals_the_float64_reference(spec):
