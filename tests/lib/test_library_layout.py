@@ -84,7 +84,9 @@ def test_dopr_is_small_and_names_no_damping_rule():
 
 
 #: dopr/'s size, lines of its .py files (wc -l): a ratchet at what the issue-75 cut reached (7,785 -> 6,976), not the
-#: issue's 6.0k target, which is missed; lower it when the library shrinks, never raise it to fit a change
+#: issue's 6.0k target, which is missed: 994 of today's lines are files that issues 73, 76 and 77 put in the
+#: library after its count (6,069 at 18a18e5): refresh_drift.py (issue 76), graphs.py (77), solve_space.py and tables/
+#: (73); lower it when the library shrinks, never raise it to fit a change
 MAX_LIBRARY_LINES = 7000
 
 
