@@ -962,7 +962,11 @@ def main(argv=None) -> None:
             based = ["base"] if any("base" in r for r in runs) else []
             write_table(runs, [*RUN_COLUMNS, *metrics, *RUN_EXTRAS, *based], out / "protocol_runs", stamp,
                         markdown=False)
-            notes.append(f"Each run: protocol_runs.csv ({len(runs)} runs, one row a run and seed; `fixed` true for the "
+            distinct = len({id(r) for _, _, rs in _fresh_runs(records, sel) for r in rs})
+            count = (f"{len(runs)} runs" if distinct == len(runs) else
+                     f"{len(runs)} rows over {distinct} runs: DoPr at the GP's setting, where that is DoPr's own "
+                     "winner, lists DoPr's runs again")
+            notes.append(f"Each run: protocol_runs.csv ({count}; one row a run and seed; `fixed` true for the "
                          "fixed fresh seeds, the runs this table aggregates).")
             md = out / "protocol.md"
             md.write_text(md.read_text() + "\n" + "\n\n".join(notes) + "\n")

@@ -582,6 +582,28 @@ def test_report_writes_each_fresh_run_and_its_rows_give_back_the_aggregates(tmp_
     assert "protocol_runs.csv (11 runs" in (out / "protocol.md").read_text()
 
 
+def test_report_counts_the_runs_an_arm_at_the_gps_setting_shares_with_dopr_once(tmp_path):
+    """DoPr's winner at the GP's whole setting: the at-GP arm's rows are DoPr's runs again, and protocol.md says
+    how many rows and how many runs (it said "9 runs" for sit_digits' 6)."""
+    import csv
+
+    sel = tuning.select(_grid("sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay")
+                        + _grid("dopr_sgd", {("1e-3", "0"): [1.0], ("1e-2", "0"): [2.0]}, "optim.weight_decay"), "val",
+                        accept_edge="test", fresh_seeds=[5, 6])
+    tuning.write_selection(sel, tmp_path / "sel", "stamp")
+    for optim in ("sgd", "dopr_sgd"):
+        for seed in (5, 6):
+            _write_run(tmp_path / "fresh" / f"{optim}_{seed}", optim, optim, seed, 1.0 + seed, 0.5, lr=1e-3,
+                       weight_decay=0.0)
+    tuning.main(["report", str(tmp_path / "fresh"), "--selection", str(tmp_path / "sel" / "selection.json"),
+                 "--out", str(tmp_path / "out")])
+    runs = list(csv.DictReader(open(tmp_path / "out" / "protocol_runs.csv")))
+    assert [(r["arm"], r["seed"]) for r in runs] == [("dopr_sgd", "5"), ("dopr_sgd", "6"),
+                                                     ("dopr_sgd_at_gp_setting", "5"), ("dopr_sgd_at_gp_setting", "6"),
+                                                     ("sgd", "5"), ("sgd", "6")]
+    assert "protocol_runs.csv (6 rows over 4 runs: DoPr at the GP's setting" in (tmp_path / "out" / "protocol.md").read_text()
+
+
 def test_report_names_each_runs_base_and_refuses_runs_from_different_bases(tmp_path):
     """Fine-tunes record their base (summary.json base.weights_sha256): protocol_runs.csv gets a base column, and
     a report over runs from two bases is refused before it writes anything, naming both hashes."""
