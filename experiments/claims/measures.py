@@ -806,10 +806,9 @@ def _studies(suffix: str, cell, ref_cell=lambda r, m: num(r[m + "_median"]), joi
         for k, r in by_k.items():
             if k != 1:
                 words.setdefault(compare(r, ref, metric, mode), []).append(str(k))
-        first = next(w for w in ("worse", "better", "inconclusive") if w in words)
-        others = "; else " + "/".join(w for w in words if w != first) if len(words) > 1 else ""
-        which = "every k" if len(words) == 1 and len(words[first]) > 2 else f"k={', '.join(words[first])}"
-        clauses.append(f"{family}: {first} ({which}{others})")
+        order = [w for w in ("worse", "better", "inconclusive") if w in words]   # each word its own k: the front
+        which = {w: "every k" if len(order) == 1 and len(words[w]) > 2 else f"k={', '.join(words[w])}" for w in order}
+        clauses.append(f"{family}: " + ", ".join(f"{w} ({which[w]})" for w in order))   # page's short() keeps them
     clauses += [f"{', '.join(absent)}: not run here"] if absent else []
     return "; ".join(ours) or "no study has run", tuple(clauses)
 

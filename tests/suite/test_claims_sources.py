@@ -110,6 +110,19 @@ def test_rows_without_per_run_files_say_so(measured):
     assert measured["sft-8b"].recomputed and not measured["sft-8b"].aggregates
 
 
+def test_the_front_pages_short_verdict_keeps_every_comparison_word_of_the_row(measured):
+    """The front page drops a verdict's parentheses (its reasons) but no outcome: a row's clause that is worse at one
+    k and better at the others reads "worse, better" there, not "worse" (issue 74: no clause dropped)."""
+    word = re.compile(r"\b(better|worse|inconclusive|not reproduced|reproduced)\b")
+    lost = {}
+    for row, m in measured.items():
+        for clause in m.clauses:
+            said, kept = set(word.findall(clause)), set(word.findall(pages.short(clause)))
+            if said != kept:
+                lost[f"{row}: {clause}"] = sorted(said - kept)
+    assert lost == {}
+
+
 def test_a_row_resting_on_an_aggregate_table_alone_is_not_recomputed_and_names_it(monkeypatch):
     """The first SFT base's protocol table has no per-run file beside it (its runs predate protocol_runs.csv): a row
     reading it is marked not recomputed and names the table, whatever its function says."""
