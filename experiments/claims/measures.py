@@ -37,10 +37,8 @@ GPU_BEFORE = "results/bench/gpu_nvidia_h200_a7af4b7.md"   # the same parts at a7
 PAPER_OVERHEAD, RUN_TO_RUN = 1.25, 0.2   # the paper's ≈ 1.25x; R's spread between two runs of the same code
 SFT = "results/sft_arith/protocol/protocol.csv"
 SFT_LR_AXIS = "results/sft_arith/protocol/sft_arith/sft_arith.csv"
-LIFT = {"adamw": "results/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",
-        "dopr_adamw": "results/robomimic_lift/rerun_46/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",
-        "muon": "results/robomimic_lift/rerun_46_muon/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv",
-        "dopr_muon": "results/robomimic_lift/rerun_46_muon/robomimic_lift/robomimic_lift_rollouts/robomimic_success.csv"}
+#: the 12-job Lift sweep (4 arms x seeds 0-2, 60 rollouts a checkpoint), each run a row
+LIFT_RUNS = "results/robomimic_lift/rollouts_s7/robomimic_lift/robomimic_lift_rollouts/robomimic_runs.csv"
 MUP_MLP = "results/mup_mlp_digits/mup_mlp/mup_transfer.csv"
 PEERS_FL = "results/peers/feature_learning/protocol.csv"
 PEERS_HUMANOID = "results/peers/humanoid/protocol.csv"
@@ -318,10 +316,6 @@ def inherited() -> Measured:
 
 # --- robomimic -----------------------------------------------------------------------------------------------
 
-def _lift(a: str) -> dict:
-    return next({k: _f(v) for k, v in r.items()} for r in rows(LIFT[a]) if r["optimizer"] == a)
-
-
 def _f(v):
     try:
         return float(v)
@@ -329,36 +323,44 @@ def _f(v):
         return v
 
 
-def _lift_range(r: dict) -> str:
-    return f"{r['seed_best_median']:.2f} [{r['seed_best_min']:.2f}-{r['seed_best_max']:.2f}]"
+def _lift() -> dict:
+    """{arm: {metric_min, metric_median, metric_max}} of best success and training loss over each arm's seeds."""
+    out = {}
+    for r in rows(LIFT_RUNS):
+        out.setdefault(r["optimizer"], []).append(r)
+    return {a: {f"{m}_{k}": f(float(r[m]) for r in runs) for m in ("best_success", "train_loss")
+                for k, f in (("min", min), ("median", median), ("max", max))} for a, runs in out.items()}
+
+
+def _lift_range(r: dict, metric: str = "best_success") -> str:
+    return f"{r[metric + '_median']:.2f} [{r[metric + '_min']:.2f}-{r[metric + '_max']:.2f}]"
 
 
 def robomimic() -> Measured:
-    d = {a: _lift(a) for a in LIFT}
-    best = lambda a: {f"s_{k}": d[a][f"seed_best_{k}"] for k in ("min", "median", "max")}
-    word = {gp: CLAIM_WORD[compare(best(optimizer_name(gp, True)), best(gp), "s", "max")] for gp in ("muon", "adamw")}
+    d = _lift()
+    word = {gp: CLAIM_WORD[compare(d[optimizer_name(gp, True)], d[gp], "best_success", "max")] for gp in ("muon", "adamw")}
     return Measured(f"Lift analogue, best success median [range], 3 seeds: Muon {_lift_range(d['muon'])} vs DoPr-Muon "
                     f"{_lift_range(d['dopr_muon'])}; AdamW {_lift_range(d['adamw'])} vs DoPr-AdamW "
                     f"{_lift_range(d['dopr_adamw'])}",
                     ("Tool Hang, Transport: not run here (GPUs, datasets)", f"Lift, Muon pair: {word['muon']}",
                      f"Lift, AdamW pair: {word['adamw']}"),
-                    f"best success Muon {d['muon']['seed_best_median']:.2f} vs DoPr-Muon "
-                    f"{d['dopr_muon']['seed_best_median']:.2f}")
+                    f"best success Muon {d['muon']['best_success_median']:.2f} vs DoPr-Muon "
+                    f"{d['dopr_muon']['best_success_median']:.2f}")
+
+
+#: the paper's "worse or equal training loss" against a comparison of DoPr's loss with its GP's ("better": lower)
+LOSS_NOT_LOWER = {"worse": "reproduced", "better": "not reproduced", "inconclusive": "inconclusive"}
 
 
 def robomimic_train_loss() -> Measured:
-    d = {a: _lift(a) for a in LIFT}
-    loss = {a: d[a]["train_loss_median"] for a in d}
-    word = {gp: "reproduced" if loss[optimizer_name(gp, True)] >= loss[gp] else "not reproduced"
-            for gp in ("muon", "adamw")}
-    return Measured(f"Lift, training loss, median of 3 seeds (no spread: {NOT_RECOMPUTABLE}): DoPr-Muon "
-                    f"{num(loss['dopr_muon'])} vs Muon {num(loss['muon'])}; DoPr-AdamW {num(loss['dopr_adamw'])} vs "
-                    f"AdamW {num(loss['adamw'])}",
-                    (f"Muon pair: {word['muon']} (medians only)",
-                     f"AdamW pair: {word['adamw']} (DoPr's loss {'lower' if word['adamw'] != 'reproduced' else 'higher'};"
-                     " medians only)"),
-                    f"DoPr-AdamW {num(loss['dopr_adamw'])} vs AdamW {num(loss['adamw'])} (medians)",
-                    recomputed=False)
+    d = _lift()
+    word = {gp: LOSS_NOT_LOWER[compare(d[optimizer_name(gp, True)], d[gp], "train_loss", "min")] for gp in ("muon", "adamw")}
+    loss = lambda a: spread(d[a], "train_loss")
+    return Measured(f"Lift, training loss, median [range] of 3 seeds: DoPr-Muon {loss('dopr_muon')} vs Muon "
+                    f"{loss('muon')}; DoPr-AdamW {loss('dopr_adamw')} vs AdamW {loss('adamw')}",
+                    (f"Muon pair: {word['muon']}", f"AdamW pair: {word['adamw']}"),
+                    f"DoPr-AdamW {num(d['dopr_adamw']['train_loss_median'])} vs AdamW "
+                    f"{num(d['adamw']['train_loss_median'])} (medians)")
 
 
 # --- language models ------------------------------------------------------------------------------------------
