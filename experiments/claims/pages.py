@@ -106,6 +106,8 @@ def sources_block(measured: dict) -> str:
             why = (f"aggregate tables only: {', '.join(f'`{p}`' for p in m.aggregates)}" if m.aggregates else
                    "typed once in its function (experiments/claims/measures.py says why)")
             lines.append(f"- [{c.id}](#{c.id}): {why}")
+    if len(lines) == 1:
+        return f"Every row's numbers recompute from per-run files committed here (written by `{COMMAND}`)."
     return "\n".join(lines)
 
 

@@ -106,6 +106,7 @@ def test_every_row_recomputes_from_per_run_files(measured):
     assert [row for row, m in measured.items() if not m.recomputed or m.aggregates] == []
     assert all(NOT_RECOMPUTABLE not in m.ours for m in measured.values())
     assert measured["humanoid"].recomputed   # the BC grid's per-run tables
+    assert pages.sources_block(measured).startswith("Every row's numbers recompute from per-run files")
     assert re.search(r"DoPr-Muon [\d.]+ \[[\d.]+-[\d.]+\] vs Muon [\d.]+ \[", measured["robomimic-train-loss"].ours)
 
 
