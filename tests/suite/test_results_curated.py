@@ -138,3 +138,25 @@ def test_a_new_stamp_names_no_absolute_path(tmp_path):
     md = (tmp_path / "out" / "expert" / "expert.md").read_text()
     assert str(tmp_path) not in md and not ABSOLUTE.search(md), md
     assert "--out <tmp>/" in md and "hydra.sweep.dir=<tmp>/" in md
+
+
+def test_each_protocol_note_counts_the_rows_and_runs_of_its_runs_csv():
+    """`tuning report`'s note names protocol_runs.csv's size: "N runs" when each row is its own run, "N rows over
+    M runs" when DoPr at the GP's setting (DoPr's own winner) lists DoPr's runs again. Two rows are one run when
+    every column but the arm agrees (its setting, seed, metrics, wall time and commit)."""
+    notes = [f for f in _tracked("results") if f.endswith("/protocol.md")]
+    checked, wrong = 0, []
+    for f in notes:
+        text = (ROOT / f).read_text()
+        said = re.search(r"protocol_runs\.csv \((\d+) (?:runs|rows over (\d+) runs)[:;,]", text)
+        table = ROOT / f.replace("protocol.md", "protocol_runs.csv")
+        if said is None or not table.is_file():
+            continue
+        with open(table, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        runs = len({tuple(v for k, v in r.items() if k != "arm") for r in rows})
+        if (int(said[1]), int(said[2] or said[1])) != (len(rows), runs):
+            wrong.append(f"{f}: says {said[0]!r}, the table has {len(rows)} rows over {runs} runs")
+        checked += 1
+    assert not wrong, wrong
+    assert checked >= 10                                  # the committed protocol tables that have a runs.csv
